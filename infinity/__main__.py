@@ -1,0 +1,3 @@
+from infinity.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The ``infinity`` command line: ``bench``, ``estimate``, ``plan``, ``train``.
+
+Only this module configures logging handlers. Subcommands live in their own modules, each exposing
+``add_arguments(parser)`` and ``run(args) -> int``; they are imported when the parser is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+BENCHES = {
+    "io": ("infinity.bench.io", "NVMe swapper bandwidth against raw direct I/O, fio and DeepSpeed aio"),
+    "adam": ("infinity.bench.adam", "CPU Adam throughput against torch fused AdamW and DeepSpeed"),
+    "step": ("infinity.bench.step", "training step time, stall fraction and memory per offload mode"),
+}
+COMMANDS = {
+    "estimate": ("infinity.estimate_cli", "memory ledger per ZeRO stage and tier"),
+    "plan": ("infinity.plan", "recommend a configuration for a model on given hardware"),
+    "train": ("infinity.train", "train a GPT-style model with offload (the README's main job)"),
+}
+
+
+def _load(module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:  # not built yet; anything else missing is a real error
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infinity", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="benchmarks (io, adam, step, all)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    available = {}
+    for name, (module_name, help_text) in BENCHES.items():
+        module = _load(module_name)
+        if module is None:
+            continue
+        available[name] = module
+        p = bench_sub.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    p_all = bench_sub.add_parser("all", help="every benchmark, one after another, default sizes")
+    p_all.add_argument("--json", action="store_true")
+    p_all.set_defaults(_run=lambda args: _run_all(available, args))
+
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = _load(module_name)
+        if module is None:
+            continue
+        p = sub.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def _run_all(available, args) -> int:
+    rc = 0
+    for name, module in available.items():
+        p = argparse.ArgumentParser(prog=f"infinity bench {name}")
+        module.add_arguments(p)
+        sub_args = p.parse_args(["--json"] if args.json else [])
+        rc = max(rc, module.run(sub_args))
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, OSError, RuntimeError) as e:
+        if args.verbose:
+            raise
+        print(f"infinity: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

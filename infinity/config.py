@@ -1,0 +1,380 @@
+"""Typed, validated configuration.
+
+One frozen, keyword-only dataclass per component; every field documented, units in its name.
+A component receives its own slice (``config.swapper``, ``config.zero``...), never the whole.
+
+``load_config`` takes an :class:`InfinityConfig`, a native dict, a JSON file path, or a DeepSpeed
+``ds_config.json`` (dict or path). DeepSpeed files are mapped by :mod:`infinity._ds_config`, so the
+file a user already has works unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from infinity._common import MiB
+
+AUTO = "auto"
+"""Marker for values resolved later from the model (DeepSpeed accepts ``"auto"`` in the same places)."""
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+DTypeName = Literal["fp32", "bf16", "fp16"]
+
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+_DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _fail(path: str, expected: str, got: Any, fix: str = "") -> None:
+    msg = f"{path}: expected {expected}, got {got!r}"
+    if fix:
+        msg += f"; {fix}"
+    raise ValueError(msg)
+
+
+def _check_choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(path, "one of " + ", ".join(repr(c) for c in choices), value)
+
+
+def _check_int(path: str, value: Any, *, minimum: int = 0, allow_auto: bool = False,
+               allow_none: bool = False) -> None:
+    if allow_auto and value == AUTO:
+        return
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = f"an integer >= {minimum}"
+        if allow_auto:
+            what += " or 'auto'"
+        if allow_none:
+            what += " or null"
+        _fail(path, what, value)
+
+
+def _check_float(path: str, value: Any, *, minimum: float = 0.0, allow_auto: bool = False,
+                 strictly_positive: bool = False) -> None:
+    if allow_auto and value == AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(path, "a number" + (" or 'auto'" if allow_auto else ""), value)
+    if value < minimum or (strictly_positive and value <= 0):
+        _fail(path, f"a number {'>' if strictly_positive else '>='} {minimum}", value)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapperConfig:
+    """The NVMe I/O engine (:mod:`infinity.swapper`)."""
+
+    block_size_bytes: int = 16 * MiB
+    """Largest single read/write issued to the kernel; large blocks reach the disk's limit."""
+    queue_depth: int = 32
+    """Block requests one Swapper keeps in flight at most (across all its threads)."""
+    num_io_threads: int = 8
+    """Threads issuing blocking ``pread``/``pwrite`` calls (they release the GIL)."""
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    """``O_DIRECT``: 'auto' uses it where the file system accepts it and falls back with one warning."""
+    alignment_bytes: int = 0
+    """Offset/length/address alignment for direct I/O; 0 reads it from the file system (4096 fallback)."""
+
+    def __post_init__(self) -> None:
+        _check_int("swapper.block_size_bytes", self.block_size_bytes, minimum=4096)
+        if not _is_power_of_two(self.block_size_bytes):
+            _fail("swapper.block_size_bytes", "a power of two", self.block_size_bytes)
+        _check_int("swapper.queue_depth", self.queue_depth, minimum=1)
+        _check_int("swapper.num_io_threads", self.num_io_threads, minimum=1)
+        _check_choice("swapper.direct_io", self.direct_io, ("auto", "on", "off"))
+        _check_int("swapper.alignment_bytes", self.alignment_bytes, minimum=0)
+        if self.alignment_bytes and not _is_power_of_two(self.alignment_bytes):
+            _fail("swapper.alignment_bytes", "0 or a power of two", self.alignment_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where one kind of model state lives when it is not in use (``offload_param``/``offload_optimizer``)."""
+
+    device: OffloadDevice = "none"
+    """'none': stays on the compute device; 'cpu': host memory; 'nvme': files under ``nvme_path``."""
+    nvme_path: str | None = None
+    """Directory for swap files (one subdirectory per process/rank is created under it)."""
+    name: str = "offload"
+    """Config path used in error messages (set by the parent)."""
+
+    def __post_init__(self) -> None:
+        _check_choice(f"{self.name}.device", self.device, _OFFLOAD_DEVICES)
+        if self.device == "nvme" and not self.nvme_path:
+            _fail(f"{self.name}.nvme_path", "a directory path when device is 'nvme'", self.nvme_path,
+                  "set it to a directory on a local disk")
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
+            _fail(f"{self.name}.nvme_path", "a string path", self.nvme_path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """Byte budgets of the fast tiers (enforced on every allocation by :mod:`infinity.tiers`)."""
+
+    device_budget_bytes: int | Literal["auto"] = AUTO
+    """Bytes of managed shards and gathered units on the compute device; 'auto': from free memory."""
+    host_budget_bytes: int | Literal["auto"] = AUTO
+    """Bytes of the host arena (pinned where CUDA exists); 'auto': sized from the model and offload."""
+
+    def __post_init__(self) -> None:
+        _check_int("memory.device_budget_bytes", self.device_budget_bytes, minimum=1, allow_auto=True)
+        _check_int("memory.host_budget_bytes", self.host_budget_bytes, minimum=1, allow_auto=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """Sharding and the parameter manager (:mod:`infinity.stage3`)."""
+
+    stage: int = 3
+    """0: replicate all; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
+    unit_class_names: tuple[str, ...] = ()
+    """Module class names that form one unit each (e.g. ``("LlamaDecoderLayer",)``); empty: by size."""
+    unit_min_numel: int = 1_000_000
+    """When choosing units by size, a module becomes a unit once its subtree holds this many elements."""
+    persistence_threshold_numel: int | Literal["auto"] = AUTO
+    """Parameters with fewer elements than this stay gathered on the device (norms, biases)."""
+    prefetch_lookahead_bytes: int | Literal["auto"] = AUTO
+    """Upper bound on bytes of prefetches in flight ahead of compute; 'auto': from bandwidth and trace."""
+    max_live_bytes: int | Literal["auto"] = AUTO
+    """Upper bound on gathered (full) unit bytes resident at once on the device."""
+    max_reuse_distance_numel: int | Literal["auto"] = AUTO
+    """Keep a unit gathered when the trace says it is used again within this many elements of fetches."""
+    sub_group_numel: int | Literal["auto"] = AUTO
+    """Optimizer-state elements stepped and swapped as one piece (the NVMe pipeline's grain)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            _fail("zero_optimization.stage", "one of 0, 1, 2, 3", self.stage)
+        if not isinstance(self.unit_class_names, tuple) or not all(
+                isinstance(n, str) and n for n in self.unit_class_names):
+            _fail("zero.unit_class_names", "a list of class-name strings", self.unit_class_names)
+        _check_int("zero.unit_min_numel", self.unit_min_numel, minimum=1)
+        _check_int("zero.persistence_threshold_numel", self.persistence_threshold_numel, allow_auto=True)
+        _check_int("zero.prefetch_lookahead_bytes", self.prefetch_lookahead_bytes, allow_auto=True)
+        _check_int("zero.max_live_bytes", self.max_live_bytes, minimum=1, allow_auto=True)
+        _check_int("zero.max_reuse_distance_numel", self.max_reuse_distance_numel, allow_auto=True)
+        _check_int("zero.sub_group_numel", self.sub_group_numel, minimum=1, allow_auto=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """Mixed precision and loss scaling."""
+
+    dtype: DTypeName = "fp32"
+    """Dtype of the parameters and gradients used in compute; fp32 master weights always exist."""
+    loss_scale: float = 0.0
+    """fp16 only. 0: dynamic loss scaling; > 0: this static scale."""
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale is halved."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never drops below this."""
+
+    def __post_init__(self) -> None:
+        _check_choice("precision.dtype", self.dtype, _DTYPES)
+        _check_float("fp16.loss_scale", self.loss_scale)
+        _check_int("fp16.initial_scale_power", self.initial_scale_power, minimum=0)
+        if self.initial_scale_power > 63:
+            _fail("fp16.initial_scale_power", "an integer in [0, 63]", self.initial_scale_power)
+        _check_int("fp16.loss_scale_window", self.loss_scale_window, minimum=1)
+        _check_int("fp16.hysteresis", self.hysteresis, minimum=1)
+        _check_float("fp16.min_loss_scale", self.min_loss_scale, strictly_positive=True)
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam/AdamW run by :mod:`infinity.cpu_adam` (or torch's fused Adam for state on the device)."""
+
+    type: Literal["adamw", "adam"] = "adamw"
+    """'adamw': decoupled weight decay; 'adam': L2 penalty added to the gradient."""
+    lr: float | Literal["auto"] = 1e-3
+    betas: tuple[float, float] | Literal["auto"] = (0.9, 0.999)
+    eps: float | Literal["auto"] = 1e-8
+    weight_decay: float | Literal["auto"] = 0.0
+    bias_correction: bool = True
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the Adam moments; 'bf16' halves their bytes (see :mod:`infinity.cpu_adam`)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("optimizer.type", self.type, ("adamw", "adam"))
+        _check_float("optimizer.params.lr", self.lr, allow_auto=True)
+        if self.betas != AUTO:
+            if (not isinstance(self.betas, tuple) or len(self.betas) != 2
+                    or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+                _fail("optimizer.params.betas", "two numbers in [0, 1)", self.betas)
+        _check_float("optimizer.params.eps", self.eps, allow_auto=True)
+        _check_float("optimizer.params.weight_decay", self.weight_decay, allow_auto=True)
+        if not isinstance(self.bias_correction, bool):
+            _fail("optimizer.params.bias_correction", "true or false", self.bias_correction)
+        _check_choice("optimizer.state_dtype", self.state_dtype, ("fp32", "bf16"))
+
+    @property
+    def adamw_mode(self) -> bool:
+        return self.type == "adamw"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InfinityConfig:
+    """The whole engine's configuration; each component is handed only its own slice."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload_param: OffloadConfig = field(
+        default_factory=lambda: OffloadConfig(name="offload_param"))
+    offload_optimizer: OffloadConfig = field(
+        default_factory=lambda: OffloadConfig(name="offload_optimizer"))
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    swapper: SwapperConfig = field(default_factory=SwapperConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    gradient_clipping: float = 0.0
+    """Global L2 norm the gradients are clipped to (across shards and ranks); 0 disables clipping."""
+    gradient_accumulation_steps: int | Literal["auto"] = 1
+    """Micro-batches per optimizer step; ``engine.backward`` scales the loss by its inverse."""
+    train_micro_batch_size_per_gpu: int | Literal["auto"] | None = None
+    """Samples per micro-batch per rank (informational for the engine; used by the planner)."""
+    device: str = AUTO
+    """Compute device: 'auto' is CUDA (this rank's local device) when present, else CPU."""
+
+    def __post_init__(self) -> None:
+        _check_float("gradient_clipping", self.gradient_clipping)
+        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1,
+                   allow_auto=True)
+        _check_int("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu, minimum=1,
+                   allow_auto=True, allow_none=True)
+        if not isinstance(self.device, str) or not (
+                self.device in (AUTO, "cpu") or self.device.startswith("cuda")):
+            _fail("device", "'auto', 'cpu' or 'cuda[:N]'", self.device)
+        if self.zero.stage < 3 and self.offload_param.device != "none":
+            _fail("offload_param.device", "'none' below stage 3", self.offload_param.device,
+                  "parameter offload needs zero_optimization.stage 3")
+        if self.precision.loss_scale and self.precision.dtype != "fp16":
+            _fail("fp16.loss_scale", "0 unless fp16 is enabled", self.precision.loss_scale)
+
+    def replace(self, **changes: Any) -> "InfinityConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Native dict form (what :func:`load_config` reads back)."""
+        out = dataclasses.asdict(self)
+        for key in ("offload_param", "offload_optimizer"):
+            out[key].pop("name")
+        out["zero"]["unit_class_names"] = list(self.zero.unit_class_names)
+        if isinstance(self.optimizer.betas, tuple):
+            out["optimizer"]["betas"] = list(self.optimizer.betas)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+_SECTIONS: dict[str, type] = {
+    "zero": ZeroConfig,
+    "offload_param": OffloadConfig,
+    "offload_optimizer": OffloadConfig,
+    "memory": MemoryConfig,
+    "swapper": SwapperConfig,
+    "precision": PrecisionConfig,
+    "optimizer": OptimizerConfig,
+}
+_TOP_SCALARS = ("gradient_clipping", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
+                "device")
+
+
+def did_you_mean(key: str, known: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+
+
+def unknown_key_error(path: str, key: str, known: list[str] | tuple[str, ...]) -> ValueError:
+    where = f"{path}.{key}" if path else key
+    return ValueError(f"unknown config key {where!r}{did_you_mean(key, known)}")
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if not isinstance(raw, Mapping):
+        _fail(name, "an object", raw)
+    known = _field_names(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise unknown_key_error(name, key, known)
+        if isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    if cls is OffloadConfig:
+        kwargs["name"] = name
+    return cls(**kwargs)
+
+
+def config_from_native(raw: Mapping[str, Any]) -> InfinityConfig:
+    """Build an :class:`InfinityConfig` from its native dict form (``InfinityConfig.to_dict``)."""
+    known = list(_SECTIONS) + list(_TOP_SCALARS)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            kwargs[key] = _build_section(key, _SECTIONS[key], value)
+        elif key in _TOP_SCALARS:
+            kwargs[key] = value
+        else:
+            raise unknown_key_error("", key, known)
+    return InfinityConfig(**kwargs)
+
+
+def is_deepspeed_config(raw: Mapping[str, Any]) -> bool:
+    from infinity._ds_config import DS_ONLY_TOP_KEYS
+
+    return any(key in DS_ONLY_TOP_KEYS for key in raw) or (
+        isinstance(raw.get("optimizer"), Mapping) and "type" in raw["optimizer"]
+        and "params" in raw["optimizer"])
+
+
+def load_config(source: "InfinityConfig | Mapping[str, Any] | str | os.PathLike[str] | None"
+                ) -> InfinityConfig:
+    """Accept an InfinityConfig, a native or DeepSpeed dict, or a path to a JSON file of either."""
+    if source is None:
+        return InfinityConfig()
+    if isinstance(source, InfinityConfig):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {path!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path!r} is not valid JSON: {e}") from None
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"config file {path!r}: expected a JSON object at the top level")
+        source = raw
+    if not isinstance(source, Mapping):
+        raise ValueError(f"config: expected a dict, a JSON path or an InfinityConfig, got "
+                         f"{type(source).__name__}")
+    if is_deepspeed_config(source):
+        from infinity._ds_config import config_from_deepspeed
+
+        return config_from_deepspeed(source)
+    return config_from_native(source)

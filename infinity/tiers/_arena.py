@@ -1,0 +1,137 @@
+"""The host arena: one aligned buffer allocated once at the HOST budget, carved into extents.
+
+[Note: one host arena] The HOST tier never asks torch's allocator for memory after start-up: the
+arena is one ``swapper.aligned_empty`` buffer of exactly the budget (pinned in place where CUDA exists;
+page-aligned always), so there is no per-tensor pinning, no power-of-two rounding, and NVMe reads
+land in extents with direct I/O and no staging copy. Extents start at and span multiples of the
+alignment; the free list is kept sorted by offset and coalesced on every free. Best fit limits
+fragmentation; when no single hole is large enough the store evicts to make one (see ``store.py``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import threading
+from typing import Callable
+
+import torch
+
+from infinity._common import align_up
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """``[offset_bytes, offset_bytes + size_bytes)`` of the arena; both multiples of the alignment."""
+
+    offset_bytes: int
+    size_bytes: int
+
+    @property
+    def end_bytes(self) -> int:
+        return self.offset_bytes + self.size_bytes
+
+
+class HostArena:
+    """A fixed buffer and a coalescing free-list allocator over it. Thread-safe.
+
+    ``allocate_fn(numel, dtype)`` makes the buffer (``infinity.swapper.aligned_empty`` in the store;
+    tests pass their own). ``capacity_bytes`` is rounded DOWN to the alignment so that every extent
+    is whole.
+    """
+
+    def __init__(self, capacity_bytes: int, *, alignment_bytes: int,
+                 allocate_fn: Callable[[int, torch.dtype], torch.Tensor]):
+        if alignment_bytes <= 0 or alignment_bytes & (alignment_bytes - 1):
+            raise ValueError(f"HostArena: alignment_bytes must be a power of two, got "
+                             f"{alignment_bytes}")
+        self.alignment_bytes = alignment_bytes
+        self.capacity_bytes = capacity_bytes // alignment_bytes * alignment_bytes
+        self.buffer = allocate_fn(self.capacity_bytes, torch.uint8)
+        """The one allocation of the HOST tier; every extent is a view of it."""
+        if self.capacity_bytes and self.buffer.data_ptr() % alignment_bytes:
+            raise RuntimeError(f"host arena at {self.buffer.data_ptr():#x} is not aligned to "
+                               f"{alignment_bytes} bytes; allocate it with swapper.aligned_empty")
+        self._lock = threading.Lock()
+        self._free_offsets: list[int] = [0] if self.capacity_bytes else []
+        """Start of each free hole, sorted (for coalescing with neighbours by bisect)."""
+        self._free_sizes: dict[int, int] = {0: self.capacity_bytes} if self.capacity_bytes else {}
+        """Hole start -> hole size."""
+        self._live: dict[int, int] = {}
+        """Allocated extent start -> size (detects double frees and foreign extents)."""
+
+    def extent_bytes(self, nbytes: int) -> int:
+        """Bytes an extent for ``nbytes`` of payload occupies (rounded up to the alignment)."""
+        return max(align_up(nbytes, self.alignment_bytes), self.alignment_bytes)
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        """Best-fit extent for ``nbytes``; None when no single hole is large enough."""
+        size = self.extent_bytes(nbytes)
+        with self._lock:
+            best = None
+            for off in self._free_offsets:
+                hole = self._free_sizes[off]
+                if hole >= size and (best is None or hole < self._free_sizes[best]):
+                    best = off
+                    if hole == size:
+                        break
+            if best is None:
+                return None
+            hole = self._free_sizes.pop(best)
+            i = bisect.bisect_left(self._free_offsets, best)
+            del self._free_offsets[i]
+            if hole > size:
+                rest = best + size
+                self._free_sizes[rest] = hole - size
+                self._free_offsets.insert(i, rest)
+            self._live[best] = size
+            return Extent(best, size)
+
+    def free(self, extent: Extent) -> None:
+        with self._lock:
+            if self._live.get(extent.offset_bytes) != extent.size_bytes:
+                raise RuntimeError(f"internal error: freeing extent {extent} that is not allocated")
+            del self._live[extent.offset_bytes]
+            off, size = extent.offset_bytes, extent.size_bytes
+            i = bisect.bisect_left(self._free_offsets, off)
+            if i < len(self._free_offsets) and self._free_offsets[i] == off + size:  # next hole
+                size += self._free_sizes.pop(self._free_offsets[i])
+                del self._free_offsets[i]
+            if i > 0:
+                prev = self._free_offsets[i - 1]
+                if prev + self._free_sizes[prev] == off:  # previous hole
+                    self._free_sizes[prev] += size
+                    return
+            self._free_offsets.insert(i, off)
+            self._free_sizes[off] = size
+
+    def view(self, extent: Extent, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``numel`` elements of ``dtype`` in ``extent`` (shares the arena's memory)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > extent.size_bytes:
+            raise RuntimeError(f"internal error: {nbytes} B do not fit extent {extent}")
+        return self.buffer[extent.offset_bytes:extent.offset_bytes + nbytes].view(dtype)
+
+    def raw(self, extent: Extent) -> torch.Tensor:
+        """The whole extent as uint8 (aligned address and length: what the swapper reads/writes)."""
+        return self.buffer[extent.offset_bytes:extent.end_bytes]
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(self._free_sizes.values())
+
+    def largest_free_bytes(self) -> int:
+        with self._lock:
+            return max(self._free_sizes.values(), default=0)
+
+    def extents(self) -> list[Extent]:
+        """Allocated extents, by offset (tests check alignment and overlap against this)."""
+        with self._lock:
+            return [Extent(o, s) for o, s in sorted(self._live.items())]
+
+    def holes(self) -> list[Extent]:
+        with self._lock:
+            return [Extent(o, self._free_sizes[o]) for o in self._free_offsets]

@@ -1,0 +1,37 @@
+"""Shared fixtures and the rules that keep the suite bounded on a 2-core CI machine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SLOW = os.environ.get("INFINITY_SLOW") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (run benchmarks/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_one_time_warnings():
+    """Each test sees one-time warnings afresh, so tests can assert on them."""
+    from infinity._common import reset_warnings_for_tests
+
+    reset_warnings_for_tests()
+    yield
+
+
+@pytest.fixture
+def slow_scale():
+    """Multiplier for soak/scale tests: 1 in CI (bounded), larger with INFINITY_SLOW=1."""
+    return 8 if SLOW else 1
