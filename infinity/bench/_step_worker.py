@@ -1,0 +1,115 @@
+"""One mode of ``infinity bench step`` in a fresh process; prints one JSON line (see step.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from infinity.models.gpt import GPT, PRESETS, synthetic_batch
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _plain(model: GPT, spec: dict[str, Any]):
+    """Plain PyTorch mixed precision as a user writes it: low-precision model, fp32 masters, fused AdamW."""
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    params = [p for p in model.parameters()]
+    if dtype != torch.float32:
+        masters = [p.detach().float() for p in params]
+        model.to(dtype)
+    else:
+        masters = params
+    opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
+
+    def step(x, y) -> float:
+        loss = model(x, y)
+        loss.backward()
+        if masters is not params:
+            for m, p in zip(masters, params):
+                m.grad = p.grad.float()
+                p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if masters is not params:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+        return loss.item()
+
+    return step, lambda: {}
+
+
+def _ours(model: GPT, spec: dict[str, Any]):
+    import infinity
+
+    mode = spec["mode"]
+    config: dict[str, Any] = {
+        "zero": {"stage": 3, "unit_class_names": ["Block"]},
+        "precision": {"dtype": spec["dtype"]},
+        "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
+        "gradient_clipping": 1.0,
+    }
+    if mode == "stage3-cpu":
+        config["offload_param"] = {"device": "cpu"}
+        config["offload_optimizer"] = {"device": "cpu"}
+    elif mode == "stage3-nvme":
+        path = os.path.abspath(spec["dir"])
+        os.makedirs(path, exist_ok=True)
+        config["offload_param"] = {"device": "nvme", "nvme_path": path}
+        config["offload_optimizer"] = {"device": "nvme", "nvme_path": path}
+        numel = sum(p.numel() for p in model.parameters())
+        state_bytes = numel * (2 + 2 + 12 if spec["dtype"] == "bf16" else 16)
+        config["memory"] = {"host_budget_bytes": int(state_bytes * spec["host_budget_fraction"])}
+    engine = infinity.initialize(model, config)
+
+    def step(x, y) -> float:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return step, engine.stats
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    torch.manual_seed(0)
+    cfg = PRESETS[spec["model"]]
+    model = GPT(cfg)
+    runner, stats = (_plain if spec["mode"] == "plain" else _ours)(model, spec)
+    times, loss = [], float("nan")
+    for i in range(spec["warmup"] + spec["steps"]):
+        x, y = synthetic_batch(cfg, spec["batch_size"], spec["seq_len"], seed=i)
+        t0 = time.perf_counter()
+        loss = runner(x, y)
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+    s = stats() or {}
+    out = {"mode": spec["mode"], "step_s": statistics.median(times), "step_times_s": times,
+           "peak_rss_bytes": _peak_rss_bytes(), "final_loss": loss,
+           "num_params": sum(p.numel() for p in model.parameters()),
+           "stall_fraction": s.get("stall_s", 0.0) / max(sum(times) + spec["warmup"] * 0, 1e-9)
+           if s else 0.0,
+           "hit_rate": s.get("prefetch", {}).get("hit_rate") if isinstance(s.get("prefetch"), dict)
+           else None,
+           "bytes_moved": sum(s.get("bytes_moved", {}).values()) if isinstance(
+               s.get("bytes_moved"), dict) else 0,
+           "stats": s}
+    print(json.dumps(out, default=str))
+    if spec["mode"] == "stage3-nvme":
+        shutil.rmtree(os.path.abspath(spec["dir"]), ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

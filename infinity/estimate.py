@@ -1,0 +1,471 @@
+"""The memory ledger: bytes per rank for ZeRO stages 0-3, split by term and by tier (pure arithmetic).
+
+The ZeRO paper (Rajbhandari et al., arXiv 1910.02054, section 3 and Table 1) counts *model states*
+per parameter: a low-precision parameter (2 B), its gradient (2 B) and K bytes of optimizer state
+(K = 12 for mixed-precision Adam: fp32 master, momentum, variance). With data-parallel degree N the
+bytes per rank are, per parameter::
+
+    stage 0: 2 + 2 + K          stage 2: 2 + (2 + K)/N
+    stage 1: 2 + 2 + K/N        stage 3: (2 + 2 + K)/N
+
+The term sizes are not hard-coded: :class:`StateTerms` derives them from the configuration
+(:meth:`StateTerms.from_config`), because fp32 training, bf16 moments or SGD change them.
+
+[Note: ledger placement] Where each term lives, per rank, mirrors the engine:
+
+* params: the low-precision copy used in compute. Stages 0-2: the full Psi on the device.
+  Stage 3: a 1/N shard in ``offload_param``'s tier (device when 'none').
+* grads: stages 0-1 hold the full gradient on the device (it is all-reduced or reduce-scattered at
+  the boundary); when the optimizer is offloaded, the part it reads (all of it at stage 0, a shard at
+  stage 1) is copied to the optimizer's tier as well. Stages 2-3 reduce-scatter each unit's gradient
+  into a 1/N shard that moves to the optimizer's tier at once (device when 'none').
+* optimizer: K bytes per parameter for the part this rank steps (all at stage 0, a shard from
+  stage 1 on), in ``offload_optimizer``'s tier: fp32 master + moments, stepped by ``cpu_adam`` off the
+  device.
+* With the optimizer on NVMe the host holds staging buffers for a few sub-groups (read the next one,
+  step the current one, write the previous one back): ``buffers['host']['optimizer_staging']``.
+* Working buffers that depend on the model's shape (gathered units, a unit's full gradient, host
+  staging for parameters swapped from NVMe) appear under ``buffers`` when ``unit_numel`` is given;
+  activations come from :func:`activation_bytes`.
+
+[Note: fp32 master] With bf16/fp16 compute the fp32 master is a separate 4 B copy and part of K. With
+fp32 compute the parameter *is* the master wherever the optimizer steps it in place (its state lives
+in the parameters' tier), so K is the moments alone (8 B for Adam); once the optimizer state lives in
+another tier than the parameters' home, the optimizer keeps its own fp32 master there and K = 4 + 8.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from infinity.config import DTYPE_BYTES, InfinityConfig
+
+GB = 10**9
+"""The unit of the ZeRO papers' model-state figures (1T params x 16 B = 16000 GB)."""
+
+OPTIMIZERS = ("adam", "sgd-momentum", "sgd")
+_MOMENTS = {"adam": 2, "sgd-momentum": 1, "sgd": 0}
+"""Moment tensors per parameter: Adam keeps momentum and variance, SGD with momentum one, SGD none."""
+
+OPTIMIZER_STAGING_SUBGROUPS = 3
+"""Sub-groups staged on the host with the optimizer on NVMe: read(i+1), step(i), write(i-1)."""
+
+DEFAULT_SUB_GROUP_NUMEL = 100_000_000
+"""Sub-group size the ledger assumes when the config leaves ``zero.sub_group_numel`` at 'auto'."""
+
+DEFAULT_PREFETCH_UNITS = 2
+"""Units gathered ahead of compute the ledger assumes when the lookahead is 'auto'."""
+
+
+class Tier(str, enum.Enum):
+    """Where bytes live (the words of DESIGN.md)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+
+TERMS = ("params", "grads", "optimizer")
+_TIER_OF_OFFLOAD = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+
+
+def _check_offload(name: str, value: str) -> Tier:
+    if value not in _TIER_OF_OFFLOAD:
+        raise ValueError(f"{name}: expected one of 'none', 'cpu', 'nvme', got {value!r}")
+    return _TIER_OF_OFFLOAD[value]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateTerms:
+    """Bytes per parameter of each model-state term (the ZeRO paper's 2 + 2 + K by default)."""
+
+    param_bytes: float = 2.0
+    """The parameter copy used in forward and backward (bf16/fp16: 2, fp32: 4)."""
+    grad_bytes: float = 2.0
+    """The gradient as backward produces it and the collectives reduce it."""
+    optimizer_bytes: float = 12.0
+    """K: everything the optimizer keeps per parameter (fp32 master + moments for Adam)."""
+    offload_grad_bytes: float | None = None
+    """The gradient copy the optimizer reads in its own tier when offloaded; None: ``grad_bytes``
+    (``cpu_adam`` upcasts low-precision gradients inside its pass, so no fp32 copy is kept)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"StateTerms.{name}: expected a number of bytes >= 0, got {value!r}")
+        if self.offload_grad_bytes is not None and self.offload_grad_bytes < 0:
+            raise ValueError(f"StateTerms.offload_grad_bytes: expected >= 0 or None, got "
+                             f"{self.offload_grad_bytes!r}")
+
+    @property
+    def optimizer_grad_bytes(self) -> float:
+        return self.grad_bytes if self.offload_grad_bytes is None else self.offload_grad_bytes
+
+    @property
+    def per_param_bytes(self) -> float:
+        """2 + 2 + K: the replicated (stage 0) bytes per parameter."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @classmethod
+    def for_training(cls, *, dtype: str = "bf16", optimizer: str = "adam", state_dtype: str = "fp32",
+                     separate_master: bool | None = None) -> "StateTerms":
+        """Terms for ``dtype`` compute with ``optimizer`` (see [Note: fp32 master]).
+
+        ``separate_master``: whether the optimizer keeps its own fp32 master; None decides from the
+        dtype (always with bf16/fp16, never with fp32).
+        """
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        if optimizer not in _MOMENTS:
+            raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+        if state_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"state_dtype: expected 'fp32' or 'bf16', got {state_dtype!r}")
+        low = DTYPE_BYTES[dtype]
+        if separate_master is None:
+            separate_master = dtype != "fp32"
+        master = 4 if (separate_master or dtype != "fp32") else 0
+        moments = _MOMENTS[optimizer] * DTYPE_BYTES[state_dtype]
+        return cls(param_bytes=low, grad_bytes=low, optimizer_bytes=master + moments)
+
+    @classmethod
+    def from_config(cls, config: InfinityConfig, *, optimizer: str = "adam") -> "StateTerms":
+        """Terms of an engine config: precision.dtype, optimizer.state_dtype and the offload tiers."""
+        stage = config.zero.stage
+        param_home = config.offload_param.device if stage == 3 else "none"
+        separate = config.precision.dtype != "fp32" or config.offload_optimizer.device != param_home
+        return cls.for_training(dtype=config.precision.dtype, optimizer=optimizer,
+                                state_dtype=config.optimizer.state_dtype, separate_master=separate)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": self.optimizer_bytes,
+                "offload_grad_bytes": self.optimizer_grad_bytes}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ledger:
+    """Bytes per rank of the model states (by term and tier) and of the buffers around them."""
+
+    numel: int
+    stage: int
+    world_size: int
+    gpus_per_node: int
+    terms: StateTerms
+    offload_param: str
+    offload_optimizer: str
+    states: Mapping[str, Mapping[Tier, int]]
+    """term -> tier -> bytes on one rank (see [Note: ledger placement])."""
+    buffers: Mapping[Tier, Mapping[str, int]] = field(default_factory=dict)
+    """tier -> named working/staging buffer -> bytes on one rank."""
+
+    def term_bytes(self, term: str) -> int:
+        return sum(self.states[term].values())
+
+    @property
+    def params_bytes(self) -> int:
+        return self.term_bytes("params")
+
+    @property
+    def grads_bytes(self) -> int:
+        return self.term_bytes("grads")
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.term_bytes("optimizer")
+
+    @property
+    def total_bytes(self) -> int:
+        """Model states on one rank, all tiers (the ZeRO paper's per-device figure)."""
+        return sum(self.term_bytes(t) for t in TERMS)
+
+    def state_bytes(self, tier: Tier | str) -> int:
+        tier = Tier(tier)
+        return sum(self.states[t].get(tier, 0) for t in TERMS)
+
+    def buffer_bytes(self, tier: Tier | str) -> int:
+        return sum(self.buffers.get(Tier(tier), {}).values())
+
+    def tier_bytes(self, tier: Tier | str) -> int:
+        """Model states plus buffers in ``tier`` on one rank."""
+        return self.state_bytes(tier) + self.buffer_bytes(tier)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus_per_node, self.world_size)
+
+    def node_bytes(self, tier: Tier | str) -> int:
+        """``tier``'s bytes summed over the ranks of one node (host RAM and NVMe are per node)."""
+        return self.tier_bytes(tier) * self.ranks_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        tiers = {}
+        for tier in Tier:
+            tiers[tier.value] = {
+                **{f"{t}_bytes": self.states[t].get(tier, 0) for t in TERMS},
+                "buffers": dict(self.buffers.get(tier, {})),
+                "total_bytes": self.tier_bytes(tier),
+                "node_total_bytes": self.node_bytes(tier),
+            }
+        return {
+            "numel": self.numel, "stage": self.stage, "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node, "terms": self.terms.to_dict(),
+            "offload_param": self.offload_param, "offload_optimizer": self.offload_optimizer,
+            "params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes, "total_bytes": self.total_bytes,
+            "tiers": tiers,
+        }
+
+
+def _ceil(x: float) -> int:
+    return int(math.ceil(x - 1e-9))
+
+
+def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateTerms | None = None,
+                          *, offload_param: str = "none", offload_optimizer: str = "none",
+                          gpus_per_node: int | None = None, sub_group_numel: int | None = None,
+                          unit_numel: int | None = None,
+                          prefetch_units: int = DEFAULT_PREFETCH_UNITS) -> Ledger:
+    """The per-rank ledger of ``numel`` parameters at ZeRO ``stage`` over ``world_size`` ranks.
+
+    ``unit_numel``: the largest unit's element count; when given, the working buffers of the
+    gathered units and of a unit's gradient are added (see [Note: ledger placement]).
+    """
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel: expected an integer >= 0, got {numel!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: expected one of 0, 1, 2, 3, got {stage!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an integer >= 1, got {world_size!r}")
+    terms = terms or StateTerms()
+    param_home = _check_offload("offload_param", offload_param)
+    opt_tier = _check_offload("offload_optimizer", offload_optimizer)
+    if stage < 3 and param_home is not Tier.DEVICE:
+        raise ValueError(f"offload_param = {offload_param!r} needs stage 3 (got stage {stage}); "
+                         "parameters are replicated below stage 3, set --offload-param none")
+    shard = _ceil(numel / world_size)
+    states: dict[str, dict[Tier, int]] = {t: {} for t in TERMS}
+
+    def put(term: str, tier: Tier, nbytes: float) -> None:
+        states[term][tier] = states[term].get(tier, 0) + _ceil(nbytes)
+
+    put("params", param_home, (shard if stage == 3 else numel) * terms.param_bytes)
+    if stage >= 2:
+        grad_bytes = terms.grad_bytes if opt_tier is Tier.DEVICE else terms.optimizer_grad_bytes
+        put("grads", opt_tier, shard * grad_bytes)
+    else:
+        put("grads", Tier.DEVICE, numel * terms.grad_bytes)
+        if opt_tier is not Tier.DEVICE:
+            put("grads", opt_tier, (numel if stage == 0 else shard) * terms.optimizer_grad_bytes)
+    stepped = numel if stage == 0 else shard
+    put("optimizer", opt_tier, stepped * terms.optimizer_bytes)
+
+    buffers: dict[Tier, dict[str, int]] = {}
+    if opt_tier is Tier.NVME and stepped:
+        group = min(sub_group_numel or DEFAULT_SUB_GROUP_NUMEL, stepped)
+        per_elem = terms.optimizer_bytes + terms.optimizer_grad_bytes + terms.param_bytes
+        buffers.setdefault(Tier.HOST, {})["optimizer_staging"] = _ceil(
+            OPTIMIZER_STAGING_SUBGROUPS * group * per_elem)
+    if unit_numel:
+        _add_unit_buffers(buffers, stage=stage, world_size=world_size, terms=terms,
+                          unit_numel=unit_numel, prefetch_units=prefetch_units,
+                          param_home=param_home)
+    return Ledger(numel=numel, stage=stage, world_size=world_size,
+                  gpus_per_node=gpus_per_node or world_size, terms=terms,
+                  offload_param=offload_param, offload_optimizer=offload_optimizer,
+                  states=states, buffers=buffers)
+
+
+def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_size: int,
+                      terms: StateTerms, unit_numel: int, prefetch_units: int,
+                      param_home: Tier) -> None:
+    """Working buffers that scale with the largest unit (one current + the prefetched ones)."""
+    device = buffers.setdefault(Tier.DEVICE, {})
+    if stage == 3:
+        device["gathered_units"] = _ceil((1 + prefetch_units) * unit_numel * terms.param_bytes)
+    if stage >= 2:
+        # A unit's full gradient exists until it is reduce-scattered into the shard.
+        device["unit_gradient"] = _ceil(unit_numel * terms.grad_bytes)
+    if stage == 3 and param_home is not Tier.DEVICE:
+        unit_shard = _ceil(unit_numel / world_size)
+        # Shards on their way up: host copies of the prefetched units' shards.
+        buffers.setdefault(Tier.HOST, {})["param_staging"] = _ceil(
+            (1 + prefetch_units) * unit_shard * terms.param_bytes)
+    if not device:
+        buffers.pop(Tier.DEVICE)
+
+
+def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
+                         gpus_per_node: int | None = None, optimizer: str = "adam",
+                         unit_numel: int | None = None) -> Ledger:
+    """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size)."""
+    z = config.zero
+    sub_group = z.sub_group_numel if isinstance(z.sub_group_numel, int) else None
+    prefetch_units = DEFAULT_PREFETCH_UNITS
+    if unit_numel and isinstance(z.prefetch_lookahead_bytes, int):
+        prefetch_units = z.prefetch_lookahead_bytes // max(1, unit_numel * config.precision.param_bytes)
+    return estimate_model_states(
+        numel, z.stage, world_size, StateTerms.from_config(config, optimizer=optimizer),
+        offload_param=config.offload_param.device if z.stage == 3 else "none",
+        offload_optimizer=config.offload_optimizer.device, gpus_per_node=gpus_per_node,
+        sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units)
+
+
+def paper_bytes_per_device(numel: float, stage: int, world_size: int, k: float = 12.0,
+                           param_bytes: float = 2.0, grad_bytes: float = 2.0) -> float:
+    """The ZeRO paper's closed form (floats, no shard rounding): the reference the ledger must meet."""
+    p, g, n = param_bytes, grad_bytes, world_size
+    return numel * {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+
+
+# ----------------------------------------------------------------------------------------------
+# Model shapes and activations
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A decoder-only transformer's shape: enough to count parameters and activations exactly."""
+
+    kind: str = "gpt2"
+    """'gpt2' (learned positions, biases, LayerNorm, GELU MLP) or 'llama' (RoPE, RMSNorm, gated MLP)."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    seq_len: int = 2048
+    """Training sequence length (activations); defaults to the model's max positions when read."""
+    intermediate_size: int | None = None
+    """MLP inner size; None: 4 x hidden (gpt2)."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: num_heads."""
+    head_dim: int | None = None
+    """None: hidden_size // num_heads."""
+    max_position_embeddings: int | None = None
+    """gpt2: rows of the learned position table; None: seq_len."""
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    """llama-family only: biases on q, k, v and o (gpt2 always has them)."""
+    qkv_bias: bool = False
+    """llama-family only: biases on q, k, v but not o (Qwen2)."""
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """llama-family only: RMSNorm over each head's q and k (Qwen3)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpt2", "llama"):
+            raise ValueError(f"ModelShape.kind: expected 'gpt2' or 'llama', got {self.kind!r}")
+        for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name}: expected an integer >= 1, got {value!r}")
+
+    @property
+    def inner_size(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def layer_numel(self) -> int:
+        """Parameters of one transformer block (the natural unit)."""
+        h, i, d = self.hidden_size, self.inner_size, self.dim_per_head
+        q, kv = self.num_heads * d, self.kv_heads * d
+        if self.kind == "gpt2":
+            return 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * i + i) + (i * h + h)
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias or self.qkv_bias:
+            attn += q + 2 * kv
+        if self.attention_bias:
+            attn += h
+        if self.qk_norm:
+            attn += 2 * d
+        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        return attn + mlp + 2 * h  # two RMSNorm weights
+
+    def num_params(self) -> int:
+        """Exact parameter count (Hugging Face's GPT2LMHeadModel / LlamaForCausalLM layout)."""
+        h, v = self.hidden_size, self.vocab_size
+        embed = v * h
+        if self.kind == "gpt2":
+            embed += (self.max_position_embeddings or self.seq_len) * h
+            final_norm = 2 * h
+        else:
+            final_norm = h
+        head = 0 if self.tie_word_embeddings else v * h
+        return embed + self.num_layers * self.layer_numel() + final_norm + head
+
+    def num_units(self) -> int:
+        """Units when each transformer block is one, plus the embeddings (and an untied head)."""
+        return self.num_layers + (1 if self.tie_word_embeddings else 2)
+
+    def largest_unit_numel(self) -> int:
+        """The largest unit when units are transformer blocks (embeddings are a unit of their own)."""
+        return max(self.layer_numel(), self.vocab_size * self.hidden_size)
+
+    @classmethod
+    def assumed(cls, numel: int, *, seq_len: int = 2048, vocab_size: int = 32000) -> "ModelShape":
+        """A GPT-style shape for a bare parameter count: 12 L h^2 = numel with h = 128 L (the
+        aspect ratio of the GPT-3 and Llama families), h a multiple of 128."""
+        hidden = max(128, round((numel * 128 / 12) ** (1 / 3) / 128) * 128)
+        layers = max(1, round(numel / (12 * hidden * hidden)))
+        return cls(kind="gpt2", num_layers=layers, hidden_size=hidden, num_heads=max(1, hidden // 128),
+                   vocab_size=vocab_size, seq_len=seq_len)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Activations:
+    """Activation bytes of one rank for one micro-batch (Korthikanti et al. 2022, arXiv 2205.05198)."""
+
+    per_layer_bytes: int
+    """sbh(34 + 5as/h) in 16-bit: everything one layer keeps for backward without recomputation."""
+    stored_bytes: int
+    """Kept across the whole forward: all layers, or only each layer's input (2sbh) with checkpointing."""
+    recompute_bytes: int
+    """One layer's working set rebuilt during backward (checkpointing only)."""
+    head_bytes: int
+    """Final norm and output-projection inputs (4sbh) and the fp32 logits for the loss (4sbv)."""
+    checkpointing: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return self.stored_bytes + self.recompute_bytes + self.head_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_layer_bytes": self.per_layer_bytes, "stored_bytes": self.stored_bytes,
+                "recompute_bytes": self.recompute_bytes, "head_bytes": self.head_bytes,
+                "checkpointing": self.checkpointing, "total_bytes": self.total_bytes}
+
+
+def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int | None = None,
+                     checkpointing: bool = False, dtype_bytes: int = 2) -> Activations:
+    """Activations of ``micro_batch`` sequences (Korthikanti et al., section 4, no tensor parallelism).
+
+    Without recomputation a layer keeps sbh(34 + 5as/h) bytes in 16-bit (s sequence, b micro-batch,
+    h hidden, a heads; the 5as/h term is the attention scores, softmax and its dropout mask). With
+    full activation checkpointing only each layer's input, 2sbh, is kept, and one layer's working set
+    is rebuilt at a time during backward. ``dtype_bytes`` = 4 scales the formula for fp32 compute.
+    """
+    s = seq_len or shape.seq_len
+    b, h, a, L = micro_batch, shape.hidden_size, shape.num_heads, shape.num_layers
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"micro_batch: expected an integer >= 1, got {b!r}")
+    scale = dtype_bytes / 2
+    per_layer = _ceil(s * b * h * (34 + 5 * a * s / h) * scale)
+    head = _ceil(4 * s * b * h * scale + 4 * s * b * shape.vocab_size)
+    if checkpointing:
+        stored = _ceil(L * 2 * s * b * h * scale)
+        return Activations(per_layer_bytes=per_layer, stored_bytes=stored, recompute_bytes=per_layer,
+                           head_bytes=head, checkpointing=True)
+    return Activations(per_layer_bytes=per_layer, stored_bytes=L * per_layer, recompute_bytes=0,
+                       head_bytes=head, checkpointing=False)

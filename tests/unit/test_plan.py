@@ -1,0 +1,172 @@
+"""``infinity plan``: the chosen configuration fits (checked against the paper's formulas), loads as
+a config in both forms, and the rules of thumb come out of the numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infinity import cli
+from infinity._common import GiB, MiB
+from infinity.config import load_config
+from infinity.estimate import ModelShape, activation_bytes
+from infinity.plan import (
+    DEVICE_RESERVE_BYTES,
+    HOST_RESERVE_BYTES,
+    Hardware,
+    PlanRequest,
+    _probe_direct,
+    make_plan,
+    probe_disk_bandwidth,
+    to_config,
+)
+
+LLAMA2_7B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+             "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def hardware(gpus=4, device_gib=24, host_gib=128, nvme_gib=2000, **kw) -> Hardware:
+    base = dict(gpus=gpus, gpus_per_node=min(gpus, 8), device_memory_bytes=device_gib * GiB,
+                host_memory_bytes=host_gib * GiB, nvme_capacity_bytes=nvme_gib * GiB,
+                nvme_read_bytes_per_s=3e9, nvme_write_bytes_per_s=2e9, device_flops=100e12,
+                device_memory_bytes_per_s=1e12, link_bytes_per_s=20e9, pcie_bytes_per_s=20e9,
+                host_memory_bytes_per_s=50e9)
+    base.update(kw)
+    return Hardware(**base)
+
+
+def request(numel, **kw) -> PlanRequest:
+    return PlanRequest(numel=int(numel), shape=ModelShape.assumed(int(numel)), shape_assumed=True, **kw)
+
+
+def _paper_device_bytes(psi, n, stage, offload_param, offload_optimizer, k=12):
+    """Model states left on one device, from the ZeRO paper's terms (2 + 2 + K) placed by hand."""
+    params = 2 * psi / n if stage == 3 else 2 * psi
+    if stage == 3 and offload_param != "none":
+        params = 0
+    if stage < 2:
+        grads = 2 * psi
+    else:
+        grads = 2 * psi / n if offload_optimizer == "none" else 0
+    opt = (k * psi / (n if stage else 1)) if offload_optimizer == "none" else 0
+    return params + grads + opt
+
+
+def _check_fits_4x24(best, psi, shape):
+    n = 4
+    acts = activation_bytes(shape, micro_batch=best.micro_batch, checkpointing=best.checkpointing)
+    states = _paper_device_bytes(psi, n, best.stage, best.offload_param, best.offload_optimizer)
+    # Working buffers (gathered units, a unit's gradient) come on top: at most a few units.
+    unit_bytes = 2 * shape.largest_unit_numel()
+    assert states + acts.total_bytes + 4 * unit_bytes + DEVICE_RESERVE_BYTES <= 24 * GiB
+    host = 0 if best.offload_optimizer != "cpu" else n * (12 + 2) * psi / n
+    if best.offload_param == "cpu":
+        host += 2 * psi
+    assert host + HOST_RESERVE_BYTES <= 128 * GiB
+
+
+def test_acceptance_7b_full_finetune_on_4x24gb(tmp_path, capsys):
+    native, ds = tmp_path / "infinity.json", tmp_path / "ds_config.json"
+    rc = cli.main(["plan", "--params", "7e9", "--gpus", "4", "--gpu-memory-gb", "24",
+                   "--host-memory-gb", "128", "--nvme-path", str(tmp_path), "--nvme-gb", "2000",
+                   "--no-probe", "--out-native", str(native), "--out-deepspeed", str(ds), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"]
+    best = out["best"]
+    for tier, need in best["need_bytes"].items():
+        assert need <= best["usable_bytes"][tier], tier
+    shape = ModelShape(**out["model"]["shape"])
+
+    class Best:  # the fields _check_fits_4x24 reads
+        stage, offload_param, offload_optimizer = best["stage"], best["offload_param"], best["offload_optimizer"]
+        micro_batch, checkpointing = best["micro_batch"], best["checkpointing"]
+
+    _check_fits_4x24(Best, 7e9, shape)
+    # A 7B model cannot keep its Adam state on 4 x 24 GB: something must be sharded and offloaded.
+    assert best["stage"] >= 2 and best["offload_optimizer"] != "none"
+    for path in (native, ds):
+        config = load_config(str(path))
+        assert config.zero.stage == best["stage"]
+        assert config.offload_optimizer.device == best["offload_optimizer"]
+        assert config.offload_param.device == best["offload_param"]
+        assert config.train_micro_batch_size_per_gpu == best["micro_batch"]
+        assert config.gradient_accumulation_steps == best["gradient_accumulation_steps"]
+        assert config.precision.dtype == "bf16"
+    budgets = load_config(str(native)).memory
+    assert best["ledger"]["tiers"]["device"]["total_bytes"] <= budgets.device_budget_bytes <= 24 * GiB
+    if best["offload_optimizer"] == "cpu":
+        assert 4 * budgets.host_budget_bytes <= 128 * GiB
+    assert json.loads(ds.read_text())["zero_optimization"]["stage"] == best["stage"]
+
+
+def test_acceptance_with_a_llama_7b_hf_config(tmp_path, capsys):
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(LLAMA2_7B))
+    rc = cli.main(["plan", "--model", str(model), "--seq-len", "2048", "--gpus", "4",
+                   "--gpu-memory-gb", "24", "--host-memory-gb", "128", "--nvme-path", str(tmp_path),
+                   "--nvme-gb", "2000", "--no-probe", "--out-native", str(tmp_path / "n.json")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "6,738,415,616 params" in text and "chosen:" in text and "bounds the step" in text
+    assert load_config(str(tmp_path / "n.json")).zero.stage >= 2
+
+
+@pytest.mark.parametrize("numel", [125e6, 350e6, 1e9])
+@pytest.mark.parametrize("hw", [hardware(), hardware(gpus=8, device_gib=80, host_gib=512)],
+                         ids=["4x24GB", "8x80GB"])
+def test_small_models_do_not_use_stage_3(numel, hw):
+    plan = make_plan(request(numel), hw)
+    assert plan.fits
+    assert any(c.fits for c in plan.candidates if c.stage == 3)  # it would fit ...
+    assert plan.best.stage < 3                                    # ... but it is slower
+    assert plan.best.offload_optimizer == "none" and plan.best.offload_param == "none"
+
+
+def test_sgd_without_momentum_never_picks_stage_1():
+    """fp32 SGD has K = 0: stage 1 shards nothing, so it costs time and saves no memory. Adam's K
+    makes stage 1 the choice for some of the same sizes, so the rule comes from the numbers."""
+    hw = hardware(gpus=8, device_gib=80, host_gib=512)
+    adam_stages, sgd_stages = set(), set()
+    for numel in (1e9, 2e9, 4e9, 6e9):
+        sgd = make_plan(request(numel, optimizer="sgd", dtype="fp32"), hw)
+        adam = make_plan(request(numel, optimizer="adam", dtype="fp32"), hw)
+        sgd_stages.add(sgd.best.stage)
+        adam_stages.add(adam.best.stage)
+        by_key = {(c.stage, c.micro_batch, c.checkpointing): c for c in sgd.candidates
+                  if c.offload_optimizer == "none" and c.offload_param == "none"}
+        for (stage, mb, ckpt), c in by_key.items():
+            if stage == 1:
+                assert c.need_bytes == by_key[(0, mb, ckpt)].need_bytes
+    assert 1 not in sgd_stages
+    assert 1 in adam_stages
+
+
+def test_nothing_fits_is_reported(capsys):
+    rc = cli.main(["plan", "--params", "1e12", "--gpus", "1", "--gpu-memory-gb", "24",
+                   "--host-memory-gb", "64", "--nvme-gb", "100", "--no-probe"])
+    assert rc == 1
+    assert "NO CONFIGURATION FITS" in capsys.readouterr().out
+
+
+def test_sgd_plan_is_not_written_as_a_config():
+    plan = make_plan(request(1e9, optimizer="sgd"), hardware())
+    with pytest.raises(ValueError, match="Adam/AdamW only"):
+        to_config(plan)
+
+
+def test_plan_on_this_machine_measures_what_it_can(capsys):
+    rc = cli.main(["plan", "--params", "50e6", "--no-probe", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"]
+    assert out["hardware"]["host_memory_bytes"] > 0 and out["hardware"]["nvme_capacity_bytes"] > 0
+    assert any("measured" in n for n in out["notes"])
+
+
+def test_disk_probes(tmp_path):
+    read, write, how = probe_disk_bandwidth(str(tmp_path), 16 * MiB)
+    assert read > 0 and write > 0 and how
+    read, write = _probe_direct(str(tmp_path), 16 * MiB)
+    assert read > 0 and write > 0
+    assert list(tmp_path.iterdir()) == []  # the probes clean up after themselves
