@@ -38,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "estimate_cli": {"estimate", "config"},
     "plan": {"estimate", "estimate_cli", "swapper", "config"},
     "models": set(),  # plain-PyTorch reference models: import nothing of infinity
+    "safetensors_io": set(),  # the file format, by byte range: imports nothing of infinity
     "bench": {"engine", "swapper", "cpu_adam", "estimate", "plan", "tiers", "stage3", "models"},
     "train": {"engine", "bench", "estimate", "models"},
     "cli": {"bench", "estimate_cli", "plan", "train"},
