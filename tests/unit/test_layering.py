@@ -25,7 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"_common"},
     "swapper": {"_common", "config"},
     "tiers": {"swapper"},
-    "prefetch": {"_common", "config", "trace"},
+    "prefetch": {"_common", "config", "trace", "prefetch_plan"},
+    "prefetch_plan": {"_common", "config", "trace"},  # the pure planner under the executor
     "trace": {"_common", "config"},
     "cpu_adam": {"_common", "config", "_cpu_adam_ext"},
     "_cpu_adam_ext": {"_common"},
@@ -36,7 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"stage3", "shard_optimizer", "units"},
     "estimate": {"config"},
     "estimate_cli": {"estimate", "config"},
-    "plan": {"estimate", "estimate_cli", "swapper", "config"},
+    "plan": {"planner", "estimate", "estimate_cli", "swapper", "config"},
+    "planner": {"estimate", "config"},  # the pure pricing under the `infinity plan` command
     "models": set(),  # plain-PyTorch reference models: import nothing of infinity
     "safetensors_io": set(),  # the file format, by byte range: imports nothing of infinity
     "bench": {"engine", "swapper", "cpu_adam", "estimate", "plan", "tiers", "stage3", "models"},
