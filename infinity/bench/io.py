@@ -1,0 +1,337 @@
+"""``infinity bench io``: swapper bandwidth against the disk's limit, fio and DeepSpeed's aio.
+
+Reproduce (the cores are shared, so take the lock):
+    flock /tmp/infinity-bench.lock infinity bench io --size-bytes 2147483648 --repeats 3
+    flock /tmp/infinity-bench.lock infinity bench io --sweep --plot io-sweep.png
+
+One tensor of ``--size-bytes`` is written and read back through :class:`infinity.swapper.Swapper`
+(both buffers allocated once and touched before timing). In the same run, the references run
+in the same rounds (round by round, so drift on a shared disk hits all alike): a raw direct-I/O probe
+moving the same buffers (16 MiB aligned blocks from several threads: the disk's practical limit),
+fio (libaio, direct) when installed, and DeepSpeed's aio handle when ``/root/dsvenv`` has it (a
+server subprocess of that interpreter, locked buffer, best of a small settings grid; see
+``benchmarks/io_reference.py``). Every figure is a median of ``--repeats`` rounds after one warm-up
+round; the page cache is bypassed (direct I/O; the buffered fallback runs fsync +
+POSIX_FADV_DONTNEED inside the timed region).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infinity._common import GiB, MiB, format_bytes
+from infinity.bench.report import Report, add_common_arguments, format_table
+from infinity.config import SwapperConfig
+from infinity.swapper import Swapper, aligned_empty
+
+DS_PYTHON = "/root/dsvenv/bin/python"
+DS_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "io_reference.py"
+RAW_BLOCK_BYTES = 16 * MiB
+RAW_NUM_THREADS = 8
+SWEEP_BLOCK_BYTES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+SWEEP_QUEUE_DEPTHS = (2, 4, 8, 16, 32)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default="./infinity-data/bench-io", help="directory on the disk to test")
+    parser.add_argument("--size-bytes", type=int, default=2 * GiB, help="tensor size (default 2 GiB)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median)")
+    parser.add_argument("--block-size-bytes", type=int, default=None, help="override the swapper's")
+    parser.add_argument("--queue-depth", type=int, default=None, help="override the swapper's")
+    parser.add_argument("--num-io-threads", type=int, default=None, help="override the swapper's")
+    parser.add_argument("--no-fio", action="store_true", help="skip the fio reference")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed reference")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also measure block size x queue depth (threads = queue depth)")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw the sweep (implies --sweep; needs matplotlib)")
+    add_common_arguments(parser)
+
+
+def _config(args: argparse.Namespace) -> SwapperConfig:
+    changes = {k: v for k, v in (("block_size_bytes", args.block_size_bytes),
+                                 ("queue_depth", args.queue_depth),
+                                 ("num_io_threads", args.num_io_threads)) if v is not None}
+    return dataclasses.replace(SwapperConfig(), **changes)
+
+
+def _drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _timed_swap(sw: Swapper, key: str, src: torch.Tensor, dst: torch.Tensor, write: bool) -> float:
+    """Seconds for one swap-out (write) or swap-in; buffered mode pays fsync + cache drop inside."""
+    if not write and not sw.direct_io:
+        _drop_cache(sw.path_of(key))
+    t0 = time.perf_counter()
+    if write:
+        sw.swap_out(key, src).wait()
+        if not sw.direct_io:
+            _drop_cache(sw.path_of(key))
+    else:
+        sw.swap_in(key, dst).wait()
+    return time.perf_counter() - t0
+
+
+def raw_probe(path: str, buf: torch.Tensor, *, write: bool, direct: bool,
+              block_bytes: int = RAW_BLOCK_BYTES, num_threads: int = RAW_NUM_THREADS) -> float:
+    """Seconds to move ``buf`` (from :func:`aligned_empty`) to/from ``path`` in aligned blocks."""
+    from infinity.swapper import _buffer  # the same zero-copy view the swapper uses
+
+    nbytes = buf.numel() * buf.element_size()
+    if direct:  # O_DIRECT needs whole pages; aligned_empty maps whole pages, so the tail is there
+        nbytes = (nbytes + 4095) // 4096 * 4096
+    flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | (os.O_DIRECT if direct else 0)
+    if not write and not direct:
+        _drop_cache(path)
+    fd = os.open(path, flags, 0o600)
+    offsets = list(range(0, nbytes, block_bytes))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            while True:
+                with lock:
+                    if not offsets:
+                        return
+                    off = offsets.pop()
+                n = min(block_bytes, nbytes - off)
+                mem = _buffer(buf.data_ptr() + off, n)
+                done = os.pwrite(fd, mem, off) if write else os.preadv(fd, [mem], off)
+                if done != n:
+                    raise OSError(f"raw probe: short {'write' if write else 'read'} at {off}")
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(num_threads)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if write and not direct:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    dt = time.perf_counter() - t0
+    os.close(fd)
+    if errors:
+        raise errors[0]
+    return dt
+
+
+class _Engine:
+    """One way of moving the bytes: ``sample(write)`` returns GB/s for one full pass."""
+
+    def __init__(self, name: str, sample, note: str, close=lambda: None):
+        self.name, self.sample, self.note, self.close = name, sample, note, close
+        self.runs: dict[str, list[float]] = {"write": [], "read": []}
+
+
+def _ours_and_raw(args, config, sw: Swapper, src, dst) -> list[_Engine]:
+    nbytes = src.numel()
+    raw_path = os.path.join(args.dir, "raw-probe.bin")
+    checked = []
+
+    def ours(write: bool) -> float:
+        if not write:
+            dst.zero_()
+        dt = _timed_swap(sw, "bench", src, dst, write)
+        if not write and not checked:  # once: the bytes read back are the bytes written
+            if not torch.equal(src, dst):
+                raise RuntimeError("bench io: bytes read back differ from bytes written")
+            checked.append(True)
+        return nbytes / dt / 1e9
+
+    def raw(write: bool) -> float:
+        return nbytes / raw_probe(raw_path, src if write else dst, write=write,
+                                  direct=sw.direct_io) / 1e9
+
+    return [_Engine("infinity swapper", ours, f"swapper {config}"),
+            _Engine("raw direct I/O probe", raw,
+                    f"raw probe: {format_bytes(RAW_BLOCK_BYTES)} blocks, {RAW_NUM_THREADS} threads, "
+                    "same buffers", close=lambda: _unlink_quiet(raw_path))]
+
+
+def _fio(args, nbytes: int) -> tuple[_Engine | None, str]:
+    if args.no_fio:
+        return None, "fio skipped (--no-fio)"
+    if shutil.which("fio") is None:
+        return None, "fio not installed: reference skipped (apt-get install fio)"
+    path = os.path.join(args.dir, "fio.bin")
+
+    def sample(write: bool) -> float:
+        rw = "write" if write else "read"
+        cmd = ["fio", "--name=infinity", f"--filename={path}", f"--rw={rw}", "--bs=16M",
+               "--direct=1", "--ioengine=libaio", "--iodepth=16", f"--size={nbytes}",
+               "--output-format=json"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode:
+            raise RuntimeError(f"fio failed: {res.stderr.strip()[:200]}")
+        job = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0]
+        return job[rw]["bw_bytes"] / 1e9
+
+    return _Engine("fio", sample, "fio: libaio, direct=1, bs=16M, iodepth=16, one job",
+                   close=lambda: _unlink_quiet(path)), ""
+
+
+def _deepspeed(args, nbytes: int) -> tuple[_Engine | None, str]:
+    """DeepSpeed's aio in a server subprocess of its own interpreter (see benchmarks/io_reference.py)."""
+    if args.no_deepspeed:
+        return None, "DeepSpeed skipped (--no-deepspeed)"
+    if not os.path.exists(DS_PYTHON) or not DS_SCRIPT.exists():
+        return None, f"DeepSpeed reference skipped: {DS_PYTHON} or {DS_SCRIPT} missing"
+    cmd = [DS_PYTHON, str(DS_SCRIPT), "--serve", "--file", os.path.join(args.dir, "deepspeed.bin"),
+           "--size-bytes", str(nbytes)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+
+    def reply() -> dict[str, Any]:
+        for line in proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        tail = " | ".join(proc.stderr.read().strip().splitlines()[-3:])
+        raise RuntimeError(f"DeepSpeed aio reference exited (rc={proc.wait()}): {tail[:300]}")
+
+    try:
+        ready = reply()
+    except RuntimeError as e:
+        return None, f"DeepSpeed aio skipped: {e}"
+
+    def sample(write: bool) -> float:
+        proc.stdin.write("write\n" if write else "read\n")
+        proc.stdin.flush()
+        return reply()["gbps"]
+
+    def close() -> None:
+        proc.stdin.close()
+        proc.wait(timeout=120)
+
+    return _Engine("DeepSpeed aio", sample, "DeepSpeed aio_handle, locked buffer, best of a "
+                   f"settings grid: {ready['settings']}", close=close), ""
+
+
+def _measure(args, engines: list[_Engine]) -> None:
+    """Rounds of write-then-read, every engine in each round, so drift on a shared disk hits all."""
+    for round_ in range(args.repeats + 1):  # round 0 is the warm-up
+        for write in (True, False):
+            for engine in engines:
+                gbps = engine.sample(write)
+                if round_:
+                    engine.runs["write" if write else "read"].append(gbps)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _sweep(args, src, dst) -> list[dict[str, Any]]:
+    """Bandwidth over block size x queue depth (threads = queue depth), one run after a warm-up."""
+    nbytes = min(src.numel(), 512 * MiB)
+    a, b = src[:nbytes], dst[:nbytes]
+    rows = []
+    for block in SWEEP_BLOCK_BYTES:
+        for depth in SWEEP_QUEUE_DEPTHS:
+            cfg = SwapperConfig(block_size_bytes=block, queue_depth=depth, num_io_threads=depth)
+            with Swapper(args.dir, cfg) as sw:
+                _timed_swap(sw, "s", a, b, True)
+                w = _timed_swap(sw, "s", a, b, True)
+                _timed_swap(sw, "s", a, b, False)
+                r = _timed_swap(sw, "s", a, b, False)
+            rows.append({"block_size": format_bytes(block), "block_size_bytes": block,
+                         "queue_depth": depth, "write_GBps": nbytes / w / 1e9,
+                         "read_GBps": nbytes / r / 1e9})
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"--plot {path}: matplotlib is not installed (pip install matplotlib); sweep printed only"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, col in zip(axes, ("write_GBps", "read_GBps")):
+        for depth in SWEEP_QUEUE_DEPTHS:
+            pts = [(r["block_size_bytes"] / MiB, r[col]) for r in rows if r["queue_depth"] == depth]
+            ax.plot(*zip(*pts), marker="o", label=f"queue depth {depth}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (MiB)")
+        ax.set_title(col.split("_")[0])
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"sweep plot written to {path}"
+
+
+def _ratio(ours: float, ref: float | None) -> str | None:
+    return None if not ref else f"{ours / ref:.2f}x"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.size_bytes < 1 or args.repeats < 1:
+        raise ValueError("--size-bytes and --repeats must be >= 1")
+    config = _config(args)
+    os.makedirs(args.dir, exist_ok=True)
+    notes: list[str] = []
+    refs = [_fio(args, args.size_bytes), _deepspeed(args, args.size_bytes)]  # DeepSpeed warms up first
+    src = aligned_empty(args.size_bytes, torch.uint8)
+    src.random_(0, 256)
+    dst = aligned_empty(args.size_bytes, torch.uint8)
+    dst.zero_()  # touch once: fresh pages fault at 1-4 GB/s here and would be timed otherwise
+    with Swapper(args.dir, config) as sw:
+        engines = _ours_and_raw(args, config, sw, src, dst) + [e for e, _ in refs if e is not None]
+        notes.append(f"{format_bytes(args.size_bytes)} in {args.dir}; direct I/O "
+                     f"{'on' if sw.direct_io else 'off (buffered fallback)'}, alignment "
+                     f"{sw.alignment_bytes} B; median of {args.repeats} interleaved rounds")
+        try:
+            _measure(args, engines)
+        finally:
+            for engine in engines:
+                engine.close()
+    notes += [e.note for e in engines] + [note for e, note in refs if e is None]
+    med = {e.name: {d: statistics.median(r) for d, r in e.runs.items()} for e in engines}
+    ours = med["infinity swapper"]
+    rows = [{"engine": name, "write_GBps": m["write"], "read_GBps": m["read"],
+             "ours/ref write": _ratio(ours["write"], m["write"]) if i else None,
+             "ours/ref read": _ratio(ours["read"], m["read"]) if i else None}
+            for i, (name, m) in enumerate(med.items())]
+    extra: dict[str, Any] = {"runs_GBps": {e.name: e.runs for e in engines}}
+    if args.sweep or args.plot:
+        extra["sweep"] = _sweep(args, src, dst)
+        if args.plot:
+            notes.append(_plot(extra["sweep"], args.plot))
+    report = Report(name="io", title="NVMe swap bandwidth (GB/s, median; ratio = ours / reference)",
+                    rows=rows, notes=notes, params={"size_bytes": args.size_bytes, "dir": args.dir,
+                                                    "repeats": args.repeats,
+                                                    "swapper": dataclasses.asdict(config)},
+                    extra=extra)
+    report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
+    if "sweep" in extra and not args.json:
+        print("\nsweep (threads = queue depth):")
+        print(format_table(extra["sweep"], ["block_size", "queue_depth", "write_GBps", "read_GBps"]))
+    return 0
