@@ -1,0 +1,78 @@
+"""The tiered store: keyed shards over DEVICE / HOST / NVME with byte budgets.
+
+Public API (everything else is private)::
+
+    from infinity.tiers import TieredStore, StoreConfig, Tier, Residency, TierHandle
+
+    store = TieredStore(device, StoreConfig(device_budget_bytes=..., host_budget_bytes=...),
+                        swapper=Swapper(nvme_dir),        # needed only for NVME-homed shards
+                        next_use=None)                    # optional callable key -> distance | None
+    store.register(key, numel, dtype, home: Tier, initial: Tensor | None = None)
+    h = store.fetch(key, Tier.DEVICE | Tier.HOST, next_use=None)   # async; h.wait() -> Tensor
+    h = store.acquire(key, tier, next_use=None)  # fetch + pin (never evicted until release)
+    store.release(key, tier)                     # undo one acquire
+    t = store.get(key, tier)                     # tensor of a resident copy (ValueError otherwise)
+    store.mark_dirty(key, tier)                  # the copy on tier was modified
+    h = store.write_back(key)                    # async; h.wait() -> None
+    store.flush()                                # write back every dirty shard and wait
+    store.evict(key, tier)                       # drop a non-home copy (dirty: written back first)
+    store.unregister(key); store.close()         # (also a context manager)
+    store.state(key, tier) -> Residency; store.is_dirty(key) -> Tier | None; store.keys()
+    store.set_next_use(key, distance); store.stats() -> dict; store.reset_peaks()
+    store.arena  # the HostArena (extents(), holes(), alignment_bytes, extent_bytes(n))
+
+Rules the store keeps:
+
+- Shards: a 1-D tensor of ``numel`` x ``dtype``, registered under a string key with a home tier. The
+  home copy always exists: DEVICE/HOST homes hold an allocation for the shard's whole life; an
+  NVME home is a swap file (``initial=None``: zeros, no file until the first write-back). Tensors the
+  store hands out are 1-D views of its own memory: reshape them, do not keep them past an eviction.
+- Residency: each copy has a :class:`Residency` (ABSENT, INFLIGHT, RESIDENT, WRITING) changed only
+  through ``residency.TRANSITIONS``; an illegal change raises ``ResidencyError`` (a bug).
+- Fetch: a hit returns a completed handle; a copy already in flight is joined (one I/O for any number
+  of concurrent fetches, counted 'late'); otherwise (a 'miss') memory is reserved in the caller's
+  thread and the move runs on the swapper's / store's threads. NVME -> DEVICE stages through a HOST
+  copy, which stays cached (evictable). DEVICE <- HOST and HOST <- DEVICE are copies; HOST <- NVME
+  is a direct-I/O read into the arena extent. Use ``acquire`` for a copy compute will read: an
+  unpinned copy may be evicted by any later allocation.
+- Dirty data ([Note: dirty copy] in ``_records.py``): call ``mark_dirty(key, tier)`` after modifying a
+  copy (every time). Other non-home copies are dropped as stale (ValueError if one is acquired).
+  If ``tier`` is not home, the home copy is stale until a write-back, which ``write_back``, ``flush``,
+  ``evict`` and budget eviction perform (DEVICE -> HOST -> NVME for an NVME home, through a budgeted
+  HOST extent). Fetching/getting a stale home copy writes back first (fetch) or raises (get). A failed
+  write-back keeps the dirty copy and re-raises from whoever needed the memory.
+- Budgets: every DEVICE and HOST allocation (fetch, prefetch, staging, register) is checked. When a
+  tier is full the store evicts unpinned, settled, non-home RESIDENT copies: furthest next use first
+  (Belady) when a distance is known (``next_use`` callable first, else the last distance given to
+  fetch/acquire/set_next_use; unknown counts as furthest), least recently used first otherwise and
+  on ties. Dirty victims are written back first. When nothing can go: ``TierCapacityError`` with
+  ``tier``, ``requested_bytes``, ``used_bytes`` and ``budget_bytes``. Pinned and in-flight copies are
+  never evicted; the store waits only for write-backs already under way.
+- HOST memory ([Note: one host arena] in ``_arena.py``): one ``swapper.aligned_empty`` buffer of the
+  HOST budget, carved into extents aligned to ``max(4096, swapper.alignment_bytes)``; a HOST copy of
+  ``n`` bytes costs ``align_up(n, alignment)`` of the budget. Best-fit, coalescing free list; when no
+  hole is large enough, copies are evicted (policy order) until one is, else TierCapacityError
+  ("fragmented"). A shard's swap file holds its whole extent: ``uint8``, ``arena.extent_bytes(nbytes)``
+  long, the shard's bytes first.
+- DEVICE memory: ``torch.empty(numel, dtype=dtype, device=device)`` per copy (CPU memory on a machine
+  without a GPU). With CUDA, host<->device copies run on one copy stream after an event recorded on
+  the caller's current stream, and a move is complete (synchronised) before its handle completes.
+
+``stats()`` keys (stable; :data:`STATS_KEYS`): ``bytes_nvme_to_host``, ``bytes_host_to_device``,
+``bytes_device_to_host``, ``bytes_host_to_nvme`` (shard payload bytes moved per tier pair; a zero-fill
+of a never-written NVME shard moves nothing); ``fetch_hits``, ``fetch_late``, ``fetch_misses``
+(fetch/acquire calls that found the copy resident / in flight / absent); ``wait_s`` and ``num_waits``
+(time blocked in ``TierHandle.wait`` and how many waits blocked); ``evictions_device``,
+``evictions_host`` (copies dropped by policy or ``evict``); ``writebacks`` (write-backs issued);
+``device_used_bytes``/``host_used_bytes`` (now), ``device_peak_bytes``/``host_peak_bytes``
+(high-water marks since start or ``reset_peaks``), ``device_budget_bytes``/``host_budget_bytes``,
+``host_largest_free_bytes`` (the largest arena hole), ``num_shards``.
+"""
+
+from infinity.tiers._arena import Extent, HostArena
+from infinity.tiers._records import STATS_KEYS, StoreConfig, TierHandle
+from infinity.tiers.residency import TRANSITIONS, Residency, ResidencyError, Tier, check_transition
+from infinity.tiers.store import TieredStore
+
+__all__ = ["STATS_KEYS", "TRANSITIONS", "Extent", "HostArena", "Residency", "ResidencyError",
+           "StoreConfig", "Tier", "TierHandle", "TieredStore", "check_transition"]

@@ -1,0 +1,190 @@
+"""Per-shard records, handles, the store's settings and its counters (no policy here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from infinity.tiers._arena import Extent
+from infinity.tiers.residency import Residency, Tier, check_transition
+
+if TYPE_CHECKING:
+    from infinity.config import MemoryConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Settings of one :class:`~infinity.tiers.TieredStore` (resolved numbers, no 'auto')."""
+
+    device_budget_bytes: int
+    """Bytes of shard copies on the compute device at once (every DEVICE allocation is checked)."""
+    host_budget_bytes: int
+    """Size of the host arena, allocated once; HOST copies are carved from it (multiples of the
+    alignment, so a copy of ``n`` bytes costs ``align_up(n, alignment)``)."""
+    num_copy_threads: int = 2
+    """Threads that finish moves (host<->device copies, completions of swaps); I/O itself runs on the
+    swapper's threads."""
+
+    def __post_init__(self) -> None:
+        for name in ("device_budget_bytes", "host_budget_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"StoreConfig.{name}: expected an integer >= 0 (bytes), got "
+                                 f"{value!r}; resolve 'auto' before building the store")
+        if isinstance(self.num_copy_threads, bool) or not isinstance(self.num_copy_threads, int) \
+                or self.num_copy_threads < 1:
+            raise ValueError(f"StoreConfig.num_copy_threads: expected an integer >= 1, got "
+                             f"{self.num_copy_threads!r}")
+
+    @classmethod
+    def from_memory(cls, memory: "MemoryConfig", **extra: Any) -> "StoreConfig":
+        """From ``config.memory``; its budgets must already be numbers (the engine resolves 'auto')."""
+        for name in ("device_budget_bytes", "host_budget_bytes"):
+            if getattr(memory, name) == "auto":
+                raise ValueError(f"memory.{name} is 'auto': resolve it to bytes (infinity plan / the "
+                                 "engine does) before building a TieredStore")
+        return cls(device_budget_bytes=memory.device_budget_bytes,
+                   host_budget_bytes=memory.host_budget_bytes, **extra)
+
+
+class _Copy:
+    """One copy of a shard in one tier."""
+
+    __slots__ = ("state", "tensor", "extent", "charged_bytes", "pins", "busy", "future", "last_use")
+
+    def __init__(self) -> None:
+        self.state = Residency.ABSENT
+        self.tensor: torch.Tensor | None = None
+        """DEVICE: its own allocation; HOST: a view of the arena extent; NVME: None."""
+        self.extent: Extent | None = None
+        """HOST only: the arena extent behind ``tensor``."""
+        self.charged_bytes = 0
+        """Bytes counted against the tier's budget while the copy holds bytes."""
+        self.pins = 0
+        """``acquire`` count: a pinned copy is in use by compute and is never evicted."""
+        self.busy = 0
+        """Moves reading this copy right now: it may not be evicted or overwritten meanwhile."""
+        self.future: Future | None = None
+        """Completes (with the tensor) when the move INTO this copy ends; None when settled."""
+        self.last_use = 0
+        """Store clock at the last fetch/get: the LRU order."""
+
+
+class _Shard:
+    """The record of one registered shard: its copies, where the newest bytes are, its next use."""
+
+    def __init__(self, key: str, numel: int, dtype: torch.dtype, home: Tier):
+        self.key = key
+        self.numel = numel
+        self.dtype = dtype
+        self.nbytes = numel * dtype.itemsize
+        self.home = home
+        self.copies = {tier: _Copy() for tier in Tier}
+        self.dirty: Tier | None = None
+        """[Note: dirty copy] The tier whose copy is newer than the home copy (None: home is current).
+        Every other existing non-home copy then holds the same newest bytes; the home copy is stale
+        until a write-back completes. Evicting the dirty copy writes it back first."""
+        self.nvme_zeros = False
+        self.has_swap_file = False
+        """A swap-out was issued for this key (the swapper holds a record to remove)."""
+        """NVME home registered without data: the home copy is all zeros and has no file yet."""
+        self.writeback: Future | None = None
+        """The write-back in flight (one at a time per shard)."""
+        self.writeback_error: BaseException | None = None
+        """Why the last write-back failed (the dirty copy is kept; eviction re-raises this)."""
+        self.next_use: float | None = None
+        """Caller's next-use distance for Belady eviction (None: unknown, LRU decides)."""
+
+    def set_state(self, tier: Tier, new: Residency) -> None:
+        copy = self.copies[tier]
+        check_transition(self.key, tier, copy.state, new)
+        copy.state = new
+
+    def settled(self) -> bool:
+        """No move in or out of any copy (the only time a caller may change which copies exist)."""
+        return self.writeback is None and all(
+            c.state in (Residency.ABSENT, Residency.RESIDENT) and c.busy == 0
+            for c in self.copies.values())
+
+
+class TierHandle:
+    """Completion of one fetch/acquire (``wait()`` -> the tensor) or write-back (``wait()`` -> None).
+
+    ``wait()`` re-raises the move's error (``SwapIOError``...). The time spent blocked in ``wait()``
+    is added to the store's ``wait_s`` counter.
+    """
+
+    def __init__(self, future: Future, key: str, tier: Tier | None, on_wait: Any):
+        self._future = future
+        self.key = key
+        self.tier = tier
+        self._on_wait = on_wait
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._future.done():
+            return self._future.result()
+        start = time.perf_counter()
+        try:
+            return self._future.result(timeout)
+        finally:
+            self._on_wait(time.perf_counter() - start)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __repr__(self) -> str:
+        where = self.tier.name if self.tier is not None else "home"
+        return f"TierHandle({self.key!r} -> {where}, done={self.done()})"
+
+
+def done_future(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+STATS_KEYS = (
+    "bytes_nvme_to_host", "bytes_host_to_device", "bytes_device_to_host", "bytes_host_to_nvme",
+    "fetch_hits", "fetch_late", "fetch_misses", "wait_s", "num_waits",
+    "evictions_device", "evictions_host", "writebacks",
+    "device_used_bytes", "device_peak_bytes", "device_budget_bytes",
+    "host_used_bytes", "host_peak_bytes", "host_budget_bytes", "host_largest_free_bytes",
+    "num_shards",
+)
+
+
+class Counters:
+    """The store's counters; :meth:`TieredStore.stats` documents the keys."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.moved = {("nvme", "host"): 0, ("host", "device"): 0, ("device", "host"): 0,
+                      ("host", "nvme"): 0}
+        self.fetch = {"hit": 0, "late": 0, "miss": 0}
+        self.wait_s = 0.0
+        self.num_waits = 0
+        self.evictions = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self.writebacks = 0
+
+    def add_moved(self, src: Tier, dst: Tier, nbytes: int) -> None:
+        with self._lock:
+            self.moved[(src.label, dst.label)] += nbytes
+
+    def add_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.wait_s += seconds
+            self.num_waits += 1
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = {f"bytes_{s}_to_{d}": v for (s, d), v in self.moved.items()}
+            out.update(fetch_hits=self.fetch["hit"], fetch_late=self.fetch["late"],
+                       fetch_misses=self.fetch["miss"], wait_s=self.wait_s,
+                       num_waits=self.num_waits, evictions_device=self.evictions[Tier.DEVICE],
+                       evictions_host=self.evictions[Tier.HOST], writebacks=self.writebacks)
+            return out

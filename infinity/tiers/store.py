@@ -1,0 +1,566 @@
+"""The tiered store: keyed shards with one residency record per copy, budgets, eviction, write-back.
+
+See the package docstring (:mod:`infinity.tiers`) for the public API and the rules it keeps.
+
+[Note: store locking] One lock (``self._lock``, with the condition ``self._cond``) guards every record
+and the budgets. Allocation happens only in the calling thread, under the lock, when a move is
+issued; it may wait on ``self._cond`` (which releases the lock) for a write-back it started to free a
+dirty victim, so every caller re-checks the world after ``_reserve`` returns. Moves complete on the
+store's copy threads, which never allocate and never block on another move of this store (chained
+moves use ``add_done_callback``), so a completion can always make progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from infinity.swapper import Swapper, aligned_empty
+from infinity.tiers._arena import HostArena
+from infinity.tiers._budget import _BudgetMixin
+from infinity.tiers._records import Counters, StoreConfig, TierHandle, _Shard, done_future
+from infinity.tiers.residency import Residency, Tier
+
+logger = logging.getLogger(__name__)
+
+_A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING
+NextUse = Callable[[str], "float | None"]
+
+
+class TieredStore(_BudgetMixin):
+    """Keyed shards over DEVICE / HOST / NVME with byte budgets. Thread-safe. See :mod:`infinity.tiers`."""
+
+    def __init__(self, device: torch.device | str, config: StoreConfig, *,
+                 swapper: Swapper | None = None, next_use: NextUse | None = None):
+        self.device = torch.device(device)
+        self.config = config
+        self.swapper = swapper
+        """Owned by the caller (closing the store does not close it); needed for NVME shards."""
+        self._next_use_fn = next_use
+        self._cuda = self.device.type == "cuda"
+        alignment = max(4096, getattr(swapper, "alignment_bytes", 4096))
+        self.arena = HostArena(config.host_budget_bytes, alignment_bytes=alignment,
+                               allocate_fn=aligned_empty)
+        self._budget = {Tier.DEVICE: config.device_budget_bytes, Tier.HOST: self.arena.capacity_bytes}
+        self._used = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self._peak = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self._shards: dict[str, _Shard] = {}
+        self._lock = threading.Lock()  # [Note: store locking]
+        self._cond = threading.Condition(self._lock)
+        self._clock = 0  # LRU clock, bumped by every touch
+        self.counters = Counters()
+        self._pool = ThreadPoolExecutor(config.num_copy_threads, thread_name_prefix="infinity-tiers")
+        self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._closed = False
+
+    # -- registration ----------------------------------------------------------------------------
+
+    def register(self, key: str, numel: int, dtype: torch.dtype, home: Tier,
+                 initial: torch.Tensor | None = None) -> None:
+        """Add a shard. Its home copy is allocated now (DEVICE/HOST) and filled from ``initial``
+        (zeros when None). NVME home: ``initial`` is copied into a HOST extent and written back
+        asynchronously (the HOST copy stays as a cache); None means zeros, read as zeros, no file."""
+        self._check_new(key, numel, dtype, home, initial)
+        with self._lock:
+            self._check_open()
+            if key in self._shards:
+                raise ValueError(f"register({key!r}): key is already registered; unregister it first")
+            shard = _Shard(key, numel, dtype, home)
+            if home is Tier.NVME and initial is None:
+                shard.set_state(Tier.NVME, _R)
+                shard.nvme_zeros = True
+                self._shards[key] = shard
+                return
+            tier = Tier.HOST if home is Tier.NVME else home
+            alloc = self._reserve(tier, shard, for_key=key)
+            if key in self._shards:  # registered by another thread while we waited for memory
+                self._free(alloc)
+                raise ValueError(f"register({key!r}): key is already registered; unregister it first")
+            self._attach(shard, alloc)
+            copy = shard.copies[tier]
+            if initial is None:
+                copy.tensor.zero_()
+            else:
+                copy.tensor.copy_(initial.reshape(-1))
+            shard.set_state(tier, _R)
+            copy.last_use = self._tick()
+            self._shards[key] = shard
+            if home is Tier.NVME:
+                shard.dirty = Tier.HOST
+                self._start_writeback(shard)
+
+    def _check_new(self, key, numel, dtype, home, initial) -> None:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"register: key must be a non-empty string, got {key!r}")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise ValueError(f"register({key!r}): numel must be an integer > 0, got {numel!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"register({key!r}): dtype must be a torch.dtype, got {dtype!r}")
+        if not isinstance(home, Tier):
+            raise ValueError(f"register({key!r}): home must be a Tier, got {home!r}")
+        if home is Tier.NVME and self.swapper is None:
+            raise ValueError(f"register({key!r}, home=NVME): this store has no swapper; pass "
+                             "swapper=Swapper(nvme_path) to TieredStore")
+        if home is Tier.NVME:
+            self.swapper.path_of(key)  # ValueError now for a key that cannot name a swap file
+        if initial is not None and (initial.numel() != numel or initial.dtype != dtype):
+            raise ValueError(f"register({key!r}): initial is {initial.dtype} with {initial.numel()} "
+                             f"elements, expected {dtype} with {numel}")
+
+    def unregister(self, key: str) -> None:
+        """Drop every copy (the home copy too) and delete the swap file. Pinned copies: ValueError."""
+        with self._lock:
+            shard = self._wait_settled(self._shard(key))
+            pinned = [t.name for t, c in shard.copies.items() if c.pins]
+            if pinned:
+                raise ValueError(f"unregister({key!r}): copies on {pinned} are acquired; release "
+                                 "them first")
+            for tier in (Tier.DEVICE, Tier.HOST):
+                if shard.copies[tier].state is _R:
+                    self._drop(shard, tier)
+            had_file = shard.has_swap_file
+            if shard.copies[Tier.NVME].state is _R:
+                shard.set_state(Tier.NVME, _A)
+            del self._shards[key]
+            self._cond.notify_all()
+        if had_file:
+            try:
+                self.swapper.remove(key)
+            except KeyError:  # never written successfully: nothing on disk
+                pass
+
+    # -- fetch, get, pin -------------------------------------------------------------------------
+
+    def fetch(self, key: str, tier: Tier, *, next_use: float | None = None) -> TierHandle:
+        """Bring a copy of ``key`` to ``tier`` (DEVICE or HOST); ``wait()`` returns its tensor.
+
+        NVME -> DEVICE goes through a HOST copy, which stays cached. Without a pin the copy may be
+        evicted by later allocations: use :meth:`acquire` when compute reads it."""
+        return self._fetch(key, tier, next_use=next_use, pin=False)
+
+    def acquire(self, key: str, tier: Tier, *, next_use: float | None = None) -> TierHandle:
+        """:meth:`fetch` and pin: the copy is not evicted until a matching :meth:`release`.
+        If ``wait()`` raises, the pin is gone too (do not release)."""
+        return self._fetch(key, tier, next_use=next_use, pin=True)
+
+    def release(self, key: str, tier: Tier) -> None:
+        """Undo one :meth:`acquire` of the copy on ``tier``."""
+        with self._lock:
+            copy = self._shard(key).copies[tier]
+            if copy.pins == 0:
+                raise ValueError(f"release({key!r}, {tier.name}): the copy is not acquired")
+            copy.pins -= 1
+            if copy.pins == 0:
+                self._cond.notify_all()
+
+    def get(self, key: str, tier: Tier) -> torch.Tensor:
+        """The tensor of a resident copy (1-D, ``numel`` elements). Not resident: ValueError."""
+        with self._lock:
+            shard = self._shard(key)
+            copy = shard.copies[tier]
+            if tier is Tier.NVME or copy.state not in (_R, _W):
+                raise ValueError(f"get({key!r}, {tier.name}): the copy is {copy.state.name}, not "
+                                 f"resident; fetch({key!r}, Tier.{tier.name}) and wait first")
+            if shard.dirty is not None and tier is shard.home:
+                raise ValueError(f"get({key!r}, {tier.name}): the home copy is stale (the "
+                                 f"{shard.dirty.name} copy is dirty); write_back({key!r}) first")
+            copy.last_use = self._tick()
+            return copy.tensor
+
+    def _fetch(self, key: str, tier: Tier, *, next_use: float | None, pin: bool) -> TierHandle:
+        if tier not in (Tier.DEVICE, Tier.HOST):
+            raise ValueError(f"fetch({key!r}, {tier!r}): fetch to DEVICE or HOST; write_back "
+                             "moves data to the home tier")
+        with self._lock:
+            self._check_open()
+            shard = self._shard(key)
+            if next_use is not None:
+                shard.next_use = next_use
+            future, outcome = self._fetch_locked(shard, tier, pin)
+            self.counters.fetch[outcome] += 1
+        return TierHandle(future, key, tier, self.counters.add_wait)
+
+    def _fetch_locked(self, shard: _Shard, tier: Tier, pin: bool) -> tuple[Future, str]:
+        missed = False
+        started: Future | None = None  # the move this call issued (or its HOST staging fetch)
+        while True:
+            if started is not None and started.done() and started.exception() is not None:
+                return started, "miss"  # it failed: so does this fetch (never retry in a loop)
+            copy = shard.copies[tier]
+            if tier is shard.home and shard.dirty is not None:
+                self._wait_writeback(shard)  # the home copy is stale: make it current first
+                continue
+            if copy.state is _I and copy.future is None:  # staging copy of a write-back
+                self._cond.wait()
+                continue
+            if copy.state in (_R, _W, _I):
+                copy.last_use = self._tick()
+                copy.pins += int(pin)
+                if copy.state is _I:
+                    return copy.future, "miss" if missed else "late"
+                return (done_future(copy.tensor), "miss" if missed else "hit")
+            source = self._source(shard, tier)
+            if source is None:  # DEVICE from NVME: stage in HOST first, then come back
+                started = self._fetch_locked(shard, Tier.HOST, False)[0]
+                continue
+            alloc = self._reserve(tier, shard, for_key=shard.key)
+            if self._shards.get(shard.key) is not shard:
+                self._free(alloc)
+                raise KeyError(f"fetch({shard.key!r}): unregistered while waiting for memory")
+            if copy.state is not _A or self._source(shard, tier) != source:
+                self._free(alloc)  # someone else moved things while we waited: look again
+                continue
+            self._attach(shard, alloc)
+            shard.set_state(tier, _I)
+            copy.future = started = Future()
+            self._start_move(shard, source, tier)
+            missed = True  # the loop's next pass pins the copy and returns its future
+
+    def _source(self, shard: _Shard, tier: Tier) -> Tier | None:
+        """Where a fetch into ``tier`` reads from; None: DEVICE must wait for a HOST copy first."""
+        other = Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE
+        stale = shard.dirty is not None and other is shard.home
+        if shard.copies[other].state is not _A and not stale:
+            return other
+        if tier is Tier.HOST and shard.copies[Tier.NVME].state is _R:
+            return Tier.NVME
+        if tier is Tier.DEVICE and shard.home is Tier.NVME:
+            return None
+        raise RuntimeError(f"internal error: no valid copy of shard {shard.key!r} to fetch from "
+                           f"({ {t.name: c.state.name for t, c in shard.copies.items()} }, "
+                           f"dirty={shard.dirty})")
+
+    # -- moves ------------------------------------------------------------------------------------
+
+    def _start_move(self, shard: _Shard, src: Tier, dst: Tier) -> None:
+        """Issue the move of ``shard`` from ``src`` into ``dst`` (its copy is INFLIGHT, allocated)."""
+        dst_copy = shard.copies[dst]
+        if src is Tier.NVME:
+            if shard.nvme_zeros:
+                dst_copy.tensor.zero_()
+                self._finish_move(shard, src, dst, None, lock=False)
+                return
+            try:
+                handle = self.swapper.swap_in(shard.key, self.arena.raw(dst_copy.extent))
+            except BaseException as e:  # noqa: BLE001 - refused at issue: fail through the handle
+                self._finish_move_locked(shard, src, dst, e)
+                return
+            handle.future.add_done_callback(
+                lambda f: self._submit(self._finish_move, shard, src, dst, f.exception()))
+            return
+        src_copy = shard.copies[src]
+        src_copy.busy += 1
+        ready = self._stream_event()
+        if src_copy.state is _I:  # chain after the move into the source
+            src_copy.future.add_done_callback(
+                lambda f: self._submit(self._copy_then_finish, shard, src, dst, ready,
+                                            f.exception()))
+        else:
+            self._submit(self._copy_then_finish, shard, src, dst, ready, None)
+
+    def _copy_then_finish(self, shard, src: Tier, dst: Tier, ready, error) -> None:
+        if error is None:
+            try:
+                self._copy(shard.copies[dst].tensor, shard.copies[src].tensor, ready)
+            except BaseException as e:  # noqa: BLE001 - delivered through the handle
+                error = e
+        self._finish_move(shard, src, dst, error)
+
+    def _finish_move(self, shard: _Shard, src: Tier, dst: Tier, error, lock: bool = True) -> None:
+        if lock:
+            with self._lock:
+                self._finish_move_locked(shard, src, dst, error)
+        else:
+            self._finish_move_locked(shard, src, dst, error)
+
+    def _finish_move_locked(self, shard: _Shard, src: Tier, dst: Tier, error) -> None:
+        copy = shard.copies[dst]
+        future, copy.future = copy.future, None
+        if src is not Tier.NVME:
+            shard.copies[src].busy -= 1
+        if error is None:
+            shard.set_state(dst, _R)
+            if not (src is Tier.NVME and shard.nvme_zeros):
+                self.counters.add_moved(src, dst, shard.nbytes)
+            future.set_result(copy.tensor)
+        else:
+            shard.set_state(dst, _A)
+            copy.pins = 0  # the acquires that pinned it fail with this error
+            self._release_bytes(shard, dst)
+            logger.warning("fetch of %r into %s failed: %s", shard.key, dst.name, error)
+            future.set_exception(error)
+        self._cond.notify_all()
+
+    def _submit(self, fn, *args) -> None:
+        """Run ``fn`` on a copy thread. Completions must never fail silently (a waiter would hang),
+        so an exception escaping one is logged loudly; the functions themselves deliver I/O errors
+        through the copy's future."""
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a bug in the store; make it visible
+                logger.exception("internal error in a tiered-store completion (%s)", fn.__name__)
+                raise
+        self._pool.submit(run)
+
+    def _stream_event(self):
+        """CUDA: an event on the caller's stream, so the copy stream waits for work issued so far."""
+        if not self._cuda:
+            return None
+        return torch.cuda.current_stream(self.device).record_event()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, ready) -> None:
+        """Copy between HOST and DEVICE; CUDA: on the store's copy stream, complete on return."""
+        if not self._cuda:
+            dst.copy_(src)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            dst.copy_(src, non_blocking=True)
+            done = self._copy_stream.record_event()
+        done.synchronize()
+
+    # -- dirty data and write-back ---------------------------------------------------------------
+
+    def mark_dirty(self, key: str, tier: Tier) -> None:
+        """Say the copy on ``tier`` was modified. Other non-home copies are dropped (stale); when
+        ``tier`` is not home, the home copy is stale until :meth:`write_back` (or an eviction)."""
+        with self._lock:
+            shard = self._wait_settled(self._shard(key))
+            copy = shard.copies[tier]
+            if tier is Tier.NVME or copy.state is not _R:
+                raise ValueError(f"mark_dirty({key!r}, {tier.name}): the copy is "
+                                 f"{copy.state.name}; only a resident DEVICE or HOST copy can be "
+                                 "modified")
+            others = [t for t in (Tier.DEVICE, Tier.HOST)
+                      if t not in (tier, shard.home) and shard.copies[t].state is _R]
+            pinned = [t.name for t in others if shard.copies[t].pins]
+            if pinned:
+                raise ValueError(f"mark_dirty({key!r}, {tier.name}): the copy on {pinned} is "
+                                 "acquired and would go stale while in use; release it first")
+            for t in others:
+                self._drop(shard, t)
+            shard.dirty = None if tier is shard.home else tier
+            shard.writeback_error = None
+
+    def write_back(self, key: str) -> TierHandle:
+        """Copy the dirty copy's bytes to the home tier (async; ``wait()`` returns None)."""
+        with self._lock:
+            self._check_open()
+            shard = self._shard(key)
+            future = self._start_writeback(shard)
+        return TierHandle(future, key, None, self.counters.add_wait)
+
+    def flush(self) -> None:
+        """Write back every dirty shard and wait (before a checkpoint reads the home tiers)."""
+        futures = []
+        with self._lock:
+            for shard in list(self._shards.values()):
+                # _start_writeback may wait (lock released): skip shards unregistered meanwhile.
+                if self._shards.get(shard.key) is shard and shard.dirty is not None:
+                    futures.append(self._start_writeback(shard))
+        for future in futures:
+            future.result()
+
+    def _start_writeback(self, shard: _Shard) -> Future:
+        """Issue the write-back of ``shard.dirty`` to its home (lock held; may wait for memory)."""
+        while True:
+            if shard.writeback is not None:
+                return shard.writeback
+            src = shard.dirty
+            if src is None:
+                return done_future(None)
+            if not shard.settled():
+                self._wait_settled(shard)
+                continue
+            staged = src is Tier.DEVICE and shard.home is Tier.NVME
+            if staged and shard.copies[Tier.HOST].state is _A:
+                alloc = self._reserve(Tier.HOST, shard, for_key=shard.key)
+                if self._shards.get(shard.key) is not shard or shard.dirty is not src or \
+                        shard.copies[Tier.HOST].state is not _A or shard.writeback is not None:
+                    self._free(alloc)
+                    continue
+                self._attach(shard, alloc)
+                shard.set_state(Tier.HOST, _I)
+            elif staged:  # an existing HOST copy already holds the dirty bytes ([Note: dirty copy])
+                staged, src = False, Tier.HOST
+            break
+        shard.writeback = Future()
+        shard.set_state(src, _W)
+        if staged:
+            shard.copies[Tier.HOST].busy += 1  # written by us, then read by the swap-out
+        home = shard.home
+        shard.set_state(home, _I)
+        self.counters.writebacks += 1
+        self._submit(self._writeback_job, shard, src, staged, self._stream_event())
+        return shard.writeback
+
+    def _writeback_job(self, shard: _Shard, src: Tier, staged: bool, ready) -> None:
+        error = None
+        home = shard.home
+        try:
+            if staged:  # DEVICE -> HOST extent -> NVME
+                self._copy(shard.copies[Tier.HOST].tensor, shard.copies[Tier.DEVICE].tensor, ready)
+                self.counters.add_moved(Tier.DEVICE, Tier.HOST, shard.nbytes)
+                with self._lock:
+                    shard.set_state(Tier.HOST, _R)
+                    shard.set_state(Tier.HOST, _W)
+                    shard.copies[Tier.HOST].busy -= 1
+            if home is Tier.NVME:
+                extent = shard.copies[Tier.HOST].extent
+                shard.has_swap_file = True
+                self.swapper.swap_out(shard.key, self.arena.raw(extent)).wait()
+                self.counters.add_moved(Tier.HOST, Tier.NVME, shard.nbytes)
+            else:
+                self._copy(shard.copies[home].tensor, shard.copies[src].tensor, ready)
+                self.counters.add_moved(src, home, shard.nbytes)
+        except BaseException as e:  # noqa: BLE001 - delivered through the handle
+            error = e
+        self._finish_writeback(shard, src, staged, error)
+
+    def _finish_writeback(self, shard: _Shard, src: Tier, staged: bool, error) -> None:
+        with self._lock:
+            home = shard.home
+            # Only the copies this write-back moved change state: a fetch may be under way into
+            # another copy meanwhile (a WRITING copy is a valid source).
+            if staged:
+                host = shard.copies[Tier.HOST]
+                if host.state is _I:  # the DEVICE -> HOST copy failed: drop the staging extent
+                    shard.set_state(Tier.HOST, _A)
+                    host.busy = 0
+                    self._release_bytes(shard, Tier.HOST)
+                else:
+                    shard.set_state(Tier.HOST, _R)
+            shard.set_state(src, _R)
+            future, shard.writeback = shard.writeback, None
+            if error is None:
+                shard.set_state(home, _R)
+                shard.dirty = None
+                if home is Tier.NVME:
+                    shard.nvme_zeros = False
+                future.set_result(None)
+            else:
+                # The dirty copy is kept; an NVMe home that failed mid-write has no valid file.
+                shard.set_state(home, _A if home is Tier.NVME else _R)
+                shard.writeback_error = error
+                logger.warning("write-back of %r to %s failed: %s", shard.key, home.name, error)
+                future.set_exception(error)
+            self._cond.notify_all()
+
+    def _wait_writeback(self, shard: _Shard) -> None:
+        """Write ``shard`` back and wait (lock held; released while waiting). Re-raises its error."""
+        future = self._start_writeback(shard)
+        while not future.done():
+            self._cond.wait()
+        if future.exception() is not None:
+            raise future.exception()
+
+    # -- eviction -----------------------------------------------------------------------------------
+
+    def evict(self, key: str, tier: Tier) -> None:
+        """Drop the copy on ``tier`` (writing it back first when dirty). Absent: no-op.
+        The home copy and pinned copies cannot be evicted (ValueError)."""
+        with self._lock:
+            shard = self._shard(key)
+            if tier is shard.home or tier is Tier.NVME:
+                raise ValueError(f"evict({key!r}, {tier.name}): that is the home copy; unregister "
+                                 "the shard to drop it")
+            while True:
+                shard = self._wait_settled(shard)
+                copy = shard.copies[tier]
+                if copy.state is _A:
+                    return
+                if copy.pins:
+                    raise ValueError(f"evict({key!r}, {tier.name}): the copy is acquired "
+                                     f"{copy.pins} time(s); release it first")
+                if shard.dirty is tier:
+                    self._wait_writeback(shard)
+                    continue
+                self._drop(shard, tier)
+                self.counters.evictions[tier] += 1
+                return
+
+    def _wait_settled(self, shard: _Shard) -> _Shard:
+        while not shard.settled():
+            self._cond.wait()
+        if self._shards.get(shard.key) is not shard:
+            raise KeyError(f"shard {shard.key!r} was unregistered meanwhile")
+        return shard
+
+    def _shard(self, key: str) -> _Shard:
+        shard = self._shards.get(key)
+        if shard is None:
+            raise KeyError(f"shard {key!r} is not registered (register it first)")
+        return shard
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the TieredStore is closed")
+
+    # -- introspection and shutdown ------------------------------------------------------------------
+
+    def state(self, key: str, tier: Tier) -> Residency:
+        with self._lock:
+            return self._shard(key).copies[tier].state
+
+    def is_dirty(self, key: str) -> Tier | None:
+        with self._lock:
+            return self._shard(key).dirty
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._shards)
+
+    def set_next_use(self, key: str, distance: float | None) -> None:
+        with self._lock:
+            self._shard(key).next_use = distance
+
+    def stats(self) -> dict[str, float]:
+        """Counters; keys in :data:`infinity.tiers.STATS_KEYS`, documented in the package docstring."""
+        out = self.counters.snapshot()
+        with self._lock:
+            for tier in (Tier.DEVICE, Tier.HOST):
+                out[f"{tier.label}_used_bytes"] = self._used[tier]
+                out[f"{tier.label}_peak_bytes"] = self._peak[tier]
+                out[f"{tier.label}_budget_bytes"] = self._budget[tier]
+            out["num_shards"] = len(self._shards)
+        out["host_largest_free_bytes"] = self.arena.largest_free_bytes()
+        return out
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            self._peak = dict(self._used)
+
+    def close(self) -> None:
+        """Wait for moves in flight, drop every copy (no write-back: call flush() first to keep
+        dirty data), stop the copy threads. The swapper stays open (the caller owns it)."""
+        with self._lock:
+            if self._closed:
+                return
+            for shard in list(self._shards.values()):
+                while not shard.settled():
+                    self._cond.wait()
+            self._closed = True
+            keys = [k for k, s in self._shards.items() if s.has_swap_file]
+            self._shards.clear()
+            self._used = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self._pool.shutdown(wait=True)
+        for key in keys:
+            try:
+                self.swapper.remove(key)
+            except (KeyError, OSError, RuntimeError):
+                pass
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
