@@ -14,6 +14,7 @@ Writers are atomic: a temporary name, fsync, rename, fsync of the directory.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -252,8 +253,11 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Iterable[tuple[str,
         f.write(raw)
         for _, t in items:
             cpu = t.detach().to("cpu").contiguous()
-            if cpu.numel():
-                f.write(memoryview(cpu.view(-1).view(torch.uint8).numpy()))
+            nbytes = cpu.numel() * cpu.element_size()
+            if nbytes:
+                # Not .numpy(): that marks the storage non-resizable, and the engine frees and
+                # re-grows the storage of live parameters (stage 3) that may be passed here.
+                f.write(memoryview((ctypes.c_char * nbytes).from_address(cpu.data_ptr())))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

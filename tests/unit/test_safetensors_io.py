@@ -99,3 +99,12 @@ def test_garbage_and_missing_files_give_clear_errors(tmp_path):
             f.read_into("a", torch.empty(4), start_numel=2)
         with pytest.raises(SafetensorsError, match="dtype"):
             f.read_into("a", torch.empty(4, dtype=torch.float64))
+
+
+def test_writing_a_live_tensor_keeps_its_storage_resizable(tmp_path):
+    """Stage 3 frees and re-grows parameter storage; saving one must not pin its size."""
+    t = torch.arange(10, dtype=torch.float32)
+    write_safetensors(tmp_path / "live.safetensors", {"t": t})
+    t.untyped_storage().resize_(0)
+    t.untyped_storage().resize_(40)
+    assert st.load_file(str(tmp_path / "live.safetensors"))["t"].tolist() == list(range(10))
