@@ -1,0 +1,229 @@
+"""CPU Adam throughput: ours against torch's fused/foreach AdamW, DeepSpeed, and a copy probe.
+
+Reproduce (the cores are shared, so take the lock)::
+
+    flock /tmp/infinity-bench.lock infinity bench adam --numel 67108864 --threads 2
+
+Every variant steps the same flat fp32 parameter and gradient (64M = 2**26 elements by default) in
+this process: after one warm-up call each, ``--repeats`` rounds time one call of every variant per
+round, and each row is the median of its calls, so the figures are ratios against
+``torch.optim.AdamW(fused=True)`` measured side by side. ``--hugepages`` puts every variant's
+buffers (ours and torch's alike) in ``cpu_adam.zeros_host`` memory: transparent huge pages, each
+buffer at its own offset (see [Note: state memory layout] in ``infinity/cpu_adam.py``); the
+default is plain torch allocations, as a user's tensors would be.
+"GB/s" counts the bytes each variant must move (fp32 Adam: 28 per parameter; our bf16 copy-out
+adds 2; a separate ``.to(bfloat16)`` adds 6; bf16 moments take 20 instead of 28), so it shows how
+close each is to the copy probe's bandwidth. DeepSpeed's ``DeepSpeedCPUAdam`` runs in a subprocess
+of ``/root/dsvenv/bin/python`` (``DS_ACCELERATOR=cpu``; its op is JIT-built and cached on first use).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any, Callable
+
+import torch
+
+from infinity import cpu_adam
+from infinity.bench.report import Report, add_common_arguments, median_time_s
+
+DS_PYTHON = "/root/dsvenv/bin/python"
+_HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--numel", type=int, default=1 << 26, help="parameters per step (default 2**26)")
+    parser.add_argument("--threads", type=int, default=2, help="torch/kernel threads (default 2)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds (median per variant)")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed subprocess")
+    parser.add_argument("--hugepages", action="store_true",
+                        help="every variant's buffers from cpu_adam.zeros_host (huge pages, staggered offsets)")
+    parser.add_argument("--ds-timeout-s", type=float, default=1200.0,
+                        help="DeepSpeed subprocess limit, including its first JIT build")
+    add_common_arguments(parser)
+
+
+def _torch_optimizer(p: torch.Tensor, g: torch.Tensor, alloc: Callable, **kw: Any) -> torch.optim.Optimizer:
+    param = torch.nn.Parameter(p, requires_grad=False)  # shares p's storage
+    param.grad = g
+    opt = torch.optim.AdamW([param], **_HYPER, **kw)
+    # its moments in the same kind of memory as ours (AdamW uses pre-existing state as is)
+    opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": alloc(p.numel(), torch.float32),
+                        "exp_avg_sq": alloc(p.numel(), torch.float32)}
+    return opt
+
+
+def _ours(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, threads: int,
+          out: torch.Tensor | None = None) -> Callable[[], None]:
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        cpu_adam.adam_step_flat(p, g, m, v, step=step[0], lr=_HYPER["lr"], beta1=0.9, beta2=0.999,
+                                eps=_HYPER["eps"], weight_decay=_HYPER["weight_decay"], out=out,
+                                num_threads=threads)
+    return run
+
+
+def _measure(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    n, threads = args.numel, args.threads
+    alloc = cpu_adam.zeros_host if args.hugepages else (lambda k, dt: torch.zeros(k, dtype=dt))
+    torch.manual_seed(0)
+    p, g = alloc(n, torch.float32).normal_(), alloc(n, torch.float32).normal_(std=1e-2)
+    m32, v32 = alloc(n, torch.float32), alloc(n, torch.float32)
+    m16, v16 = alloc(n, torch.bfloat16), alloc(n, torch.bfloat16)
+    out16, copy_dst = alloc(n, torch.bfloat16), alloc(n, torch.bfloat16)
+    fused = _torch_optimizer(p, g, alloc, fused=True)
+    foreach = _torch_optimizer(p, g, alloc, foreach=True)
+    fused_param = fused.param_groups[0]["params"][0]
+
+    def fused_copy() -> None:
+        fused.step()
+        copy_dst.copy_(fused_param)
+
+    def fused_to() -> None:
+        fused.step()
+        fused_param.detach().to(torch.bfloat16)  # allocates, as `param.to(bf16)` in user code does
+
+    src, dst = alloc(n, torch.float32), alloc(n, torch.float32)
+    variants: list[tuple[str, Callable[[], None], int, str]] = [
+        ("memory probe: copy_ fp32", lambda: dst.copy_(src), 8, "-"),
+        ("torch AdamW fused", fused.step, 28, "fused"),
+        ("torch AdamW foreach", foreach.step, 28, "fused"),
+        ("ours fp32", _ours(p, g, m32, v32, threads), 28, "fused"),
+        ("torch fused + copy_ to bf16", fused_copy, 34, "fused+copy_"),
+        ("torch fused + .to(bf16)", fused_to, 34, "fused+copy_"),
+        ("ours fp32 + bf16 out", _ours(p, g, m32, v32, threads, out16), 30, "fused+copy_"),
+        ("ours bf16 states", _ours(p, g, m16, v16, threads), 20, "ours fp32"),
+        ("ours bf16 states + bf16 out", _ours(p, g, m16, v16, threads, out16), 22, "fused+copy_"),
+    ]
+    times = _round_robin([(name, fn) for name, fn, _, _ in variants], repeats=args.repeats)
+    if os.environ.get(cpu_adam.BACKEND_ENV, "auto") != "torch":  # slow: fewer repeats, outside the rounds
+        fallback = _with_backend("torch", _ours(p, g, m32, v32, threads))
+        times["ours, torch fallback path"], _ = median_time_s(fallback, repeats=min(2, args.repeats), warmup=1)
+        variants.append(("ours, torch fallback path", fallback, 28, "fused"))
+    times["fused+copy_"], times["fused"] = times["torch fused + copy_ to bf16"], times["torch AdamW fused"]
+    rows = []
+    for name, _, bytes_per, ref in variants:
+        t = times[name]
+        rows.append({"variant": name, "time_ms": t * 1e3, "Gupdates/s": n / t / 1e9,
+                     "GB/s": n * bytes_per / t / 1e9, "bytes/param": bytes_per,
+                     "speedup": None if ref == "-" else times[ref] / t,
+                     "vs": "-" if ref == "-" else ref})
+    return rows, times
+
+
+def _round_robin(fns: list[tuple[str, Callable[[], None]]], *, repeats: int) -> dict[str, float]:
+    """Median seconds per variant, timing one call of each variant per round.
+
+    The cores are shared: interleaving spreads any slow period over all variants instead of
+    charging it to whichever variant happened to run then.
+    """
+    samples: dict[str, list[float]] = {name: [] for name, _ in fns}
+    for _, fn in fns:  # warm-up: page faults, kernel build, torch's lazy state
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns:
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def _with_backend(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        old = os.environ.get(cpu_adam.BACKEND_ENV)
+        os.environ[cpu_adam.BACKEND_ENV] = name
+        try:
+            fn()
+        finally:
+            if old is None:
+                del os.environ[cpu_adam.BACKEND_ENV]
+            else:
+                os.environ[cpu_adam.BACKEND_ENV] = old
+    return run
+
+
+_DS_SCRIPT = textwrap.dedent("""
+    import json, statistics, sys, time, torch
+    n, threads, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(threads)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n)); p.grad = torch.randn(n) * 1e-2
+    opt = DeepSpeedCPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw_mode=True)
+    fused = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True)
+    def timed(fn):
+        fn()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    ds_t = timed(opt.step)
+    fused_t = timed(fused.step)
+    print("RESULT " + json.dumps({"ds_s": ds_t, "fused_s": fused_t}))
+""")
+
+
+def _deepspeed(args: Any) -> tuple[dict[str, Any] | None, str]:
+    if args.no_deepspeed:
+        return None, "DeepSpeed skipped (--no-deepspeed)"
+    if not os.path.exists(DS_PYTHON):
+        return None, f"DeepSpeed skipped: {DS_PYTHON} not found"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(args.threads))
+    if args.hugepages:  # the same memory as ours: torch's allocator madvises huge pages
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    try:
+        proc = subprocess.run([DS_PYTHON, "-c", _DS_SCRIPT, str(args.numel), str(args.threads), str(args.repeats)],
+                              capture_output=True, text=True, timeout=args.ds_timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"DeepSpeed skipped: no result within {args.ds_timeout_s:.0f} s"
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):]), "DeepSpeed DeepSpeedCPUAdam in its own process"
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return None, f"DeepSpeed skipped: subprocess failed ({tail[0][:200]})"
+
+
+def run(args: Any) -> int:
+    torch.set_num_threads(args.threads)
+    backend = cpu_adam.backend()  # builds the kernel now, outside the timed region
+    rows, times = _measure(args)
+    ds, ds_note = _deepspeed(args)
+    if ds is not None:
+        n = args.numel
+        rows.append({"variant": "DeepSpeed CPUAdam (subprocess)", "time_ms": ds["ds_s"] * 1e3,
+                     "Gupdates/s": n / ds["ds_s"] / 1e9, "GB/s": n * 28 / ds["ds_s"] / 1e9,
+                     "bytes/param": 28, "speedup": ds["fused_s"] / ds["ds_s"], "vs": "fused (in its process)"})
+    t = times
+    targets = {
+        "fp32 vs torch fused AdamW (target >= 1.0)": t["torch AdamW fused"] / t["ours fp32"],
+        "bf16 out vs fused + copy_ (target >= 1.25)": t["torch fused + copy_ to bf16"] / t["ours fp32 + bf16 out"],
+        "bf16 out vs fused + .to(bf16)": t["torch fused + .to(bf16)"] / t["ours fp32 + bf16 out"],
+        "bf16 states vs ours fp32 (target >= 1.3)": t["ours fp32"] / t["ours bf16 states"],
+    }
+    notes = [f"{k}: {v:.2f}x" for k, v in targets.items()]
+    notes += [f"backend {backend}; {args.threads} threads; numel {args.numel}; median of {args.repeats}; "
+              f"buffers of every variant on {'huge-page-advised memory' if args.hugepages else 'torch allocations'}",
+              "speedup = time of the 'vs' variant / time of this row", ds_note]
+    report = Report(name="adam", title=f"CPU Adam, {args.numel} params, {args.threads} threads",
+                    rows=rows, columns=["variant", "time_ms", "Gupdates/s", "GB/s", "bytes/param", "speedup", "vs"],
+                    notes=notes, params={"numel": args.numel, "threads": args.threads, "repeats": args.repeats,
+                                         "backend": backend, "hugepages": args.hugepages},
+                    extra={"ratios": targets, "deepspeed": ds})
+    report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="infinity bench adam")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
