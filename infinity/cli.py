@@ -1,4 +1,4 @@
-"""The ``infinity`` command line: ``bench``, ``estimate``, ``plan``, ``train``.
+"""The ``infinity`` command line: ``bench``, ``estimate``, ``plan``, ``train``, ``consolidate``.
 
 Only this module configures logging handlers. Subcommands live in their own modules, each exposing
 ``add_arguments(parser)`` and ``run(args) -> int``; they are imported when the parser is built.
@@ -20,6 +20,7 @@ COMMANDS = {
     "estimate": ("infinity.estimate_cli", "memory ledger per ZeRO stage and tier"),
     "plan": ("infinity.plan", "recommend a configuration for a model on given hardware"),
     "train": ("infinity.train", "train a GPT-style model with offload (the README's main job)"),
+    "consolidate": ("infinity.consolidate", "checkpoint -> one state dict (safetensors)"),
 }
 
 
@@ -48,8 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = bench_sub.add_parser(name, help=help_text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
-    p_all = bench_sub.add_parser("all", help="every benchmark, one after another, default sizes")
-    p_all.add_argument("--json", action="store_true")
+    p_all = bench_sub.add_parser("all", help="every benchmark, one after another (default sizes, "
+                                 "or --quick for about a minute)")
+    p_all.add_argument("--quick", action="store_true",
+                       help="small sizes, no DeepSpeed subprocesses: each bench's QUICK_ARGS")
+    p_all.add_argument("--json", action="store_true",
+                       help='print one JSON document: {"benchmark": "all", "results": {name: record}}')
+    p_all.add_argument("--results-dir", default=None, help="passed to every benchmark")
+    p_all.add_argument("--no-save", action="store_true", help="passed to every benchmark")
     p_all.set_defaults(_run=lambda args: _run_all(available, args))
 
     for name, (module_name, help_text) in COMMANDS.items():
@@ -63,12 +70,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_all(available, args) -> int:
-    rc = 0
+    """Each registered bench with its defaults (or its ``QUICK_ARGS``) and the shared options.
+
+    One failing bench does not stop the others; the exit code is the worst one. With ``--json``
+    each bench's stdout is captured and the records are printed as one document, so stdout stays
+    machine-readable (progress bars go to stderr).
+    """
+    import contextlib
+    import io
+    import json
+
+    shared = ["--json"] if args.json else []
+    if args.results_dir is not None:
+        shared += ["--results-dir", args.results_dir]
+    if args.no_save:
+        shared.append("--no-save")
+    rc, records = 0, {}
     for name, module in available.items():
         p = argparse.ArgumentParser(prog=f"infinity bench {name}")
         module.add_arguments(p)
-        sub_args = p.parse_args(["--json"] if args.json else [])
-        rc = max(rc, module.run(sub_args))
+        argv = [*(getattr(module, "QUICK_ARGS", ()) if args.quick else ()), *shared]
+        print(f"== infinity bench {name} {' '.join(argv)}", file=sys.stderr, flush=True)
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out) if args.json else contextlib.nullcontext():
+                code = int(module.run(p.parse_args(argv)) or 0)
+        except (ValueError, OSError, RuntimeError) as e:
+            if args.verbose:
+                raise
+            print(f"infinity: bench {name}: error: {e}", file=sys.stderr)
+            code = 2
+            records[name] = {"benchmark": name, "error": str(e)}
+        rc = max(rc, code)
+        if args.json and name not in records:
+            try:
+                records[name] = json.loads(out.getvalue())
+            except json.JSONDecodeError:
+                records[name] = {"benchmark": name, "error": "output was not JSON",
+                                 "output": out.getvalue()[-2000:]}
+    if args.json:
+        print(json.dumps({"benchmark": "all", "quick": args.quick, "returncode": rc,
+                          "results": records}, indent=2, default=str))
     return rc
 
 

@@ -17,6 +17,15 @@ from infinity.models.gpt import GPT, PRESETS, synthetic_batch
 
 
 def _peak_rss_bytes() -> int:
+    """This process's own high-water mark (VmHWM). Not ru_maxrss: Linux carries the parent's
+    high-water mark over into a child at fork, so every mode would read at least the parent's."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -31,10 +31,15 @@ from typing import Any, Callable
 import torch
 
 from infinity import cpu_adam
+from infinity.bench.plot import save_plot
+from infinity.bench.progress import Progress
 from infinity.bench.report import Report, add_common_arguments, median_time_s
 
 DS_PYTHON = "/root/dsvenv/bin/python"
 _HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+PROBE_VARIANT = "memory probe: copy_ fp32"
+# `infinity bench all --quick`: 4M parameters (64 MiB of fp32 state, past the caches), no subprocess.
+QUICK_ARGS = ("--numel", str(1 << 22), "--repeats", "3", "--no-deepspeed")
 
 
 def add_arguments(parser: Any) -> None:
@@ -46,6 +51,9 @@ def add_arguments(parser: Any) -> None:
                         help="every variant's buffers from cpu_adam.zeros_host (huge pages, staggered offsets)")
     parser.add_argument("--ds-timeout-s", type=float, default=1200.0,
                         help="DeepSpeed subprocess limit, including its first JIT build")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw Gupdates/s and GB/s per variant against the copy probe "
+                        "(needs pip install 'infinity[plot]')")
     add_common_arguments(parser)
 
 
@@ -93,7 +101,7 @@ def _measure(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
     src, dst = alloc(n, torch.float32), alloc(n, torch.float32)
     variants: list[tuple[str, Callable[[], None], int, str]] = [
-        ("memory probe: copy_ fp32", lambda: dst.copy_(src), 8, "-"),
+        (PROBE_VARIANT, lambda: dst.copy_(src), 8, "-"),
         ("torch AdamW fused", fused.step, 28, "fused"),
         ("torch AdamW foreach", foreach.step, 28, "fused"),
         ("ours fp32", _ours(p, g, m32, v32, threads), 28, "fused"),
@@ -126,13 +134,19 @@ def _round_robin(fns: list[tuple[str, Callable[[], None]]], *, repeats: int) -> 
     charging it to whichever variant happened to run then.
     """
     samples: dict[str, list[float]] = {name: [] for name, _ in fns}
-    for _, fn in fns:  # warm-up: page faults, kernel build, torch's lazy state
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns:
-            t0 = time.perf_counter()
+    bar = Progress(len(fns) * (repeats + 1), desc="bench adam")
+    try:
+        for _, fn in fns:  # warm-up: page faults, kernel build, torch's lazy state
             fn()
-            samples[name].append(time.perf_counter() - t0)
+            bar.update(1, round=f"0/{repeats}")
+        for round_ in range(1, repeats + 1):
+            for name, fn in fns:
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+                bar.update(1, round=f"{round_}/{repeats}")  # after t1: never timed
+    finally:
+        bar.close()
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
@@ -217,8 +231,43 @@ def run(args: Any) -> int:
                     notes=notes, params={"numel": args.numel, "threads": args.threads, "repeats": args.repeats,
                                          "backend": backend, "hugepages": args.hugepages},
                     extra={"ratios": targets, "deepspeed": ds})
+    if args.plot:
+        written, message = _plot(rows, args.plot, title=report.title)
+        print(message, file=sys.stderr)  # stderr: keeps --json stdout one document
+        report.extra["plot"] = args.plot if written else None
     report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
     return 0
+
+
+def _plot(rows: list[dict[str, Any]], path: str, *, title: str) -> tuple[bool, str]:
+    """Two bar charts per variant (Gupdates/s, GB/s); the copy probe is the GB/s ceiling line."""
+    probe = next((r for r in rows if r["variant"] == PROBE_VARIANT), None)
+    bars = [r for r in rows if r is not probe]
+
+    def draw(plt):
+        fig, (ax_u, ax_b) = plt.subplots(1, 2, figsize=(12, 0.45 * len(bars) + 1.8), sharey=True)
+        ys = range(len(bars))
+        colors = ["tab:orange" if r["variant"].startswith("ours") else "tab:blue" for r in bars]
+        ax_u.barh(ys, [r["Gupdates/s"] for r in bars], color=colors)
+        ax_u.set_yticks(list(ys), [r["variant"] for r in bars])
+        ax_u.invert_yaxis()  # table order, top to bottom
+        ax_u.set_xlabel("Gupdates/s (parameters per second / 1e9)")
+        ax_b.barh(ys, [r["GB/s"] for r in bars], color=colors)
+        ax_b.set_xlabel("GB/s moved (bytes/param x updates/s)")
+        if probe is not None:
+            ax_b.axvline(probe["GB/s"], color="black", linestyle="--",
+                         label=f"copy probe {probe['GB/s']:.1f} GB/s")
+            # the probe in updates: fp32 Adam moves 28 bytes per parameter
+            ax_u.axvline(probe["GB/s"] / 28, color="black", linestyle="--",
+                         label=f"copy probe / 28 B = {probe['GB/s'] / 28:.2f}")
+            ax_u.legend(loc="lower right")
+            ax_b.legend(loc="lower right")
+        for ax in (ax_u, ax_b):
+            ax.grid(True, axis="x", alpha=0.3)
+        fig.suptitle(title + " (orange: ours)")
+        return fig
+
+    return save_plot(path, draw, what="adam throughput plot")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 
 from infinity._common import GiB, MiB, format_bytes
+from infinity.bench.plot import save_plot
+from infinity.bench.progress import Progress
 from infinity.bench.report import Report, add_common_arguments, format_table
 from infinity.config import SwapperConfig
 from infinity.swapper import Swapper, aligned_empty
@@ -42,6 +45,8 @@ RAW_BLOCK_BYTES = 16 * MiB
 RAW_NUM_THREADS = 8
 SWEEP_BLOCK_BYTES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 SWEEP_QUEUE_DEPTHS = (2, 4, 8, 16, 32)
+# `infinity bench all --quick`: a size that still spans many swapper blocks, no slow references.
+QUICK_ARGS = ("--size-bytes", str(256 * MiB), "--repeats", "2", "--no-deepspeed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also measure block size x queue depth (threads = queue depth)")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="draw the sweep (implies --sweep; needs matplotlib)")
+                        help="draw the sweep: bandwidth against block size and queue depth "
+                        "(implies --sweep; needs pip install 'infinity[plot]')")
     add_common_arguments(parser)
 
 
@@ -230,12 +236,17 @@ def _deepspeed(args, nbytes: int) -> tuple[_Engine | None, str]:
 
 def _measure(args, engines: list[_Engine]) -> None:
     """Rounds of write-then-read, every engine in each round, so drift on a shared disk hits all."""
-    for round_ in range(args.repeats + 1):  # round 0 is the warm-up
-        for write in (True, False):
-            for engine in engines:
-                gbps = engine.sample(write)
-                if round_:
-                    engine.runs["write" if write else "read"].append(gbps)
+    bar = Progress((args.repeats + 1) * 2 * len(engines), desc="bench io")
+    try:
+        for round_ in range(args.repeats + 1):  # round 0 is the warm-up
+            for write in (True, False):
+                for engine in engines:
+                    gbps = engine.sample(write)
+                    if round_:
+                        engine.runs["write" if write else "read"].append(gbps)
+                    bar.update(1, round=f"{round_}/{args.repeats}", last=engine.name)
+    finally:
+        bar.close()
 
 
 def _unlink_quiet(path: str) -> None:
@@ -250,6 +261,7 @@ def _sweep(args, src, dst) -> list[dict[str, Any]]:
     nbytes = min(src.numel(), 512 * MiB)
     a, b = src[:nbytes], dst[:nbytes]
     rows = []
+    bar = Progress(len(SWEEP_BLOCK_BYTES) * len(SWEEP_QUEUE_DEPTHS), desc="bench io sweep")
     for block in SWEEP_BLOCK_BYTES:
         for depth in SWEEP_QUEUE_DEPTHS:
             cfg = SwapperConfig(block_size_bytes=block, queue_depth=depth, num_io_threads=depth)
@@ -261,31 +273,34 @@ def _sweep(args, src, dst) -> list[dict[str, Any]]:
             rows.append({"block_size": format_bytes(block), "block_size_bytes": block,
                          "queue_depth": depth, "write_GBps": nbytes / w / 1e9,
                          "read_GBps": nbytes / r / 1e9})
+            bar.update(1, block=format_bytes(block), depth=depth)
+    bar.close()
     return rows
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> str:
-    try:
-        import matplotlib
+    """The one-line outcome of :func:`_plot_sweep`."""
+    return _plot_sweep(rows, path)[1]
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--plot {path}: matplotlib is not installed (pip install matplotlib); sweep printed only"
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, col in zip(axes, ("write_GBps", "read_GBps")):
-        for depth in SWEEP_QUEUE_DEPTHS:
-            pts = [(r["block_size_bytes"] / MiB, r[col]) for r in rows if r["queue_depth"] == depth]
-            ax.plot(*zip(*pts), marker="o", label=f"queue depth {depth}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("block size (MiB)")
-        ax.set_title(col.split("_")[0])
-        ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"sweep plot written to {path}"
+
+def _plot_sweep(rows: list[dict[str, Any]], path: str) -> tuple[bool, str]:
+    """Bandwidth against block size, one line per queue depth: (written, one-line outcome)."""
+    def draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+        for ax, col in zip(axes, ("write_GBps", "read_GBps")):
+            for depth in SWEEP_QUEUE_DEPTHS:
+                pts = [(r["block_size_bytes"] / MiB, r[col]) for r in rows if r["queue_depth"] == depth]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"queue depth {depth}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("block size (MiB)")
+            ax.set_title(col.split("_")[0])
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel("GB/s")
+        axes[0].legend()
+        return fig
+
+    return save_plot(path, draw, what="sweep plot")
 
 
 def _ratio(ours: float, ref: float | None) -> str | None:
@@ -324,7 +339,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep or args.plot:
         extra["sweep"] = _sweep(args, src, dst)
         if args.plot:
-            notes.append(_plot(extra["sweep"], args.plot))
+            written, message = _plot_sweep(extra["sweep"], args.plot)
+            print(message, file=sys.stderr)  # stderr: keeps --json stdout one document
+            extra["plot"] = args.plot if written else None
     report = Report(name="io", title="NVMe swap bandwidth (GB/s, median; ratio = ours / reference)",
                     rows=rows, notes=notes, params={"size_bytes": args.size_bytes, "dir": args.dir,
                                                     "repeats": args.repeats,

@@ -20,11 +20,16 @@ import sys
 import tempfile
 from typing import Any
 
+from infinity.bench.plot import save_plot
+from infinity.bench.progress import Progress
 from infinity.bench.report import Report, add_common_arguments
 
 OURS_MODES = ("stage3", "stage3-cpu", "stage3-nvme")
 DS_MODES = ("ds-stage3", "ds-stage3-cpu", "ds-stage3-nvme")
 DEFAULT_DS_PYTHON = "/root/dsvenv/bin/python"
+# `infinity bench all --quick`: the tiny preset, plain PyTorch against ours, a few steps.
+QUICK_ARGS = ("--model", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1",
+              "--modes", "plain,stage3")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
                         help="interpreter with DeepSpeed for the ds-* references (skipped if missing)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--plot", help="write a per-step timeline (compute, I/O, stall) as PNG")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw a per-step timeline (compute, I/O, stall) per mode "
+                        "(needs pip install 'infinity[plot]')")
     add_common_arguments(parser)
 
 
@@ -76,9 +83,12 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     results = []
+    bar = Progress(len(modes), desc="bench step")
     for mode in modes:
-        print(f"[bench step] {mode} ...", file=sys.stderr, flush=True)
+        bar.update(0, running=mode)  # modes take minutes: say which one is running
         results.append(_run_mode(mode, args))
+        bar.update(1, done=mode, step_s=results[-1].get("step_s", float("nan")))
+    bar.close()
     plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)
     rows = []
     for r in results:
@@ -101,35 +111,47 @@ def run(args: argparse.Namespace) -> int:
                     rows=rows, params=_worker_args(args), extra={"raw": results},
                     notes=["x_plain: step time / plain PyTorch step time (same run)",
                            "rss_x_plain: peak RSS / plain PyTorch's peak RSS"])
-    report.emit(as_json=args.json, results_dir=None if args.no_save else args.results_dir)
     if args.plot:
-        _plot(results, args.plot)
+        written, message = _plot(results, args.plot)
+        print(message, file=sys.stderr)  # stderr: keeps --json stdout one document
+        report.extra["plot"] = args.plot if written else None
+    report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
     return 0 if all("error" not in r for r in results if not r["mode"].startswith("ds-")) else 1
 
 
-def _plot(results: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
+def _plot(results: list[dict[str, Any]], path: str) -> tuple[bool, str]:
+    """One row per mode, one segment per step: compute (with overlapped I/O) then stall.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
-        return
-    ok = [r for r in results if "error" not in r]
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(ok) + 1.5))
-    for i, r in enumerate(ok):
-        left = 0.0
-        for t in r["step_times_s"]:
-            stall = t * (r.get("stall_fraction") or 0.0)
-            ax.barh(i, t - stall, left=left, color="tab:blue")
-            ax.barh(i, stall, left=left + t - stall, color="tab:red")
-            left += t
-    ax.set_yticks(range(len(ok)), [r["mode"] for r in ok])
-    ax.set_xlabel("seconds (blue: compute + overlapped I/O, red: stall waiting for data)")
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"  wrote {path}")
+    The worker reports the stall as a fraction of the whole run, so each step's stall segment is
+    that fraction of the step: the per-step split is an even spread, the total is measured.
+    """
+    ok = [r for r in results if "error" not in r and r.get("step_times_s")]
+    if not ok:
+        return False, f"--plot {path}: no mode finished, nothing to draw"
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(9, 0.6 * len(ok) + 1.8))
+        for i, r in enumerate(ok):
+            left = 0.0
+            stall_frac = r.get("stall_fraction") or 0.0
+            for k, t in enumerate(r["step_times_s"]):
+                stall = t * stall_frac
+                ax.barh(i, t - stall, left=left, color="tab:blue", edgecolor="white",
+                        label="compute + overlapped I/O" if i == k == 0 else None)
+                ax.barh(i, stall, left=left + t - stall, color="tab:red",
+                        label="stall (waiting for I/O)" if i == k == 0 else None)
+                left += t
+            moved = (r.get("bytes_moved") or 0) / 2**20
+            if moved:
+                ax.text(left, i, f"  {moved:.0f} MiB moved", va="center", fontsize=8)
+        ax.set_yticks(range(len(ok)), [r["mode"] for r in ok])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds since the first timed step")
+        ax.set_title("per-step timeline (one segment per step)")
+        ax.legend(loc="lower right", fontsize=8)
+        return fig
+
+    return save_plot(path, draw, what="step timeline")
 
 
 def median(values: list[float]) -> float:
