@@ -1,0 +1,379 @@
+"""``infinity.initialize(model, config)``: the training engine.
+
+Usage (the same calls as a DeepSpeed engine)::
+
+    engine = infinity.initialize(model, config)   # dict, JSON path, native or DeepSpeed-style
+    loss = engine(batch)                           # forwards to the model
+    engine.backward(loss)                          # scales by 1/gradient_accumulation_steps
+    engine.step()                                  # optimizer step at accumulation boundaries
+    engine.stats(); engine.full_state_dict(); engine.module; engine.close()
+
+Every ``engine.step()`` call counts one micro-batch; the optimizer runs on every
+``gradient_accumulation_steps``-th call (DeepSpeed semantics). Gradients are averaged over ranks and
+summed over micro-batches (the loss is divided by the number of micro-batches in ``backward``).
+The step: unscale (fp16), check for overflow (fp16: skip the step and lower the scale, DeepSpeed's
+dynamic loss scaling), clip to ``gradient_clipping`` by the exact global norm over all shards and
+ranks, Adam(W) on the fp32 master shards, write the new low-precision parameters back.
+
+Composition: :class:`~infinity.stage3.ParameterManager` (units, hooks, gradient shards) and a
+shard optimizer from :mod:`infinity.shard_optimizer`: in memory on the compute device, or, with
+``offload_optimizer``, over the tiered store (HOST or NVME home, pipelined by sub-group). With
+``offload_param`` (stage 3) the manager keeps each unit's parameter shard in the same store.
+Budgets are resolved and checked by :func:`infinity.units.plan_offload` before any state is
+built. Without ``torch.distributed`` initialised the engine runs as world size 1; under
+``torchrun`` it uses (or creates) the default process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+import weakref
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from infinity._dist import Collectives, init_from_env_if_launched, is_distributed
+from infinity.config import InfinityConfig, PrecisionConfig, load_config
+from infinity.shard_optimizer import (InMemoryShardOptimizer, OffloadedShardOptimizer, build_store,
+                                      tier_of)
+from infinity.stage3 import ParameterManager
+from infinity.units import check_not_wrapped, plan_offload
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaler:
+    """fp16 loss scale: static (``precision.loss_scale > 0``), dynamic (0) or none (bf16/fp32).
+
+    Dynamic: starts at ``2**initial_scale_power``; an overflow skips the step and, once
+    ``hysteresis`` overflows have been absorbed, halves the scale (never below
+    ``min_loss_scale``); ``loss_scale_window`` steps in a row without overflow double it and restore
+    the hysteresis budget.
+    """
+
+    def __init__(self, precision: PrecisionConfig):
+        self.dynamic = precision.dtype == "fp16" and precision.loss_scale == 0
+        if precision.dtype != "fp16":
+            self.scale = 1.0
+        elif precision.loss_scale > 0:
+            self.scale = float(precision.loss_scale)
+        else:
+            self.scale = float(2 ** precision.initial_scale_power)
+        self.window = precision.loss_scale_window
+        self.min_scale = precision.min_loss_scale
+        self.hysteresis = precision.hysteresis
+        self._hysteresis_left = precision.hysteresis
+        """Overflows still absorbed before the scale drops."""
+        self._good_steps = 0
+        """Steps without overflow since the last overflow or scale increase."""
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            if self._hysteresis_left <= 1:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self._hysteresis_left -= 1
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps % self.window == 0:
+            self.scale *= 2.0
+            self._hysteresis_left = self.hysteresis
+
+
+def _resolve_device(config: InfinityConfig) -> torch.device:
+    if config.device != "auto":
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {config.device!r} requested but CUDA is not available; "
+                             f"set device to 'auto' or 'cpu'")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _check_config_usable(config: InfinityConfig) -> None:
+    """Errors that must come before any state is touched."""
+    for section in (config.offload_param, config.offload_optimizer):
+        if section.device == "nvme":
+            _check_writable_dir(section.nvme_path, f"{section.name}.nvme_path")
+    if config.offload_optimizer.device != "none" and config.optimizer.state_dtype != "fp32":
+        raise ValueError("optimizer.state_dtype='bf16' with offload_optimizer is not supported "
+                         "yet; use state_dtype 'fp32' or offload_optimizer.device 'none'")
+    opt = config.optimizer
+    unresolved = [name for name in ("lr", "betas", "eps", "weight_decay")
+                  if getattr(opt, name) == "auto"]
+    if unresolved:
+        raise ValueError(f"optimizer.params {', '.join(unresolved)}: 'auto' must be resolved to "
+                         f"numbers before initialize (set them in the config)")
+    if config.gradient_accumulation_steps == "auto":
+        raise ValueError("gradient_accumulation_steps: 'auto' must be resolved to an integer "
+                         "before initialize (set it to the number of micro-batches per step)")
+
+
+def _check_writable_dir(path: str | None, field: str) -> None:
+    if not path:
+        raise ValueError(f"{field}: a directory is required for NVMe offload")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".infinity-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{field}: {path!r} is not a writable directory ({e.strerror or e}); "
+                         f"point it at a directory on a local disk this process can write") from None
+
+
+class InfinityEngine:
+    """The training engine returned by :func:`initialize`; see the module docstring."""
+
+    def __init__(self, model: nn.Module, config: InfinityConfig):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
+        _check_config_usable(config)
+        check_not_wrapped(model)
+        self.config = config
+        self.device = _resolve_device(config)
+        self.compute_dtype = _DTYPES[config.precision.dtype]
+        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
+        init_from_env_if_launched(self.device)
+        self.collectives = Collectives()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.module = model
+        self.offload = plan_offload(model, config, world_size=self.collectives.world_size,
+                                    device=self.device)  # raises on budgets too small: before state
+        self.store, self._swapper = None, None
+        if self.offload is not None:
+            self.store, self._swapper = build_store(
+                self.device, device_budget_bytes=self.offload.device_budget_bytes,
+                host_budget_bytes=self.offload.host_budget_bytes,
+                nvme_path=self.offload.nvme_path, swapper_config=config.swapper,
+                rank=self.collectives.rank)
+        self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
+        _move_buffers(model, self.device, self.compute_dtype)
+        param_home = config.offload_param.device
+        self.manager = ParameterManager(
+            model, config.zero, collectives=self.collectives, device=self.device,
+            compute_dtype=self.compute_dtype,
+            store=self.store if param_home != "none" else None,
+            param_home=tier_of(param_home) if param_home != "none" else None,
+            prefetch=self.offload is not None and self.offload.overlap)
+        self.optimizer = self._build_optimizer()
+        self.scaler = LossScaler(config.precision)
+        self.micro_steps = 0
+        """engine.step() calls so far (micro-batches)."""
+        self.global_steps = 0
+        """Optimizer steps taken (skipped fp16 overflow steps count too, as in DeepSpeed)."""
+        self.skipped_steps = 0
+        self._backward_since_step = False
+        self.last_grad_norm: float | None = None
+        """Global gradient norm before clipping at the last optimizer step."""
+        self._step_time_s = 0.0
+        logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
+                    config.precision.dtype, self.device, self.collectives.world_size)
+
+    def _build_optimizer(self) -> "InMemoryShardOptimizer | OffloadedShardOptimizer":
+        config = self.config
+        if config.offload_optimizer.device == "none":
+            optimizer = InMemoryShardOptimizer(config.optimizer)
+        else:
+            optimizer = OffloadedShardOptimizer(
+                config.optimizer, self.store, home=tier_of(config.offload_optimizer.device),
+                sub_group_numel=self.offload.sub_group_numel)
+        offloaded = isinstance(optimizer, OffloadedShardOptimizer)
+        for g in self.manager.trainable_groups():
+            part = self.manager.param_partition(g)
+            optimizer.add(g.key, g.master, part if offloaded or g.master is not part else None)
+            if offloaded:
+                g.master = None  # the store holds the master now; the parameters stay here
+        return optimizer
+
+    # ------------------------------------------------------------------ the public calls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.manager.forward_scope():
+            try:
+                return self.module(*args, **kwargs)
+            except RuntimeError as e:
+                if "for storage of size 0" in str(e):
+                    raise RuntimeError(
+                        f"a parameter of a released unit was read ({e}). A module used another "
+                        f"module's parameter on a code path the first step did not take; make "
+                        f"the module that uses it own it, or raise "
+                        f"zero.persistence_threshold_numel / use zero.unit_class_names so both "
+                        f"end up in one unit") from e
+                raise
+
+    @property
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.optimizer.lr = float(value)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward: expected a scalar loss tensor, got "
+                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        if not loss.requires_grad:
+            raise ValueError("engine.backward: the loss does not require grad (was the forward "
+                             "run under torch.no_grad(), or are all parameters frozen?)")
+        scale = self.scaler.scale / self.gradient_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward()
+        self.manager.finish_backward()
+        self._backward_since_step = True
+
+    def step(self) -> None:
+        if not self._backward_since_step:
+            raise RuntimeError("engine.step() called without engine.backward(loss) since the last "
+                               "step; call engine.backward(loss) once per micro-batch, then step()")
+        self._backward_since_step = False
+        boundary = self.is_gradient_accumulation_boundary
+        self.micro_steps += 1
+        if not boundary:
+            return
+        t0 = time.perf_counter()
+        self._optimizer_step()
+        self._step_time_s += time.perf_counter() - t0
+
+    def _optimizer_step(self) -> None:
+        grads = self.manager.grad_partitions()
+        inv_scale = 1.0 / self.scaler.scale
+        norm_sq, overflow = self._global_norm_sq(grads)
+        self.global_steps += 1
+        if self.scaler.dynamic or self.compute_dtype == torch.float16:
+            if overflow:
+                self.scaler.update(True)
+                self.skipped_steps += 1
+                logger.info("fp16 overflow: step %d skipped, loss scale now %g",
+                            self.global_steps, self.scaler.scale)
+                self.manager.zero_grads()
+                return
+            self.scaler.update(False)
+        norm = math.sqrt(norm_sq) * inv_scale
+        self.last_grad_norm = norm
+        coef = 1.0
+        clip = self.config.gradient_clipping
+        if clip > 0 and norm > clip:
+            coef = clip / (norm + 1e-6)
+        self.optimizer.step(grads, grad_scale=inv_scale * coef)
+        if self.store is not None:
+            self.store.flush()  # every updated shard is back in its home tier before it is used
+        self.manager.after_step()
+
+    def _global_norm_sq(self, grads: Mapping[str, torch.Tensor]) -> tuple[float, bool]:
+        """Sum of squares over the optimizer partitions, summed over ranks when they are sharded
+        (stage 0 partitions are replicated: each rank already holds every gradient once)."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for g in grads.values():  # fp32 norm per partition (no fp64 copy), summed in fp64
+            total += torch.linalg.vector_norm(g).double() ** 2
+        if self.manager.stage > 0:
+            self.collectives.all_reduce_sum(total, context="global gradient norm")
+        value = float(total.item())
+        return value, not math.isfinite(value)
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes per tier (current and peak), bytes moved per tier pair, stall seconds, counters.
+
+        DEVICE counts what the parameter manager holds (gathered units, shards, masters, gradient
+        buffers: each storage once), the in-memory optimizer's moments and the store's DEVICE
+        copies; its peak adds the parts' high-water marks (an upper bound). HOST is the store's
+        arena use; NVME the bytes of the shards whose home is a swap file.
+        """
+        held = self.manager.device_bytes()
+        offloaded = isinstance(self.optimizer, OffloadedShardOptimizer)
+        state_device = 0 if offloaded else self.optimizer.state_bytes()
+        store = self.store.stats() if self.store is not None else {}
+        device_now = sum(held.values()) + state_device + store.get("device_used_bytes", 0)
+        device_peak = (self.manager.peak_device_bytes + state_device
+                       + store.get("device_peak_bytes", 0))
+        nvme = 0
+        if self.config.offload_optimizer.device == "nvme":
+            nvme += self.optimizer.state_bytes() + self.optimizer.master_bytes()
+        if self.config.offload_param.device == "nvme":
+            nvme += sum(g.shard_numel * self.compute_dtype.itemsize for u in self.manager.units
+                        for g in u.groups if g.store_key is not None)
+        return {
+            "world_size": self.collectives.world_size,
+            "stage": self.manager.stage,
+            "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak)},
+                      "HOST": {"current": store.get("host_used_bytes", 0),
+                               "peak": store.get("host_peak_bytes", 0),
+                               "budget": store.get("host_budget_bytes", 0)},
+                      "NVME": {"current": nvme, "peak": nvme}},
+            "model_state_bytes": {**held, "optimizer_state": self.optimizer.state_bytes()},
+            "bytes_moved": {"NVME->HOST": store.get("bytes_nvme_to_host", 0),
+                            "HOST->DEVICE": store.get("bytes_host_to_device", 0),
+                            "DEVICE->HOST": store.get("bytes_device_to_host", 0),
+                            "HOST->NVME": store.get("bytes_host_to_nvme", 0),
+                            "DEVICE<->DEVICE (collectives, sent)": self.collectives.bytes_moved},
+            "stall_s": store.get("wait_s", 0.0),
+            "num_gathers": self.manager.num_gathers,
+            "optimizer_step_s": self._step_time_s,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.scaler.scale,
+            "store": store,
+        }
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict (fp32 masters for trained parameters), keyed like
+        ``model.state_dict()``; a collective: call it on every rank."""
+        return self.manager.full_state_dict(master_of=self.optimizer.master_values)
+
+    def close(self) -> None:
+        """Stop the store's threads and delete swap files (also done when the engine is
+        garbage-collected or the interpreter exits)."""
+        self._finalizer()
+        self.store, self._swapper = None, None
+
+
+def _close_offload(store: Any, swapper: Any) -> None:
+    if store is not None:
+        store.close()
+    if swapper is not None:
+        swapper.close()
+
+
+def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Buffers stay ordinary module buffers, replicated: move them to the device and cast floating
+    ones to the compute dtype (parameters are handled by the parameter manager)."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            target = dtype if buf.is_floating_point() else buf.dtype
+            if buf.device != device or buf.dtype != target:
+                module._buffers[name] = buf.to(device=device, dtype=target)
+
+
+def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None
+               ) -> InfinityEngine:
+    """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
+    DeepSpeed-style). Uses the default process group when ``torch.distributed`` is initialised."""
+    config = load_config(config)
+    if is_distributed():
+        logger.debug("using the default process group")
+    return InfinityEngine(model, config)

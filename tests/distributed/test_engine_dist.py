@@ -1,0 +1,289 @@
+"""The engine on 2 ranks (gloo): parity with single-process plain PyTorch on the same global batch,
+per-rank memory, and ranks that diverge.
+
+Each test spawns the 2 ranks once and loops over its configurations inside the workers (a torch
+import costs ~2 s per process).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # _engine_common
+
+from _launch import launch  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+CONFIGS = [  # (name, stage, dtype, gradient accumulation steps, clip)
+    *[(f"s{s}-fp32", s, "fp32", 1, 0.0) for s in (0, 1, 2, 3)],
+    *[(f"s{s}-bf16-gas4-clip", s, "bf16", 4, 0.05) for s in (0, 1, 2, 3)],
+    ("s3-fp32-gas4-clip-bysize", 3, "fp32", 4, 0.05),
+]
+STEPS = 10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The reference runs in this process: one intra-op thread is faster on tiny matrices."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def worker_parity(rank: int, world_size: int, out_dir: str) -> dict:
+    import infinity
+    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+
+    out = {}
+    for name, stage, dtype, gas, clip in CONFIGS:
+        extra = dict(unit_class_names=(), unit_min_numel=500) if "bysize" in name else {}
+        engine = infinity.initialize(tiny_gpt(), engine_config(stage=stage, dtype=dtype, gas=gas,
+                                                               clip=clip, **extra))
+        losses = engine_train(engine, batches(STEPS, gas), rank=rank, world_size=world_size)
+        out[name] = {"losses": losses, "state": engine.full_state_dict(), "stats": engine.stats()}
+    return out
+
+
+def test_two_ranks_match_plain_pytorch_on_the_global_batch():
+    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+
+    results = launch(__file__, "worker_parity", timeout_s=240)
+    for name, stage, dtype, gas, clip in CONFIGS:
+        # fp32: the reference trains on the whole global batch at once. bf16: the reference runs
+        # each rank's half as its own backward (as the ranks do), so the bf16 rounding matches.
+        ref_losses, ref_state = reference_train(tiny_gpt(), batches(STEPS, gas), dtype=dtype,
+                                                clip=clip, splits=1 if dtype == "fp32" else 2)
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert_close_run(got["losses"], got["state"], ref_losses, ref_state, dtype)
+        # Resident model state per rank: stage 3 shards everything but the persistent unit.
+        stats = results[0][name]["stats"]
+        assert stats["world_size"] == 2
+
+
+OFFLOAD_CONFIGS = [  # (name, stage, dtype, gas, clip, optimizer offload, parameter offload, host)
+    ("s3-bf16-gas2-nvme-nvme-tight", 3, "bf16", 2, 0.05, "nvme", "nvme", 65536),
+    ("s3-fp32-param-cpu", 3, "fp32", 1, 0.0, "none", "cpu", "auto"),
+    ("s2-fp32-gas2-opt-cpu", 2, "fp32", 2, 0.05, "cpu", "none", "auto"),
+]
+
+
+def worker_offload(rank: int, world_size: int, out_dir: str) -> dict:
+    import infinity
+    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+
+    out = {}
+    for name, stage, dtype, gas, clip, opt, param, host in OFFLOAD_CONFIGS:
+        path = f"{out_dir}/swap"
+        engine = infinity.initialize(tiny_gpt(), engine_config(
+            stage=stage, dtype=dtype, gas=gas, clip=clip, zero={"sub_group_numel": 200},
+            offload_optimizer={"device": opt, "nvme_path": path},
+            offload_param={"device": param, "nvme_path": path},
+            memory={"host_budget_bytes": host}))
+        losses = engine_train(engine, batches(6, gas), rank=rank, world_size=world_size)
+        out[name] = {"losses": losses, "state": engine.full_state_dict(), "stats": engine.stats()}
+        engine.close()
+    return out
+
+
+def test_two_ranks_with_offload_match_plain_pytorch():
+    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+
+    results = launch(__file__, "worker_offload", timeout_s=240)
+    for name, stage, dtype, gas, clip, opt, param, host in OFFLOAD_CONFIGS:
+        ref_losses, ref_state = reference_train(tiny_gpt(), batches(6, gas), dtype=dtype,
+                                                clip=clip, splits=1 if dtype == "fp32" else 2)
+        for res in results:
+            got = res[name]
+            assert_close_run(got["losses"], got["state"], ref_losses, ref_state, dtype)
+            if host != "auto":
+                assert got["stats"]["bytes"]["HOST"]["peak"] <= host
+                assert got["stats"]["bytes_moved"]["NVME->HOST"] > 0
+
+
+def _sometimes_model():
+    """Tiny GPT plus a block that runs only on every other forward (unused parameters)."""
+    import torch.nn.functional as F
+    from torch import nn
+    from _engine_common import TINY, tiny_gpt
+
+    class Sometimes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = tiny_gpt()
+            self.extra = type(self.gpt.blocks[0])(TINY)
+            self.calls = 0
+
+        def forward(self, idx, targets):
+            import torch
+
+            g, self.calls = self.gpt, self.calls + 1
+            x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1]))
+            for block in g.blocks:
+                x = block(x)
+            if self.calls % 2 == 0:
+                x = self.extra(x)
+            logits = g.lm_head(g.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    import torch
+    torch.manual_seed(0)
+    return Sometimes()
+
+
+def _lora_like():
+    from _engine_common import tiny_gpt
+
+    model = tiny_gpt()
+    for name, p in model.named_parameters():
+        if "blocks" in name and name.endswith("weight") and "ln" not in name:
+            p.requires_grad_(False)
+    return model
+
+
+EDGE_CASES = [("unused-s2", _sometimes_model, 2), ("unused-s3", _sometimes_model, 3),
+              ("frozen-s3", _lora_like, 3)]
+
+
+def worker_edge_cases(rank: int, world_size: int, out_dir: str) -> dict:
+    import infinity
+    from _engine_common import batches, engine_config, engine_train
+
+    out = {}
+    for name, make, stage in EDGE_CASES:
+        engine = infinity.initialize(make(), engine_config(stage=stage, gas=2))
+        losses = engine_train(engine, batches(6, 2), rank=rank, world_size=world_size)
+        out[name] = {"losses": losses, "state": engine.full_state_dict()}
+    return out
+
+
+def test_two_ranks_unused_and_frozen_parameters():
+    from _engine_common import assert_close_run, batches, reference_train
+
+    results = launch(__file__, "worker_edge_cases", timeout_s=180)
+    for name, make, _stage in EDGE_CASES:
+        ref_losses, ref_state = reference_train(make(), batches(6, 2))
+        for res in results:
+            assert_close_run(res[name]["losses"], res[name]["state"], ref_losses, ref_state,
+                             "fp32")
+
+
+def worker_memory(rank: int, world_size: int, out_dir: str) -> dict:
+    import infinity
+    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+
+    engine = infinity.initialize(tiny_gpt(), engine_config(stage=3, persistence_threshold_numel=0))
+    engine_train(engine, batches(2, 1), rank=rank, world_size=world_size)
+    return engine.stats()
+
+
+def test_stage3_resident_model_state_halves_with_two_ranks():
+    import infinity
+    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+
+    one = infinity.initialize(tiny_gpt(), engine_config(stage=3, persistence_threshold_numel=0))
+    engine_train(one, batches(2, 1))
+    single = one.stats()["bytes"]["DEVICE"]["current"]
+    # Independent figure: fp32 AdamW at stage 3 keeps the parameter shard (the master) and two
+    # moments, 12 bytes per element, all sharded (nothing persistent, gradients freed by step).
+    numel = sum(p.numel() for p in tiny_gpt().parameters())
+    assert single == pytest.approx(12 * numel, rel=0.01)
+    per_rank = [s["bytes"]["DEVICE"]["current"] for s in launch(__file__, "worker_memory")]
+    for value in per_rank:
+        assert value == pytest.approx(single / 2, rel=0.02)
+
+
+def worker_diverge(rank: int, world_size: int, out_dir: str, at_micro_step: int) -> str:
+    import infinity
+    from infinity._dist import CollectiveError
+    from _engine_common import batches, engine_config, tiny_gpt
+
+    model = tiny_gpt()
+    calls = {"n": 0}
+    block = model.blocks[1]
+    original = block.forward
+
+    def maybe_skip(x):  # rank 1 skips block 1 on one micro-step: the ranks diverge
+        if rank == 1 and calls["n"] == at_micro_step:
+            return x
+        return original(x)
+
+    block.forward = maybe_skip
+    engine = infinity.initialize(model, engine_config(stage=3))
+    try:
+        for micro in batches(4, 1):
+            x, y = (t.chunk(world_size)[rank] for t in micro[0])
+            engine.backward(engine(x, y))
+            engine.step()
+            calls["n"] += 1
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("at_micro_step", [0, 2], ids=["first-step-check", "later-timeout"])
+def test_diverging_ranks_raise_instead_of_hanging(at_micro_step):
+    messages = launch(__file__, "worker_diverge", timeout_s=90, pg_timeout_s=4,
+                      args={"at_micro_step": at_micro_step})
+    print(messages)
+    for message in messages:
+        assert message != "no error"
+        if at_micro_step == 0:
+            assert "ranks diverged" in message and "unit" in message and "step 0" in message
+        else:
+            assert "micro-step 2" in message or "step 2" in message, message
+
+
+_TORCHRUN_SCRIPT = """
+import json, os, sys, torch
+torch.set_num_threads(1)
+import infinity
+from _engine_common import batches, engine_config, engine_train, tiny_gpt
+engine = infinity.initialize(tiny_gpt(), engine_config(stage=3))   # no init_process_group here
+rank = torch.distributed.get_rank()
+losses = engine_train(engine, batches(4, 1), rank=rank, world_size=engine.stats()["world_size"])
+state = engine.full_state_dict()
+if rank == 0:
+    torch.save({"losses": losses, "state": state, "world_size": engine.stats()["world_size"]},
+               sys.argv[1])
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_torchrun_without_init_process_group_uses_the_launcher_environment(tmp_path):
+    """Under torchrun the engine creates the default process group itself (gloo on CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+
+    script = tmp_path / "train.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    out = tmp_path / "result.pt"
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(repo), str(repo / "tests" / "unit")]))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2", str(script), str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: killable as one
+    try:
+        log, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # torchrun and both workers
+        log, _ = proc.communicate()
+    assert proc.returncode == 0, log[-4000:]
+    result = torch.load(out, weights_only=False)
+    assert result["world_size"] == 2
+    ref_losses, ref_state = reference_train(tiny_gpt(), batches(4, 1))
+    assert_close_run(result["losses"], result["state"], ref_losses, ref_state, "fp32")
