@@ -23,7 +23,9 @@ PKG = pathlib.Path(__file__).resolve().parents[2] / "infinity"
 ALLOWED: dict[str, set[str]] = {
     "_common": set(),
     "config": {"_common"},
-    "swapper": {"_common", "config"},
+    "swapper": {"_common", "config", "_swap_format", "_aligned"},
+    "_swap_format": {"_common"},  # the swap file header, names and states: no I/O
+    "_aligned": {"_common"},  # aligned (pinned where CUDA exists) host memory
     "tiers": {"swapper"},
     "prefetch": {"_common", "config", "trace", "prefetch_plan"},
     "prefetch_plan": {"_common", "config", "trace"},  # the pure planner under the executor
@@ -33,8 +35,13 @@ ALLOWED: dict[str, set[str]] = {
     "_dist": {"_common", "config"},
     "units": {"_common", "config", "_dist"},
     "shard_optimizer": {"cpu_adam", "tiers", "_dist"},
-    "stage3": {"tiers", "prefetch", "trace", "cpu_adam", "units", "shard_optimizer", "_dist"},
-    "engine": {"stage3", "shard_optimizer", "units"},
+    "prefetch_bridge": {"prefetch", "tiers", "trace"},  # executor hops -> store fetches and gathers
+    "stage3": {"tiers", "prefetch", "prefetch_bridge", "trace", "cpu_adam", "units", "shard_optimizer",
+               "_dist"},
+    "engine": {"stage3", "shard_optimizer", "units", "checkpoint"},
+    "checkpoint": {"shard_optimizer", "checkpoint_reader", "safetensors_io", "_common"},  # save/load
+    "checkpoint_reader": {"safetensors_io", "_common"},  # manifest checks, range reads: no engine
+    "consolidate": {"checkpoint_reader", "safetensors_io"},  # `infinity consolidate`: no process group
     "estimate": {"config"},
     "estimate_cli": {"estimate", "config"},
     "plan": {"planner", "estimate", "estimate_cli", "swapper", "config"},
@@ -43,7 +50,7 @@ ALLOWED: dict[str, set[str]] = {
     "safetensors_io": set(),  # the file format, by byte range: imports nothing of infinity
     "bench": {"engine", "swapper", "cpu_adam", "estimate", "plan", "tiers", "stage3", "models"},
     "train": {"engine", "bench", "estimate", "models"},
-    "cli": {"bench", "estimate_cli", "plan", "train"},
+    "cli": {"bench", "estimate_cli", "plan", "train", "consolidate"},
     "__init__": {"engine", "config", "_common"},
     "__main__": {"cli"},
 }
