@@ -167,7 +167,8 @@ class InfinityEngine:
             compute_dtype=self.compute_dtype,
             store=self.store if param_home != "none" else None,
             param_home=tier_of(param_home) if param_home != "none" else None,
-            prefetch=self.offload is not None and self.offload.overlap)
+            prefetch=self.offload is not None and self.offload.overlap,
+            optimizer_offloaded=config.offload_optimizer.device != "none")
         self.optimizer = self._build_optimizer()
         self.scaler = LossScaler(config.precision)
         self.micro_steps = 0
@@ -243,6 +244,7 @@ class InfinityEngine:
         scale = self.scaler.scale / self.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward()
         self.manager.finish_backward()
+        self.manager.end_prefetch_step()  # before the optimizer step changes the parameters
         self._backward_since_step = True
 
     def step(self) -> None:
@@ -300,12 +302,15 @@ class InfinityEngine:
         DEVICE counts what the parameter manager holds (gathered units, shards, masters, gradient
         buffers: each storage once), the in-memory optimizer's moments and the store's DEVICE
         copies; its peak adds the parts' high-water marks (an upper bound). HOST is the store's
-        arena use; NVME the bytes of the shards whose home is a swap file.
+        arena use plus the gradient buffers of an offloaded optimizer (allocated once beside the
+        arena, so they add to its budget too; [Note: gradient placement] in infinity/estimate.py);
+        NVME the bytes of the shards whose home is a swap file.
         """
         held = self.manager.device_bytes()
         offloaded = isinstance(self.optimizer, OffloadedShardOptimizer)
         state_device = 0 if offloaded else self.optimizer.state_bytes()
         store = self.store.stats() if self.store is not None else {}
+        host_grads = self.manager.host_grad_bytes()
         device_now = sum(held.values()) + state_device + store.get("device_used_bytes", 0)
         device_peak = (self.manager.peak_device_bytes + state_device
                        + store.get("device_peak_bytes", 0))
@@ -319,9 +324,9 @@ class InfinityEngine:
             "world_size": self.collectives.world_size,
             "stage": self.manager.stage,
             "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak)},
-                      "HOST": {"current": store.get("host_used_bytes", 0),
-                               "peak": store.get("host_peak_bytes", 0),
-                               "budget": store.get("host_budget_bytes", 0)},
+                      "HOST": {"current": store.get("host_used_bytes", 0) + host_grads,
+                               "peak": store.get("host_peak_bytes", 0) + host_grads,
+                               "budget": store.get("host_budget_bytes", 0) + host_grads},
                       "NVME": {"current": nvme, "peak": nvme}},
             "model_state_bytes": {**held, "optimizer_state": self.optimizer.state_bytes()},
             "bytes_moved": {"NVME->HOST": store.get("bytes_nvme_to_host", 0),
@@ -330,6 +335,7 @@ class InfinityEngine:
                             "HOST->NVME": store.get("bytes_host_to_nvme", 0),
                             "DEVICE<->DEVICE (collectives, sent)": self.collectives.bytes_moved},
             "stall_s": store.get("wait_s", 0.0),
+            "prefetch": self.manager.prefetch_stats(),
             "num_gathers": self.manager.num_gathers,
             "optimizer_step_s": self._step_time_s,
             "global_steps": self.global_steps,
@@ -342,6 +348,20 @@ class InfinityEngine:
         """The model's full state dict (fp32 masters for trained parameters), keyed like
         ``model.state_dict()``; a collective: call it on every rank."""
         return self.manager.full_state_dict(master_of=self.optimizer.master_values)
+
+    def save_checkpoint(self, directory: str) -> str:
+        """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
+        a collective: call it on every rank. Returns the new save's directory."""
+        from infinity.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
+        size; everything is validated on every rank before any state changes."""
+        from infinity.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory)
 
     def close(self) -> None:
         """Stop the store's threads and delete swap files (also done when the engine is
