@@ -15,23 +15,46 @@ The term sizes are not hard-coded: :class:`StateTerms` derives them from the con
 
 * params: the low-precision copy used in compute. Stages 0-2: the full Psi on the device.
   Stage 3: a 1/N shard in ``offload_param``'s tier (device when 'none').
-* grads: stages 0-1 hold the full gradient on the device (it is all-reduced or reduce-scattered at
-  the boundary); when the optimizer is offloaded, the part it reads (all of it at stage 0, a shard at
-  stage 1) is copied to the optimizer's tier as well. Stages 2-3 reduce-scatter each unit's gradient
-  into a 1/N shard that moves to the optimizer's tier at once (device when 'none').
+* grads: see [Note: gradient placement].
 * optimizer: K bytes per parameter for the part this rank steps (all at stage 0, a shard from
   stage 1 on), in ``offload_optimizer``'s tier: fp32 master + moments, stepped by ``cpu_adam`` off the
   device.
 * With the optimizer on NVMe the host holds staging buffers for a few sub-groups (read the next one,
   step the current one, write the previous one back): ``buffers['host']['optimizer_staging']``.
-* Working buffers that depend on the model's shape (gathered units, a unit's full gradient, host
-  staging for parameters swapped from NVMe) appear under ``buffers`` when ``unit_numel`` is given;
-  activations come from :func:`activation_bytes`.
+* Working buffers that depend on the model's shape (gathered units, a unit's full gradient, the
+  device and host copies of offloaded parameter shards on their way up) appear under ``buffers``
+  when ``unit_numel`` is given; activations come from :func:`activation_bytes`.
+
+[Note: gradient placement] The engine reduces and accumulates gradients in fp32, whatever the
+compute dtype: autograd's low-precision ``param.grad`` is folded into the unit's fp32 staging buffer
+(one unit's full gradient, alive only until the unit is reduced), and the reduced gradient is summed
+over micro-batches in an fp32 accumulator (DeepSpeed's bf16 optimizer and ZeRO-Offload do the same:
+low-precision sums over many micro-batches lose the small contributions). So the ledger's gradient
+term is 4 B per parameter for engine configs (:data:`ENGINE_GRAD_DTYPE`), not the paper's 2 B.
+Where the accumulator lives:
+
+* optimizer on the device: stages 0-1 keep the full all-reduced gradient on the device; stages 2-3
+  reduce-scatter each unit into this rank's 1/N shard, also on the device.
+* optimizer offloaded ('cpu' *and* 'nvme'): right after each unit's reduction the part of it this
+  rank's optimizer steps (everything at stage 0, the shard from stage 1 on) is copied into an fp32
+  buffer in host memory and the device copy is freed, so the device holds only one unit's transient
+  full gradient (ZeRO-Offload keeps its fp32 gradient partitions in CPU memory the same way). The
+  accumulators are HOST-homed shards of the store's host arena, allocated once and budgeted with it
+  (``memory.host_budget_bytes`` covers them, DESIGN decision 7), and ``cpu_adam`` reads them in
+  place. The fp32 masters such an optimizer takes over are built in host memory too, so neither
+  gradients nor masters ever sit on the device as a whole.
+* With the optimizer on NVMe the gradients still accumulate in host memory, not on NVMe (DeepSpeed
+  swaps them out with each sub-group): writing 4 B per parameter during backward and reading it back
+  at the step would add 8 B to the step's 24 B of NVMe traffic (+33 % on the slowest link) and contend
+  with the parameter reads of the backward, to save 4 B per parameter of host RAM per node (28 GB for
+  7B parameters). ``infinity plan`` counts that RAM, so a host too small for it is refused, not hit.
 
 [Note: fp32 master] With bf16/fp16 compute the fp32 master is a separate 4 B copy and part of K. With
-fp32 compute the parameter *is* the master wherever the optimizer steps it in place (its state lives
-in the parameters' tier), so K is the moments alone (8 B for Adam); once the optimizer state lives in
-another tier than the parameters' home, the optimizer keeps its own fp32 master there and K = 4 + 8.
+fp32 compute the parameter *is* the master where the optimizer steps it in place on the device
+(optimizer and parameters both on the device), so K is the moments alone (8 B for Adam). An
+offloaded optimizer (or offloaded parameters) keeps its own fp32 master beside its moments, even
+when both are homed on the same tier (the engine's sub-groups are [master | exp_avg | exp_avg_sq]),
+so K = 4 + 8 there.
 """
 
 from __future__ import annotations
@@ -58,6 +81,9 @@ DEFAULT_SUB_GROUP_NUMEL = 100_000_000
 
 DEFAULT_PREFETCH_UNITS = 2
 """Units gathered ahead of compute the ledger assumes when the lookahead is 'auto'."""
+
+ENGINE_GRAD_DTYPE = "fp32"
+"""The dtype the engine reduces and accumulates gradients in (see [Note: gradient placement])."""
 
 
 class Tier(str, enum.Enum):
@@ -112,11 +138,14 @@ class StateTerms:
 
     @classmethod
     def for_training(cls, *, dtype: str = "bf16", optimizer: str = "adam", state_dtype: str = "fp32",
-                     separate_master: bool | None = None) -> "StateTerms":
+                     separate_master: bool | None = None,
+                     grad_dtype: str | None = None) -> "StateTerms":
         """Terms for ``dtype`` compute with ``optimizer`` (see [Note: fp32 master]).
 
         ``separate_master``: whether the optimizer keeps its own fp32 master; None decides from the
-        dtype (always with bf16/fp16, never with fp32).
+        dtype (always with bf16/fp16, never with fp32). ``grad_dtype``: the dtype gradients are
+        reduced and accumulated in; None: ``dtype`` (the paper's count). The engine accumulates in
+        :data:`ENGINE_GRAD_DTYPE` (see [Note: gradient placement]).
         """
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
@@ -124,21 +153,27 @@ class StateTerms:
             raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
         if state_dtype not in ("fp32", "bf16"):
             raise ValueError(f"state_dtype: expected 'fp32' or 'bf16', got {state_dtype!r}")
+        if grad_dtype is not None and grad_dtype not in DTYPE_BYTES:
+            raise ValueError(f"grad_dtype: expected one of {sorted(DTYPE_BYTES)}, got {grad_dtype!r}")
         low = DTYPE_BYTES[dtype]
+        grad = DTYPE_BYTES[grad_dtype] if grad_dtype is not None else low
         if separate_master is None:
             separate_master = dtype != "fp32"
         master = 4 if (separate_master or dtype != "fp32") else 0
         moments = _MOMENTS[optimizer] * DTYPE_BYTES[state_dtype]
-        return cls(param_bytes=low, grad_bytes=low, optimizer_bytes=master + moments)
+        return cls(param_bytes=low, grad_bytes=grad, optimizer_bytes=master + moments)
 
     @classmethod
     def from_config(cls, config: InfinityConfig, *, optimizer: str = "adam") -> "StateTerms":
-        """Terms of an engine config: precision.dtype, optimizer.state_dtype and the offload tiers."""
+        """Terms of an engine config: precision.dtype, optimizer.state_dtype and the offload tiers;
+        gradients in the engine's fp32 (see [Note: gradient placement])."""
         stage = config.zero.stage
         param_home = config.offload_param.device if stage == 3 else "none"
-        separate = config.precision.dtype != "fp32" or config.offload_optimizer.device != param_home
+        separate = config.precision.dtype != "fp32" or "none" != config.offload_optimizer.device or (
+            param_home != "none")  # [Note: fp32 master]
         return cls.for_training(dtype=config.precision.dtype, optimizer=optimizer,
-                                state_dtype=config.optimizer.state_dtype, separate_master=separate)
+                                state_dtype=config.optimizer.state_dtype, separate_master=separate,
+                                grad_dtype=ENGINE_GRAD_DTYPE)
 
     def to_dict(self) -> dict[str, float]:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
@@ -253,26 +288,26 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
         states[term][tier] = states[term].get(tier, 0) + _ceil(nbytes)
 
     put("params", param_home, (shard if stage == 3 else numel) * terms.param_bytes)
-    if stage >= 2:
-        grad_bytes = terms.grad_bytes if opt_tier is Tier.DEVICE else terms.optimizer_grad_bytes
-        put("grads", opt_tier, shard * grad_bytes)
-    else:
-        put("grads", Tier.DEVICE, numel * terms.grad_bytes)
-        if opt_tier is not Tier.DEVICE:
-            put("grads", opt_tier, (numel if stage == 0 else shard) * terms.optimizer_grad_bytes)
     stepped = numel if stage == 0 else shard
+    # [Note: gradient placement]: the accumulator sits beside the optimizer, in host memory when
+    # the optimizer is offloaded (to 'cpu' or 'nvme'), holding just the part the optimizer steps.
+    if opt_tier is Tier.DEVICE:
+        put("grads", Tier.DEVICE, (shard if stage >= 2 else numel) * terms.grad_bytes)
+    else:
+        put("grads", Tier.HOST, stepped * terms.optimizer_grad_bytes)
     put("optimizer", opt_tier, stepped * terms.optimizer_bytes)
 
     buffers: dict[Tier, dict[str, int]] = {}
     if opt_tier is Tier.NVME and stepped:
+        # Sub-groups of optimizer state (K) read, stepped and written; the gradient is read in
+        # place from its host accumulator, the new parameters go straight to their home.
         group = min(sub_group_numel or DEFAULT_SUB_GROUP_NUMEL, stepped)
-        per_elem = terms.optimizer_bytes + terms.optimizer_grad_bytes + terms.param_bytes
         buffers.setdefault(Tier.HOST, {})["optimizer_staging"] = _ceil(
-            OPTIMIZER_STAGING_SUBGROUPS * group * per_elem)
+            OPTIMIZER_STAGING_SUBGROUPS * group * terms.optimizer_bytes)
     if unit_numel:
         _add_unit_buffers(buffers, stage=stage, world_size=world_size, terms=terms,
                           unit_numel=unit_numel, prefetch_units=prefetch_units,
-                          param_home=param_home)
+                          param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE)
     return Ledger(numel=numel, stage=stage, world_size=world_size,
                   gpus_per_node=gpus_per_node or world_size, terms=terms,
                   offload_param=offload_param, offload_optimizer=offload_optimizer,
@@ -281,17 +316,22 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
 
 def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_size: int,
                       terms: StateTerms, unit_numel: int, prefetch_units: int,
-                      param_home: Tier) -> None:
-    """Working buffers that scale with the largest unit (one current + the prefetched ones)."""
+                      param_home: Tier, grads_leave: bool) -> None:
+    """Working buffers that scale with the largest unit (one current + the prefetched ones).
+
+    ``grads_leave``: each unit's full gradient is reduced into a smaller or off-device accumulator
+    (stages 2-3, or an offloaded optimizer), so it exists beside the accumulator until then."""
     device = buffers.setdefault(Tier.DEVICE, {})
     if stage == 3:
         device["gathered_units"] = _ceil((1 + prefetch_units) * unit_numel * terms.param_bytes)
-    if stage >= 2:
-        # A unit's full gradient exists until it is reduce-scattered into the shard.
+    if grads_leave:
+        # [Note: gradient placement]: a unit's full gradient lives until it is reduced and moved.
         device["unit_gradient"] = _ceil(unit_numel * terms.grad_bytes)
     if stage == 3 and param_home is not Tier.DEVICE:
         unit_shard = _ceil(unit_numel / world_size)
-        # Shards on their way up: host copies of the prefetched units' shards.
+        # Shards on their way up: the device copies the gathers read from (the store's DEVICE
+        # copies, bounded by its device budget) and the host copies of shards read from NVMe.
+        device["param_shards"] = _ceil((1 + prefetch_units) * unit_shard * terms.param_bytes)
         buffers.setdefault(Tier.HOST, {})["param_staging"] = _ceil(
             (1 + prefetch_units) * unit_shard * terms.param_bytes)
     if not device:

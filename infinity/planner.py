@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from infinity._common import GiB, MiB
 from infinity.estimate import (
     DEFAULT_SUB_GROUP_NUMEL,
+    ENGINE_GRAD_DTYPE,
     Activations,
     Ledger,
     ModelShape,
@@ -187,8 +188,9 @@ def price(req: PlanRequest, hw: Hardware, *, stage: int, offload_param: str,
     n, psi, s = hw.gpus, req.numel, req.shape.seq_len
     terms = StateTerms.for_training(
         dtype=req.dtype, optimizer=req.optimizer,
-        separate_master=req.dtype != "fp32" or offload_optimizer != (
-            offload_param if stage == 3 else "none"))
+        separate_master=req.dtype != "fp32" or offload_optimizer != "none" or (
+            stage == 3 and offload_param != "none"),  # [Note: fp32 master] in infinity/estimate.py
+        grad_dtype=ENGINE_GRAD_DTYPE)  # the engine's fp32 gradients: [Note: gradient placement]
     ledger = estimate_model_states(
         psi, stage, n, terms, offload_param=offload_param, offload_optimizer=offload_optimizer,
         gpus_per_node=hw.ranks_per_node, sub_group_numel=DEFAULT_SUB_GROUP_NUMEL,
@@ -226,6 +228,9 @@ def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, mi
                checkpointing: bool, ga: int) -> tuple[dict[str, float], float]:
     n, psi, t = hw.gpus, req.numel, ledger.terms
     p, g, k, og = t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.optimizer_grad_bytes
+    # Collectives are priced at the compute dtype's width (``gw``), the wire format a gradient
+    # reduction needs; the fp32 accumulator (``g``) is what sits in memory and crosses PCIe.
+    gw = p
     shard = psi / n
     ring = (n - 1) / n
     link = hw.link_bytes_per_s
@@ -241,27 +246,33 @@ def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, mi
     # reduce-scatters each unit; each collective also pays a fixed latency.
     units = req.shape.num_units() if n > 1 else 0
     latency = COLLECTIVE_LATENCY_S if n > 1 else 0.0
-    link_micro = {0: 0.0, 1: 0.0, 2: psi * g * ring, 3: psi * (2 * p + g) * ring}[stage] / link
+    link_micro = {0: 0.0, 1: 0.0, 2: psi * gw * ring, 3: psi * (2 * p + gw) * ring}[stage] / link
     link_micro += {2: units, 3: 3 * units}.get(stage, 0) * latency
+    # An offloaded optimizer takes each unit's gradient off the device as soon as it is reduced
+    # ([Note: gradient placement]), so stages 0-1 then all-reduce every unit every micro-step.
+    reduce_per_micro = oo != "none" and stage < 2
+    if reduce_per_micro:
+        link_micro += (2 * psi * gw * ring / link + units * latency)
     # The first unit of forward and of backward is gathered before any compute can hide it.
     fill = 2 * req.shape.largest_unit_numel() * p * ring / link if stage == 3 else 0.0
+    stepped = psi if stage == 0 else shard
     pcie_micro = (2 * shard * p if op != "none" else 0.0)
-    if oo != "none" and stage >= 2:
-        pcie_micro += shard * g  # each micro-step's gradient shard leaves the device
+    if oo != "none":
+        pcie_micro += stepped * g  # each micro-step's gradient partition leaves the device
+    # Gradients accumulate in host memory even with the optimizer on NVMe: no NVMe gradient I/O.
     nvme_micro = (2 * shard * p / nvme_r if op == "nvme" else 0.0)
-    if oo == "nvme" and stage >= 2:
-        nvme_micro += shard * og / nvme_w
     micro = fill + _overlap([compute, link_micro, pcie_micro / hw.pcie_bytes_per_s, nvme_micro])
     # Stages 0-1 reduce gradients once per step in buckets, overlapping the last backward.
-    reduce_once = {0: 2 * psi * g * ring, 1: psi * g * ring}.get(stage, 0.0) / link
+    reduce_once = {0: 2 * psi * gw * ring, 1: psi * gw * ring}.get(stage, 0.0) / link
     if stage < 2 and n > 1:
-        reduce_once += math.ceil(psi * g / BUCKET_BYTES) * latency
-    pcie_last = pcie_micro + (shard * g if oo != "none" and stage == 1 else 0.0)
+        reduce_once += math.ceil(psi * gw / BUCKET_BYTES) * latency
+    if reduce_per_micro:
+        reduce_once = 0.0
+    pcie_last = pcie_micro
     last = fill + _overlap([compute, link_micro + reduce_once, pcie_last / hw.pcie_bytes_per_s,
                             nvme_micro])
 
     # Boundary: the optimizer pass, its I/O, and the parameter all-gather of stages 1-2.
-    stepped = psi if stage == 0 else shard
     if oo == "none":
         opt = stepped * (2 * k + g + p) / hw.device_memory_bytes_per_s
     else:
@@ -271,7 +282,7 @@ def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, mi
     pcie_b = shard * p if oo != "none" and param_home == "none" else 0.0
     nvme_b = 0.0
     if oo == "nvme":
-        nvme_b += stepped * (k + (og if stage >= 2 else 0)) / nvme_r + stepped * k / nvme_w
+        nvme_b += stepped * k / nvme_r + stepped * k / nvme_w
     if param_home == "nvme":
         nvme_b += shard * p / nvme_w
     boundary = _overlap([opt, link_b, pcie_b / hw.pcie_bytes_per_s, nvme_b])

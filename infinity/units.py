@@ -271,6 +271,8 @@ def _host_needs(config: Any, opt_parts: list[int], param_shards: list[int],
                _extent(max(param_shards, default=0)) if param_nvme else 0)
     homed = (sum(map(_extent, opt_shards)) if opt_dev == "cpu" else 0) + (
         sum(map(_extent, param_shards)) if param_dev == "cpu" else 0)
+    if opt_dev != "none":  # the fp32 gradient accumulators ([Note: gradient placement], estimate.py)
+        homed += sum(_extent(4 * part) for part in opt_parts)
     if not slot:
         return homed, homed, homed
     least = homed + slot * (2 * opt_nvme + param_nvme + 1)
