@@ -42,6 +42,8 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32),
     "small": GPTConfig(vocab_size=4096, block_size=256, n_layer=4, n_head=4, n_embd=256),
     "medium": GPTConfig(vocab_size=8192, block_size=256, n_layer=8, n_head=8, n_embd=512),
+    # The main job's default: byte-level (vocabulary 256) so it trains on the shipped text.
+    "demo": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=8, n_embd=512),
     "gpt2-124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "135m": GPTConfig(vocab_size=50304, block_size=256, n_layer=13, n_head=12, n_embd=768),
     "350m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
