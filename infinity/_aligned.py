@@ -20,6 +20,10 @@ DEFAULT_ALIGNMENT_BYTES = 4096
 """Direct-I/O alignment assumed when the file system does not say (and the page size we map)."""
 
 
+_HUGEPAGE_MIN_BYTES = 4 * 1024 * 1024
+"""Mappings from this size up are advised to use transparent huge pages."""
+
+
 class _RegisteredMmap(mmap.mmap):
     """An anonymous mapping pinned with ``cudaHostRegister``; unpinned before it is unmapped."""
 
@@ -48,6 +52,13 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(0, dtype=dtype)
     size = align_up(nbytes, mmap.PAGESIZE)
     buf = _RegisteredMmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= _HUGEPAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        # The host arena holds optimizer state that Adam streams through: on 4 KiB pages that
+        # stream is TLB-bound here (see [Note: state memory layout] in infinity/cpu_adam.py).
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # transparent huge pages disabled: still correct on 4 KiB pages
+            pass
     flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)  # keeps ``buf`` alive
     if torch.cuda.is_available():
         ptr = flat.data_ptr()
