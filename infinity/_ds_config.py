@@ -180,7 +180,10 @@ _TOP_KEYS: dict[str, Any] = {
     "scheduler": _rejected(
         "DeepSpeed LR schedulers are not built in; wrap engine.optimizer in a torch.optim.lr_scheduler"),
     "activation_checkpointing": _rejected(
-        "DeepSpeed's activation checkpointing API is not implemented; use "
+        "DeepSpeed's section configures its own checkpoint API (deepspeed.checkpointing), which is "
+        "not implemented; use the native 'activation_checkpointing' section instead "
+        "({\"units\": \"all\" or [\"Block\"], \"offload_to_host\": true} in a native config, or "
+        "config.replace(activation_checkpointing=ActivationCheckpointingConfig(...))), or "
         "torch.utils.checkpoint(use_reentrant=False) in the model"),
     "flops_profiler": _rejected("the FLOPs profiler is not implemented", None),
     "tensorboard": _rejected("monitor back-ends are not implemented; log engine.stats() yourself"),
@@ -202,7 +205,7 @@ _TOP_KEYS: dict[str, Any] = {
 
 
 _NATIVE_TOP_KEYS = frozenset({"zero", "offload_param", "offload_optimizer", "memory", "swapper",
-                               "precision", "optimizer", "gradient_clipping",
+                               "precision", "optimizer", "activation_checkpointing", "gradient_clipping",
                                "gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
                                "device"})
 DS_ONLY_TOP_KEYS = frozenset(_TOP_KEYS) - _NATIVE_TOP_KEYS

@@ -476,26 +476,59 @@ class Activations:
     head_bytes: int
     """Final norm and output-projection inputs (4sbh) and the fp32 logits for the loss (4sbv)."""
     checkpointing: bool
+    offload_to_host: bool = False
+    """The kept layer inputs (``stored_bytes``) sit in host memory between forward and recompute
+    (``activation_checkpointing.offload_to_host``); see [Note: activation placement]."""
 
     @property
     def total_bytes(self) -> int:
         return self.stored_bytes + self.recompute_bytes + self.head_bytes
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes in host memory: the offloaded layer inputs, else nothing."""
+        return self.stored_bytes if self.offload_to_host else 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes on the device: everything but what is offloaded to host."""
+        return self.total_bytes - self.host_bytes
+
+    def tier_bytes(self, tier: "Tier | str") -> int:
+        return {Tier.DEVICE: self.device_bytes, Tier.HOST: self.host_bytes,
+                Tier.NVME: 0}[Tier(tier)]
+
     def to_dict(self) -> dict[str, Any]:
         return {"per_layer_bytes": self.per_layer_bytes, "stored_bytes": self.stored_bytes,
                 "recompute_bytes": self.recompute_bytes, "head_bytes": self.head_bytes,
-                "checkpointing": self.checkpointing, "total_bytes": self.total_bytes}
+                "checkpointing": self.checkpointing, "offload_to_host": self.offload_to_host,
+                "total_bytes": self.total_bytes, "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes}
 
 
 def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int | None = None,
-                     checkpointing: bool = False, dtype_bytes: int = 2) -> Activations:
+                     checkpointing: bool = False, offload_to_host: bool = False,
+                     dtype_bytes: int = 2) -> Activations:
     """Activations of ``micro_batch`` sequences (Korthikanti et al., section 4, no tensor parallelism).
 
     Without recomputation a layer keeps sbh(34 + 5as/h) bytes in 16-bit (s sequence, b micro-batch,
     h hidden, a heads; the 5as/h term is the attention scores, softmax and its dropout mask). With
     full activation checkpointing only each layer's input, 2sbh, is kept, and one layer's working set
     is rebuilt at a time during backward. ``dtype_bytes`` = 4 scales the formula for fp32 compute.
+    ``offload_to_host`` (checkpointing only): the kept inputs live in host memory
+    ([Note: activation placement]).
+
+    [Note: activation placement] Everything is on the device, except with ``offload_to_host``: the
+    L kept layer inputs (2sbh each in 16-bit) are copied to host memory as they are saved and back
+    for their layer's recompute (:mod:`infinity.activations`), so the device holds one layer's
+    working set (its input included) and the head; the host holds L x 2sbh per rank. With CUDA the
+    host copies are pinned through torch's caching host allocator, which can round each block up
+    (to a power of two); the ledger counts the bytes asked for.
     """
+    if offload_to_host and not checkpointing:
+        raise ValueError("offload_to_host: needs checkpointing (only the inputs kept by "
+                         "checkpointed layers are offloaded); enable checkpointing or drop the "
+                         "offload")
     s = seq_len or shape.seq_len
     b, h, a, L = micro_batch, shape.hidden_size, shape.num_heads, shape.num_layers
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
@@ -506,6 +539,6 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int | None
     if checkpointing:
         stored = _ceil(L * 2 * s * b * h * scale)
         return Activations(per_layer_bytes=per_layer, stored_bytes=stored, recompute_bytes=per_layer,
-                           head_bytes=head, checkpointing=True)
+                           head_bytes=head, checkpointing=True, offload_to_host=offload_to_host)
     return Activations(per_layer_bytes=per_layer, stored_bytes=L * per_layer, recompute_bytes=0,
                        head_bytes=head, checkpointing=False)

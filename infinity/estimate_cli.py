@@ -5,6 +5,7 @@ Examples::
     infinity estimate --params 7.5e9 --gpus 64                 # the ZeRO paper's Figure 1
     infinity estimate --model llama-7b/config.json --gpus 4 --offload-optimizer cpu --json
     infinity estimate --params 7e9 --gpus 4 --config ds_config.json
+    infinity estimate --model llama-7b/config.json --micro-batch 8 --checkpointing --offload-activations
 
 ``--model`` reads a Hugging Face ``config.json`` (``model_type`` llama, mistral, qwen2, qwen3 or
 gpt2) or a small native JSON (``num_layers``, ``hidden_size``, ``num_heads``, ``vocab_size``,
@@ -122,7 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="engine config (native or DeepSpeed JSON): terms, stage, "
                                          "offload tiers and sub-group size come from it")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank (activations)")
-    parser.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="full activation checkpointing (also on when --config sets "
+                             "activation_checkpointing.units)")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="checkpointed layer inputs in host memory (activation_checkpointing."
+                             "offload_to_host); needs checkpointing")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -187,14 +193,34 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     if offload_param != "none" and stages != [3]:
         out["notes"].append("offload_param applies to stage 3 only; stages 0-2 keep parameters on "
                             "the device")
+    checkpointing, offload_acts = _activation_options(args, config)
     if shape is not None:
         dtype_bytes = int(terms.param_bytes) if terms.param_bytes in (2, 4) else 2
-        acts = activation_bytes(shape, micro_batch=args.micro_batch, checkpointing=args.checkpointing,
-                                dtype_bytes=dtype_bytes)
+        acts = activation_bytes(shape, micro_batch=args.micro_batch, checkpointing=checkpointing,
+                                offload_to_host=offload_acts, dtype_bytes=dtype_bytes)
         out["model"] = shape.to_dict()
         out["activations"] = {**acts.to_dict(), "micro_batch": args.micro_batch,
                               "seq_len": shape.seq_len}
+        for row in out["stages"].values():  # the tier split with activations on top of the states
+            for tier, t in row["tiers"].items():
+                t["activations_bytes"] = acts.tier_bytes(tier)
+                t["total_with_activations_bytes"] = t["total_bytes"] + acts.tier_bytes(tier)
+    elif offload_acts or checkpointing:
+        out["notes"].append("activations need the model's shape: pass --model CONFIG.json")
     return out
+
+
+def _activation_options(args: argparse.Namespace, config: InfinityConfig | None) -> tuple[bool, bool]:
+    """(checkpointing, offload to host) from the flags, or the config's activation_checkpointing."""
+    checkpointing = bool(args.checkpointing)
+    offload = bool(getattr(args, "offload_activations", False))
+    if config is not None:
+        checkpointing = checkpointing or config.activation_checkpointing.enabled
+        offload = offload or config.activation_checkpointing.offload_to_host
+    if offload and not checkpointing:
+        raise ValueError("--offload-activations needs checkpointing: add --checkpointing (or set "
+                         "activation_checkpointing.units in the --config file)")
+    return checkpointing, offload
 
 
 def _gb(nbytes: float) -> str:
@@ -224,11 +250,19 @@ def format_table(report: Mapping[str, Any]) -> str:
             f"{k} {format_bytes(v)}" for k, v in buffers.items()))
     if "activations" in report:
         a = report["activations"]
+        ckpt = ("on, inputs offloaded to host" if a["offload_to_host"] else "on") \
+            if a["checkpointing"] else "off"
         lines.append(f"activations per rank (micro-batch {a['micro_batch']}, seq {a['seq_len']}, "
-                     f"checkpointing {'on' if a['checkpointing'] else 'off'}): "
+                     f"checkpointing {ckpt}): "
                      f"{_gb(a['total_bytes'])} GB (per layer {format_bytes(a['per_layer_bytes'])}, "
                      f"kept {format_bytes(a['stored_bytes'])}, head {format_bytes(a['head_bytes'])})"
-                     "; not included above")
+                     f": device {_gb(a['device_bytes'])} GB, host {_gb(a['host_bytes'])} GB; "
+                     "not included above")
+        for stage, row in report["stages"].items():
+            tiers = row["tiers"]
+            lines.append(f"stage {stage} with activations, per rank: device "
+                         f"{_gb(tiers['device']['total_with_activations_bytes'])} GB, host "
+                         f"{_gb(tiers['host']['total_with_activations_bytes'])} GB")
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 

@@ -1,0 +1,68 @@
+"""Activation checkpointing and its host offload on CUDA (skipped without a GPU).
+
+After the forward, before backward, the device holds the kept activations. With checkpointing
+they are the blocks' inputs (b*s*h per block); with ``offload_to_host`` those move to pinned host
+memory, so the allocated device bytes drop by at least that much (torch.cuda.memory_allocated,
+an independent measurement), and training still matches plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # _engine_common
+
+import infinity  # noqa: E402
+from infinity.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from _engine_common import (assert_close_run, batches, engine_config, engine_train,  # noqa: E402
+                            reference_train, tiny_gpt)
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+SMALL = GPTConfig(vocab_size=512, block_size=256, n_layer=6, n_head=4, n_embd=256)
+BATCH = 16
+
+
+def _allocated_after_forward(activation_checkpointing: dict) -> int:
+    torch.manual_seed(0)
+    engine = infinity.initialize(GPT(SMALL), engine_config(
+        stage=3, dtype="bf16", device="cuda:0", activation_checkpointing=activation_checkpointing))
+    idx, targets = synthetic_batch(SMALL, BATCH, SMALL.block_size, seed=1, device=CUDA)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(CUDA)
+    loss = engine(idx, targets)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(CUDA) - before
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    return held
+
+
+def test_offload_frees_the_block_inputs_from_the_device():
+    inputs = SMALL.n_layer * BATCH * SMALL.block_size * SMALL.n_embd * 2  # bf16, 2sbh per block
+    plain = _allocated_after_forward({})
+    ckpt = _allocated_after_forward({"units": ["Block"]})
+    offload = _allocated_after_forward({"units": ["Block"], "offload_to_host": True})
+    assert ckpt < plain
+    assert ckpt - offload >= 0.9 * inputs, (plain, ckpt, offload, inputs)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_parity_on_cuda(offload, monkeypatch):
+    import _engine_common
+
+    monkeypatch.setitem(_engine_common.TOL, "fp32", dict(loss=1e-5, param=1e-4))  # see test_engine_cuda
+    torch.backends.cuda.matmul.allow_tf32 = False
+    data = batches(5, 1)
+    ref_losses, ref_state = reference_train(tiny_gpt(), data, device=CUDA)
+    engine = infinity.initialize(tiny_gpt(), engine_config(
+        stage=3, device="cuda:0",
+        activation_checkpointing={"units": "all", "offload_to_host": offload}))
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    engine.close()
