@@ -28,6 +28,7 @@ from infinity._common import GiB, MiB, format_bytes
 from infinity._ds_config import config_to_deepspeed
 from infinity.config import (
     AUTO,
+    ActivationCheckpointingConfig,
     InfinityConfig,
     MemoryConfig,
     OffloadConfig,
@@ -101,7 +102,9 @@ def to_config(plan: Plan) -> InfinityConfig:
         memory=MemoryConfig(device_budget_bytes=device_budget, host_budget_bytes=host_budget),
         precision=PrecisionConfig(dtype=req.dtype),
         gradient_accumulation_steps=best.grad_accum,
-        train_micro_batch_size_per_gpu=best.micro_batch)
+        train_micro_batch_size_per_gpu=best.micro_batch,
+        activation_checkpointing=ActivationCheckpointingConfig(
+            units="all" if best.checkpointing else "none"))
 
 
 def write_configs(plan: Plan, *, native_path: str | None, deepspeed_path: str | None) -> list[str]:
@@ -384,8 +387,9 @@ def format_plan(plan: Plan) -> str:
         if len(seen) > 3:
             break
     if best.checkpointing:
-        lines.append("note: enable activation checkpointing in the model "
-                     "(torch.utils.checkpoint, use_reentrant=False); configs do not carry it")
+        lines.append("note: the native config turns activation checkpointing on (units 'all'); the "
+                     "DeepSpeed form cannot carry it: with that file, checkpoint in the model "
+                     "(torch.utils.checkpoint, use_reentrant=False)")
     return "\n".join(lines + [f"note: {n}" for n in hw.notes])
 
 

@@ -170,3 +170,19 @@ def test_disk_probes(tmp_path):
     read, write = _probe_direct(str(tmp_path), 16 * MiB)
     assert read > 0 and write > 0
     assert list(tmp_path.iterdir()) == []  # the probes clean up after themselves
+
+
+def test_written_native_config_carries_the_chosen_checkpointing(tmp_path):
+    """The plan's checkpointing choice reaches the engine through the native config."""
+    import json
+
+    from infinity.cli import main
+    from infinity.config import load_config
+
+    native = tmp_path / "infinity.json"
+    rc = main(["plan", "--params", "7e9", "--gpus", "4", "--gpu-memory-gb", "24",
+               "--host-memory-gb", "128", "--no-probe", "--nvme-path", str(tmp_path),
+               "--checkpointing", "on", "--out-native", str(native)])
+    assert rc == 0
+    config = load_config(json.loads(native.read_text()))
+    assert config.activation_checkpointing.units == "all"
