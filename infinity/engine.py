@@ -37,6 +37,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from infinity.activations import apply_activation_checkpointing, select_modules
 from infinity._dist import Collectives, init_from_env_if_launched, is_distributed
 from infinity.config import InfinityConfig, PrecisionConfig, load_config
 from infinity.shard_optimizer import (InMemoryShardOptimizer, OffloadedShardOptimizer, build_store,
@@ -141,6 +142,8 @@ class InfinityEngine:
             raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         _check_config_usable(config)
         check_not_wrapped(model)
+        if isinstance(config.activation_checkpointing.units, tuple):
+            select_modules(model, config.activation_checkpointing)  # unknown class names: fail early
         self.config = config
         self.device = _resolve_device(config)
         self.compute_dtype = _DTYPES[config.precision.dtype]
@@ -168,7 +171,12 @@ class InfinityEngine:
             store=self.store if param_home != "none" else None,
             param_home=tier_of(param_home) if param_home != "none" else None,
             prefetch=self.offload is not None and self.offload.overlap,
-            optimizer_offloaded=config.offload_optimizer.device != "none")
+            grad_store=self.store if config.offload_optimizer.device != "none" else None)
+        # After the manager: its hooks stay outside the checkpointed regions
+        # ([Note: checkpoint inside the module's hooks] in infinity/activations.py).
+        self.activations = apply_activation_checkpointing(
+            model, config.activation_checkpointing,
+            unit_module_names=[u.name for u in self.manager.units])
         self.optimizer = self._build_optimizer()
         self.scaler = LossScaler(config.precision)
         self.micro_steps = 0
@@ -302,15 +310,14 @@ class InfinityEngine:
         DEVICE counts what the parameter manager holds (gathered units, shards, masters, gradient
         buffers: each storage once), the in-memory optimizer's moments and the store's DEVICE
         copies; its peak adds the parts' high-water marks (an upper bound). HOST is the store's
-        arena use plus the gradient buffers of an offloaded optimizer (allocated once beside the
-        arena, so they add to its budget too; [Note: gradient placement] in infinity/estimate.py);
-        NVME the bytes of the shards whose home is a swap file.
+        arena use (with an offloaded optimizer it holds the fp32 gradient accumulators too,
+        [Note: gradient placement] in infinity/estimate.py); NVME the bytes of the shards whose
+        home is a swap file.
         """
         held = self.manager.device_bytes()
         offloaded = isinstance(self.optimizer, OffloadedShardOptimizer)
         state_device = 0 if offloaded else self.optimizer.state_bytes()
         store = self.store.stats() if self.store is not None else {}
-        host_grads = self.manager.host_grad_bytes()
         device_now = sum(held.values()) + state_device + store.get("device_used_bytes", 0)
         device_peak = (self.manager.peak_device_bytes + state_device
                        + store.get("device_peak_bytes", 0))
@@ -324,9 +331,9 @@ class InfinityEngine:
             "world_size": self.collectives.world_size,
             "stage": self.manager.stage,
             "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak)},
-                      "HOST": {"current": store.get("host_used_bytes", 0) + host_grads,
-                               "peak": store.get("host_peak_bytes", 0) + host_grads,
-                               "budget": store.get("host_budget_bytes", 0) + host_grads},
+                      "HOST": {"current": store.get("host_used_bytes", 0),
+                               "peak": store.get("host_peak_bytes", 0),
+                               "budget": store.get("host_budget_bytes", 0)},
                       "NVME": {"current": nvme, "peak": nvme}},
             "model_state_bytes": {**held, "optimizer_state": self.optimizer.state_bytes()},
             "bytes_moved": {"NVME->HOST": store.get("bytes_nvme_to_host", 0),
@@ -348,6 +355,14 @@ class InfinityEngine:
         """The model's full state dict (fp32 masters for trained parameters), keyed like
         ``model.state_dict()``; a collective: call it on every rank."""
         return self.manager.full_state_dict(master_of=self.optimizer.master_values)
+
+    def load_weights(self, path: str, *, strict: bool = True) -> dict[str, list[str]]:
+        """Load model weights from a safetensors file, a directory, or a Hugging Face sharded
+        index straight into the shards (each rank reads only its ranges; optimizer moments are
+        left as they are); see :mod:`infinity.weights`. A collective: call it on every rank."""
+        from infinity.weights import load_weights
+
+        return load_weights(self, path, strict=strict)
 
     def save_checkpoint(self, directory: str) -> str:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);

@@ -29,9 +29,11 @@ Autograd writes ``param.grad`` (compute dtype); the post-accumulate-grad hook ad
 unit's fp32 staging buffer (full padded size, alive only during backward) and drops ``param.grad``.
 When every trainable parameter of the unit has its gradient, the staging buffer is averaged over
 ranks (reduce-scatter for stages 2-3, all-reduce for 0-1) into the fp32 accumulator, which holds
-the sum over micro-batches until the optimizer step. Units with parameters unused in this
-backward are reduced at the end of backward, in unit order, after the ranks agree (one small
-all-reduce) on which units still hold gradients.
+the sum over micro-batches until the optimizer step. Where that accumulator lives (the device,
+or host memory when the optimizer is offloaded) is [Note: gradient placement] in
+infinity/estimate.py. Units with parameters unused in this backward are reduced at the end of
+backward, in unit order, after the ranks agree (one small all-reduce) on which units still hold
+gradients.
 
 [Note: backward gather and release]
 Pre-backward: the post-forward hook registers a tensor hook on each output that requires grad; it
@@ -66,9 +68,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from infinity._common import TierCapacityError, warn_once
+from infinity._common import warn_once
 from infinity._dist import Collectives, check_env_enabled
 from infinity.config import ZeroConfig
+from infinity.prefetch import Level
+from infinity.prefetch_bridge import ParamPrefetcher, PrefetchUnit, disabled_stats, prefetch_config
 from infinity.units import (ParamSlot, UnitSpec, check_not_wrapped, layout_group, mark_managed,
                             plan_units, resolve_persistence_threshold)
 
@@ -113,6 +117,9 @@ class FlatGroup:
     """fp32 full-size gradient of the current backward (see [Note: gradient ledger])."""
     grad_acc: torch.Tensor | None = None
     """fp32 gradient summed over micro-batches: shard (stages 2-3) or full (0-1); None when zero."""
+    grad_host: torch.Tensor | None = None
+    """Offloaded optimizer: the fp32 accumulator over the optimizer's partition in the store's
+    host arena; ``grad_acc`` is it while it holds a gradient ([Note: gradient placement])."""
     store_key: str | None = None
     """Key of the parameter shard in the tiered store (parameter offload), else None."""
 
@@ -141,6 +148,11 @@ class Unit:
             raise RuntimeError(f"unit {self.index} {self.name!r}: illegal transition "
                                f"{self.state.value} -> {new.value}")
         self.state = new
+
+
+def _int_or_none(value: Any) -> int | None:
+    """A knob that may be 'auto': the number, or None for 'auto'."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -196,15 +208,21 @@ class ParameterManager:
 
     def __init__(self, module: nn.Module, zero: ZeroConfig, *, collectives: Collectives,
                  device: torch.device, compute_dtype: torch.dtype, store: Any = None,
-                 param_home: Any = None, prefetch: bool = True):
+                 param_home: Any = None, prefetch: bool = True, grad_store: Any = None):
         """``store``/``param_home``: the tiered store and the home tier (HOST or NVME) of the
         parameter shards of gathered-on-demand units (stage 3 parameter offload); None: the
         shards stay on the device. ``prefetch``: read the next unit's shard ahead (only when the
-        host budget has room for it beside the demand fetches)."""
+        host budget has room for it beside the demand fetches). ``grad_store``: the optimizer
+        lives off the device (None: on it), so fp32 masters are built in host memory for it to
+        take, and each unit's reduced gradient partition moves right after its reduction into an
+        accumulator homed in this store's host arena ([Note: gradient placement] in
+        infinity/estimate.py)."""
         check_not_wrapped(module)
         self.store = store
         self.param_home = param_home
         self.prefetch = prefetch
+        self.grad_store = grad_store
+        self.optimizer_offloaded = grad_store is not None
         self.module = module
         self.stage = zero.stage
         self.coll = collectives
@@ -223,9 +241,13 @@ class ParameterManager:
         self._handles: list[Any] = []
         self._traced_modes: set[bool] = set()
         """Grad modes (True/False) whose first forward ran with the outside-use detector."""
-        self._next_gather: dict[int, int] = {}
-        """unit index -> the unit gathered after it last time (prefetch hint; see _prefetch)."""
         self._last_gathered: int | None = None
+        """Unused since the trace-driven prefetcher replaced the one-unit hint; kept for
+        finish_backward, which resets it."""
+        self._fetcher: ParamPrefetcher | None = None
+        """Trace-driven prefetch of offloaded parameter shards (see _build_fetcher); None: demand."""
+        self._gather_phase = "forward-gather"
+        """Phase named by gathers the fetcher issues (agreement checks and error context)."""
         plan = plan_units(module, unit_class_names=zero.unit_class_names,
                           unit_min_numel=zero.unit_min_numel,
                           persistence_threshold_numel=resolve_persistence_threshold(
@@ -244,7 +266,10 @@ class ParameterManager:
             id(s.param): (u, g, s) for u in self.units for g in u.groups for s in g.slots}
         self._unit_of_storage: dict[int, Unit] = {
             g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups}
+        if grad_store is not None:
+            self._register_grad_accumulators()
         self._install_hooks(plan.hooked)
+        self._fetcher = self._build_fetcher(zero)
         mark_managed(module, [s.param for u in self.units for g in u.groups for s in g.slots])
         self._note_peak()
         logger.info("stage %d: %d units over %d ranks: %s", self.stage, len(self.units),
@@ -287,6 +312,8 @@ class ParameterManager:
         if requires_grad:
             if dtype == torch.float32:
                 master = part
+            elif self.optimizer_offloaded:  # the optimizer copies it into its tier at once
+                master = (init if self.stage == 0 else init[lo:hi]).to("cpu", copy=True)
             else:
                 master = (init if self.stage == 0 else init[lo:hi]).clone()
         group = FlatGroup(key=key, slots=slots, numel=numel, padded_numel=padded,
@@ -294,11 +321,12 @@ class ParameterManager:
                           shard=shard, master=master)
         if self.store is not None and not always:
             group.store_key = f"param/{key}"
+            initial = shard.cpu()
             self.store.register(group.store_key, shard_numel, dtype, self.param_home,
-                                initial=shard.cpu())
+                                initial=initial)
             group.shard = None
             if master is part:  # fp32: the master starts as a copy, the shard lives in the store
-                group.master = shard
+                group.master = initial if self.optimizer_offloaded else shard
         return group
 
     def param_partition(self, group: FlatGroup) -> Any:
@@ -384,33 +412,36 @@ class ParameterManager:
         if unit.state is UnitState.RELEASED:
             unit.transition(UnitState.GATHERED)
         self.num_gathers += 1
-        self._prefetch(unit)
         self._note_peak()
 
-    def _prefetch(self, unit: Unit) -> None:
-        """Parameter offload: start moving the shard of the unit that followed ``unit`` last time
-        toward the device, so its NVMe read and host copy overlap this unit's compute.
-
-        An interim one-unit lookahead learned from the previous gathers (until the trace-driven
-        executor of :mod:`infinity.prefetch` is wired in). A wrong guess costs an evictable cached
-        copy; a full tier refuses the prefetch. Nothing is read across the end of a backward: the
-        optimizer step is about to rewrite those shards."""
+    def _build_fetcher(self, zero: ZeroConfig) -> ParamPrefetcher | None:
+        """Parameter offload: the trace-driven prefetcher over the store's parameter shards
+        (:mod:`infinity.prefetch_bridge`). It records each step's units, then reads the next units'
+        shards from NVMe and copies them to the device ahead of use, within in-flight bounds shared
+        with demand fetches; the store evicts by the trace's next use."""
         if self.store is None or not self.prefetch:
-            return
-        if self._last_gathered is not None:
-            self._next_gather[self._last_gathered] = unit.index
-        self._last_gathered = unit.index
-        nxt = self._next_gather.get(unit.index)
-        if nxt is None or self.units[nxt].state is UnitState.GATHERED:
-            return
-        from infinity.tiers import Tier
-
-        for g in self.units[nxt].groups:
-            if g.store_key is not None:
-                try:
-                    self.store.fetch(g.store_key, Tier.DEVICE)
-                except TierCapacityError:
-                    logger.debug("prefetch of %s refused: device tier full", g.store_key)
+            return None
+        item = self.compute_dtype.itemsize
+        home = Level[self.param_home.name]
+        units = [PrefetchUnit(unit=u.index, keys=tuple(g.store_key for g in u.groups),
+                              shard_bytes=sum(g.shard_numel for g in u.groups) * item,
+                              gathered_bytes=sum(g.padded_numel for g in u.groups) * item, home=home)
+                 for u in self.units
+                 if not u.always_gathered and all(g.store_key is not None for g in u.groups)]
+        if not units:
+            return None
+        budgets = self.store.config
+        config = prefetch_config(
+            host_budget_bytes=budgets.host_budget_bytes, device_budget_bytes=budgets.device_budget_bytes,
+            largest_shard_bytes=max(u.shard_bytes for u in units),
+            largest_gathered_bytes=max(u.gathered_bytes for u in units), world_size=self.world_size,
+            lookahead_bytes=_int_or_none(zero.prefetch_lookahead_bytes),
+            max_reuse_distance_bytes=None if zero.max_reuse_distance_numel == "auto"
+            else zero.max_reuse_distance_numel * item)
+        return ParamPrefetcher(self.store, units, config=config,
+                               gather=lambda i: self._gather(self.units[i], self._gather_phase),
+                               is_gathered=lambda i: self.units[i].state is UnitState.GATHERED,
+                               gathered_budget_bytes=_int_or_none(zero.max_live_bytes))
 
     def _gather_groups(self, unit: Unit, phase: str) -> None:
         with torch.profiler.record_function(f"infinity::gather ({unit.name})"):
@@ -428,15 +459,30 @@ class ParameterManager:
         for g in unit.groups:
             g.full.untyped_storage().resize_(0)
         unit.transition(UnitState.RELEASED)
+        if self._fetcher is not None:
+            self._fetcher.on_release(unit.index)
+
+    def _fetch_before_compute(self, unit: Unit, phase: str) -> None:
+        """Offloaded parameters: gather through the prefetcher (a prefetched unit is ready)."""
+        if self._fetcher is not None and not unit.always_gathered:
+            self._gather_phase = phase
+            self._fetcher.before_compute(unit.index)
+        if unit.state is UnitState.RELEASED:
+            self._gather(unit, phase)
+
+    def _after_compute(self, unit: Unit) -> None:
+        if self._fetcher is not None and not unit.always_gathered:
+            self._fetcher.after_compute(unit.index)
 
     def _acquire(self, unit: Unit, phase: str) -> None:
         unit.refcount += 1
-        if unit.state is UnitState.RELEASED:
-            self._gather(unit, phase)
+        self._fetch_before_compute(unit, phase)
 
     def _maybe_release(self, unit: Unit) -> None:
         if (unit.state is UnitState.GATHERED and not unit.always_gathered and unit.refcount == 0
                 and not unit.backward_hold):
+            if self._fetcher is not None and self._fetcher.should_keep(unit.index):
+                return  # the trace says it is used again soon (released at the step's end at last)
             self._release(unit)
 
     def _make_pre_forward(self, units: list[Unit]):
@@ -455,6 +501,7 @@ class ParameterManager:
             for u in units:
                 u.refcount -= 1
                 self._maybe_release(u)
+                self._after_compute(u)
             if torch.is_grad_enabled():
                 for t in _tensors_in(output):
                     if t.requires_grad:
@@ -466,8 +513,7 @@ class ParameterManager:
         for u in units:
             if not u.backward_hold:
                 u.backward_hold = True
-                if u.state is UnitState.RELEASED:
-                    self._gather(u, "backward-gather")
+                self._fetch_before_compute(u, "backward-gather")
 
     def _post_backward(self, units: list[Unit]) -> None:
         for u in units:
@@ -483,6 +529,7 @@ class ParameterManager:
         if unit.backward_hold and grads_done and (not unit.has_frozen or unit.input_grads_done):
             unit.backward_hold = False
             self._maybe_release(unit)
+            self._after_compute(unit)
 
     # ------------------------------------------------------------------ gradients
 
@@ -518,21 +565,44 @@ class ParameterManager:
                 if self.world_size > 1:
                     staging.div_(self.world_size)
                 if self.stage >= 2:
-                    if g.grad_acc is None:
-                        g.grad_acc = torch.empty(g.shard_numel, dtype=torch.float32,
-                                                 device=self.device)
-                        self.coll.reduce_scatter_sum(g.grad_acc, staging, context=context)
-                    else:
-                        part = torch.empty_like(g.grad_acc)
-                        self.coll.reduce_scatter_sum(part, staging, context=context)
-                        g.grad_acc.add_(part)
+                    part = torch.empty(g.shard_numel, dtype=torch.float32, device=self.device)
+                    self.coll.reduce_scatter_sum(part, staging, context=context)
                 else:
                     self.coll.all_reduce_sum(staging, context=context)
-                    if g.grad_acc is None:
-                        g.grad_acc = staging
-                    else:
-                        g.grad_acc.add_(staging)
+                    part = staging
+                    if self.stage == 1 and self.optimizer_offloaded:  # only its shard leaves
+                        part = staging[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
+                self._accumulate_grad(g, part)
         self._note_peak()
+
+    def _register_grad_accumulators(self) -> None:
+        """[Note: gradient placement]: one fp32 accumulator per trainable group over the
+        optimizer's partition, homed in the store's host arena (so ``memory.host_budget_bytes``
+        covers it), allocated once and never evicted (a HOST home copy stays put)."""
+        from infinity.tiers import Tier
+
+        for g in self.trainable_groups():
+            key = f"grad/{g.key}"
+            numel = g.padded_numel if self.stage == 0 else g.shard_numel
+            self.grad_store.register(key, numel, torch.float32, Tier.HOST)
+            g.grad_host = self.grad_store.get(key, Tier.HOST)
+
+    def _accumulate_grad(self, g: FlatGroup, part: torch.Tensor) -> None:
+        """Add one micro-batch's reduced gradient into the accumulator: on the device, or, with an
+        offloaded optimizer, into the host buffer, dropping the device copy
+        ([Note: gradient placement] in infinity/estimate.py)."""
+        if g.grad_host is None:
+            if g.grad_acc is None:
+                g.grad_acc = part
+            else:
+                g.grad_acc.add_(part)
+            return
+        if g.grad_acc is None:
+            # Pinned: the copy runs on the current stream; grad_partitions() waits for it.
+            g.grad_host.copy_(part, non_blocking=g.grad_host.is_pinned())
+            g.grad_acc = g.grad_host
+        else:  # a blocking copy: it also waits for the earlier copies on the stream
+            g.grad_acc.add_(part.to(g.grad_host.device))
 
     def finish_backward(self) -> None:
         """End of one backward: reduce units whose gradients are incomplete (unused parameters),
@@ -557,11 +627,13 @@ class ParameterManager:
 
     def grad_partitions(self) -> dict[str, torch.Tensor]:
         """fp32 gradient per trainable group, over the optimizer's partition; absent when zero."""
+        if self.optimizer_offloaded and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # host copies have landed
         out = {}
         for g in self.trainable_groups():
             if g.grad_acc is None:
                 continue
-            if self.stage == 1:
+            if self.stage == 1 and g.grad_acc is not g.grad_host:
                 lo = self.rank * g.shard_numel
                 out[g.key] = g.grad_acc[lo:lo + g.shard_numel]
             else:
@@ -581,6 +653,8 @@ class ParameterManager:
         for unit in self.units:
             if unit.always_gathered:
                 self._gather(unit, "step-gather")
+        if self._fetcher is not None:
+            self._fetcher.warm_next_step()  # the shards are final: the next step's first units
 
     # ------------------------------------------------------------------ tracing, state, stats
 
@@ -591,6 +665,11 @@ class ParameterManager:
         mode = torch.is_grad_enabled()
         trace = self.stage == 3 and mode not in self._traced_modes and any(
             not u.always_gathered for u in self.units)
+        if self._fetcher is not None:
+            # Separate traces per phase: an evaluation forward must not replace the training trace.
+            self.end_prefetch_step()
+            self._fetcher.begin_step(("train" if self.module.training else "eval-grad") if mode
+                                     else "eval")
         try:
             if trace:
                 with _OutsideUseDetector(self):
@@ -603,6 +682,26 @@ class ParameterManager:
                 unit.refcount = 0
                 self._maybe_release(unit)
             raise
+        finally:
+            if not mode:
+                self.end_prefetch_step()  # no backward follows: the step ends with the forward
+                if self._fetcher is not None:
+                    self._fetcher.warm_next_step()
+
+    def end_prefetch_step(self) -> None:
+        """End of a step (after finish_backward, after a no-grad forward, before a new forward):
+        commit the prefetcher's trace and release every unit still gathered on demand
+        ([Note: stale gathered units] in prefetch_bridge.py)."""
+        if self._fetcher is None or not self._fetcher.in_step:
+            return
+        self._fetcher.end_step()
+        for unit in self.units:
+            if unit.refcount == 0 and not unit.backward_hold:
+                self._maybe_release(unit)  # between steps should_keep() is False
+
+    def prefetch_stats(self) -> dict[str, Any]:
+        """Counters of the trace-driven prefetcher (keys in ParamPrefetcher.stats)."""
+        return self._fetcher.stats() if self._fetcher is not None else disabled_stats()
 
     def _check_outside_use(self, tensor: torch.Tensor, func_name: str) -> None:
         if self._busy:
@@ -659,11 +758,11 @@ class ParameterManager:
                 yield "param", g.full
                 if g.shard is not None:
                     yield "param", g.shard
-                if g.master is not None:
+                if g.master is not None and not self.optimizer_offloaded:  # else host-side
                     yield "master", g.master
                 if g.grad_staging is not None:
                     yield "grad", g.grad_staging
-                if g.grad_acc is not None:
+                if g.grad_acc is not None and g.grad_acc is not g.grad_host:
                     yield "grad", g.grad_acc
 
     def device_bytes(self) -> dict[str, int]:

@@ -38,7 +38,9 @@ ALLOWED: dict[str, set[str]] = {
     "prefetch_bridge": {"prefetch", "tiers", "trace"},  # executor hops -> store fetches and gathers
     "stage3": {"tiers", "prefetch", "prefetch_bridge", "trace", "cpu_adam", "units", "shard_optimizer",
                "_dist"},
-    "engine": {"stage3", "shard_optimizer", "units", "checkpoint"},
+    "engine": {"stage3", "shard_optimizer", "units", "checkpoint", "activations", "weights"},
+    "weights": {"checkpoint", "safetensors_io", "shard_optimizer", "_common"},  # HF safetensors in
+    "activations": {"_common", "config"},  # which modules run checkpointed; no hooks of stage3
     "checkpoint": {"shard_optimizer", "checkpoint_reader", "safetensors_io", "_common"},  # save/load
     "checkpoint_reader": {"safetensors_io", "_common"},  # manifest checks, range reads: no engine
     "consolidate": {"checkpoint_reader", "safetensors_io"},  # `infinity consolidate`: no process group
