@@ -234,6 +234,11 @@ AUTO_SUB_GROUP_NUMEL = 2 ** 22
 large enough for full-speed NVMe requests, small enough that three (the read ahead, the one
 being stepped, the one being written) fit a modest host budget."""
 _EXTENT_ALIGN_BYTES = 4096
+_AUTO_OVERLAP_FLOOR_NUMEL = 2 ** 16
+"""The smallest 'auto' sub-group chosen to make room for overlap: 768 KiB NVMe requests. Smaller
+ones would trade the pipeline's request size for a read ahead; the least budget decides then."""
+_AUTO_LEAST_FLOOR_NUMEL = 2 ** 14
+"""The smallest 'auto' sub-group at all (192 KiB requests), for budgets that fit nothing larger."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -280,23 +285,41 @@ def _host_needs(config: Any, opt_parts: list[int], param_shards: list[int],
     return homed, least, comfortable
 
 
+def _auto_candidates(floor: int) -> list[int]:
+    """'auto' sub-group sizes, largest first: AUTO_SUB_GROUP_NUMEL halved down to ``floor``."""
+    return [AUTO_SUB_GROUP_NUMEL >> k for k in range(AUTO_SUB_GROUP_NUMEL.bit_length())
+            if AUTO_SUB_GROUP_NUMEL >> k >= floor]
+
+
 def _resolve_host_budget(config: Any, opt_parts: list[int], param_shards: list[int]
                          ) -> tuple[int, int, bool]:
-    """(host budget bytes, sub-group numel, room to overlap). 'auto' sub-groups shrink (halving, down to 2**14
-    elements) until the NVMe pipeline fits an explicit host budget."""
+    """(host budget bytes, sub-group numel, room to overlap).
+
+    An explicit ``zero.sub_group_numel`` is kept, and overlap is on when the budget holds its
+    comfortable staging. 'auto' takes the largest size (down to _AUTO_OVERLAP_FLOOR_NUMEL) whose
+    comfortable staging fits, and only when none does, the largest (down to
+    _AUTO_LEAST_FLOOR_NUMEL) whose least staging fits, without overlap. Taking the largest size
+    that merely fits would turn overlap off at budgets where a smaller sub-group leaves room for
+    it, and back on at larger ones: overlap would not grow with the budget."""
     zero, host = config.zero, config.memory.host_budget_bytes
     if zero.sub_group_numel != "auto":
-        candidates = [int(zero.sub_group_numel)]
+        overlap_sizes = least_sizes = [int(zero.sub_group_numel)]
     else:
-        candidates = [AUTO_SUB_GROUP_NUMEL >> k for k in range(AUTO_SUB_GROUP_NUMEL.bit_length())
-                      if AUTO_SUB_GROUP_NUMEL >> k >= 2 ** 14]
+        overlap_sizes = _auto_candidates(_AUTO_OVERLAP_FLOOR_NUMEL)
+        least_sizes = _auto_candidates(_AUTO_LEAST_FLOOR_NUMEL)
+    needs = {sub: _host_needs(config, opt_parts, param_shards, sub)
+             for sub in {*overlap_sizes, *least_sizes}}
     if host == "auto":
-        _homed, _least, comfortable = _host_needs(config, opt_parts, param_shards, candidates[0])
-        return comfortable + comfortable // 10 + 2 ** 20, candidates[0], True
-    for sub in candidates:
-        homed, least, comfortable = _host_needs(config, opt_parts, param_shards, sub)
-        if least <= host:
-            return host, sub, comfortable <= host
+        comfortable = needs[overlap_sizes[0]][2]
+        return comfortable + comfortable // 10 + 2 ** 20, overlap_sizes[0], True
+    for sub in overlap_sizes:
+        if needs[sub][2] <= host:
+            return host, sub, True
+    for sub in least_sizes:
+        if needs[sub][1] <= host:
+            return host, sub, False
+    sub = least_sizes[-1]
+    homed, least, _comfortable = needs[sub]
     raise ValueError(
         f"memory.host_budget_bytes={host} cannot hold what must live in host memory: {least} "
         f"bytes ({homed} of shards homed on the host, {least - homed} of NVMe staging: two "
