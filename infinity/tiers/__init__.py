@@ -47,7 +47,8 @@ Rules the store keeps:
   fetch/acquire/set_next_use; unknown counts as furthest), least recently used first otherwise and
   on ties. Dirty victims are written back first. When nothing can go: ``TierCapacityError`` with
   ``tier``, ``requested_bytes``, ``used_bytes`` and ``budget_bytes``. Pinned and in-flight copies are
-  never evicted; the store waits only for write-backs already under way.
+  never evicted; when only moves already under way (write-backs and their HOST staging, fetches,
+  copies being read) hold the room, the store waits for them instead of refusing.
 - HOST memory ([Note: one host arena] in ``_arena.py``): one ``swapper.aligned_empty`` buffer of the
   HOST budget, carved into extents aligned to ``max(4096, swapper.alignment_bytes)``; a HOST copy of
   ``n`` bytes costs ``align_up(n, alignment)`` of the budget. Best-fit, coalescing free list; when no

@@ -74,7 +74,7 @@ class _BudgetMixin:
                 return alloc
             victims = self._victims(tier)
             if not victims:
-                if self._writebacks_pending(tier):
+                if self._moves_pending(tier):
                     self._cond.wait()
                     continue
                 self._capacity_error(tier, for_key, charge, self._why_full(tier, charge))
@@ -100,10 +100,23 @@ class _BudgetMixin:
         self._peak[tier] = max(self._peak[tier], self._used[tier])
         return _Alloc(tier, tensor, extent, charge)
 
-    def _writebacks_pending(self, tier: Tier) -> bool:
-        """Unpinned copies on ``tier`` being written back will become evictable: worth waiting for."""
-        return any(s.writeback is not None and s.copies[tier].state in (_W, _R)
-                   and not s.copies[tier].pins and s.home is not tier for s in self._shards.values())
+    def _moves_pending(self, tier: Tier) -> bool:
+        """[Note: wait, do not refuse] Unpinned non-home copies on ``tier`` that a move under way
+        will leave evictable: a write-back's source or HOST staging copy (RESIDENT, WRITING or, while
+        the DEVICE -> HOST part runs, INFLIGHT), a fetch landing in the copy, a copy a move reads
+        (busy). Each such move already holds its memory and completes on the store's / swapper's
+        threads, which never allocate, so waiting for it cannot deadlock -- and the caller's own move
+        is never among them: it is issued only after ``_reserve`` returns. Refusing instead made
+        write-backs under a tight HOST budget raise while staging copies were about to be freed."""
+        for s in self._shards.values():
+            copy = s.copies[tier]
+            if s.home is tier or copy.pins:
+                continue
+            if s.writeback is not None and copy.state in (_I, _W, _R):
+                return True
+            if (copy.state is _I and copy.future is not None) or (copy.state is _R and copy.busy):
+                return True
+        return False
 
     def _why_full(self, tier: Tier, charge: int) -> str:
         if tier is Tier.HOST and self._budget[tier] - self._used[tier] >= charge:

@@ -305,7 +305,20 @@ class TieredStore(_BudgetMixin):
             except BaseException:  # noqa: BLE001 - a bug in the store; make it visible
                 logger.exception("internal error in a tiered-store completion (%s)", fn.__name__)
                 raise
-        self._pool.submit(run)
+        try:
+            self._pool.submit(run)
+        except RuntimeError:
+            # [Note: completions after pool shutdown] concurrent.futures stops every pool at
+            # interpreter exit, before atexit handlers and finalizers (where owners close the
+            # store); a swap still in flight then has nowhere to complete and close() would wait
+            # for it forever. Run it on a one-off thread instead -- not inline: a done-callback
+            # may fire in a thread that holds the store's lock -- and inline only as the last
+            # resort, when the interpreter refuses new threads too (finalizing).
+            logger.debug("copy pool is shut down: running %s on its own thread", fn.__name__)
+            try:
+                threading.Thread(target=run, name="infinity-tiers-late", daemon=True).start()
+            except RuntimeError:
+                run()
 
     def _stream_event(self):
         """CUDA: an event on the caller's stream, so the copy stream waits for work issued so far."""
