@@ -35,3 +35,15 @@ def _fresh_one_time_warnings():
 def slow_scale():
     """Multiplier for soak/scale tests: 1 in CI (bounded), larger with INFINITY_SLOW=1."""
     return 8 if SLOW else 1
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices: one intra-op thread is several times faster on a shared 2-core machine
+    (modules opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  #
 
 from _launch import launch  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_torch_thread")]
 
 CONFIGS = [  # (name, stage, dtype, gradient accumulation steps, clip)
     *[(f"s{s}-fp32", s, "fp32", 1, 0.0) for s in (0, 1, 2, 3)],
@@ -24,17 +24,6 @@ CONFIGS = [  # (name, stage, dtype, gradient accumulation steps, clip)
     ("s3-fp32-gas4-clip-bysize", 3, "fp32", 4, 0.05),
 ]
 STEPS = 10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The reference runs in this process: one intra-op thread is faster on tiny matrices."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def worker_parity(rank: int, world_size: int, out_dir: str) -> dict:

@@ -20,16 +20,10 @@ from infinity.config import ActivationCheckpointingConfig, InfinityConfig, load_
 from _engine_common import (TINY, assert_close_run, batches, engine_config, engine_train,
                             reference_train, tiny_gpt)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 STEPS = 5
 BATCH, SEQ = 8, 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _count_block_calls(model) -> list[int]:

@@ -28,15 +28,9 @@ from infinity.consolidate import consolidate, parse_bytes
 
 from _engine_common import batches, engine_config, engine_train, tiny_gpt
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 safetensors_torch = pytest.importorskip("safetensors.torch")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def noisy_loss(m, batch):

@@ -20,16 +20,9 @@ from infinity.config import PrecisionConfig
 from _engine_common import (assert_close_run, batches, engine_config, engine_train,
                             reference_train, tiny_gpt)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 STEPS = 10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one intra-op thread is several times faster on a shared 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _parity(stage: int, dtype: str, gas: int, clip: float, **cfg) -> None:
@@ -175,7 +168,6 @@ def test_stats_report_bytes_per_tier():
     # fp32 AdamW: master is the parameter shard; two fp32 moments per element.
     numel = sum(g.padded_numel for g in engine.manager.trainable_groups())
     assert stats["model_state_bytes"]["optimizer_state"] == 2 * 4 * numel
-
 
 
 def test_meta_and_integer_parameters_are_rejected_before_any_change():

@@ -18,15 +18,9 @@ import infinity
 from _engine_common import (assert_close_run, batches, engine_config, engine_train,
                             reference_train, tiny_gpt)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 STEPS = 6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _offload_config(tmp_path, *, stage, dtype, gas=1, clip=0.0, opt="none", param="none",

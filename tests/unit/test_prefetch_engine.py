@@ -22,16 +22,10 @@ from infinity.swapper import Swapper
 
 from _engine_common import assert_close_run, engine_config, engine_train, reference_train
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 D = 64  # width of the test models
 EXPERT_BYTES = (2 * D * 4 * D + 7 * D) * 4  # one Expert unit's fp32 shard (world size 1)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _nvme_config(tmp_path, model: nn.Module, *, device_budget_bytes: int, host_fraction: float = 0.6,

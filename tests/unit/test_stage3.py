@@ -19,15 +19,9 @@ from infinity.units import plan_units
 from _engine_common import (TINY, assert_close_run, batches, engine_config, engine_train,
                             reference_train, tiny_gpt)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 STEPS = 6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _parity(make_model, *, stage: int = 3, dtype: str = "fp32", gas: int = 1, loss_fn=None,

@@ -25,15 +25,9 @@ from infinity.weights import WeightsError
 from _engine_common import (DTYPES, assert_close_run, batches, engine_config, engine_train,
                             reference_train, tiny_gpt)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 safetensors_torch = pytest.importorskip("safetensors.torch")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _config(tmp_path, *, stage, dtype="fp32", opt="none", param="none", units=("Block",),
