@@ -538,8 +538,7 @@ class ParameterManager:
         if param.grad is None:
             return
         if group.grad_staging is None:
-            group.grad_staging = torch.zeros(group.padded_numel, dtype=torch.float32,
-                                             device=self.device)
+            group.grad_staging = self._new_staging(group)
         group.grad_staging[slot.offset:slot.offset + slot.numel].add_(param.grad.reshape(-1))
         param.grad = None
         unit.grads_seen.add(id(param))
@@ -548,6 +547,18 @@ class ParameterManager:
             unit.grads_seen = {id(s.param) for g in unit.groups if g.requires_grad
                                for s in g.slots}  # stays "complete" until the backward ends
             self._maybe_drop_hold(unit)
+
+    def _stages_in_host(self, g: FlatGroup) -> bool:
+        """One rank, an empty host accumulator on the compute device (CPU): the staging buffer is
+        the accumulator itself, so the reduce and the host copy are no-ops (two full fp32 copies
+        of the gradients a step saved)."""
+        return (self.world_size == 1 and g.grad_host is not None and g.grad_acc is None
+                and g.grad_host.device == self.device and g.grad_host.numel() == g.padded_numel)
+
+    def _new_staging(self, g: FlatGroup) -> torch.Tensor:
+        if self._stages_in_host(g):
+            return g.grad_host.zero_()
+        return torch.zeros(g.padded_numel, dtype=torch.float32, device=self.device)
 
     def _reduce_unit(self, unit: Unit, phase: str) -> None:
         if self._check_now():
@@ -560,11 +571,13 @@ class ParameterManager:
                     continue
                 staging = g.grad_staging
                 if staging is None:
-                    staging = torch.zeros(g.padded_numel, dtype=torch.float32, device=self.device)
+                    staging = self._new_staging(g)
                 g.grad_staging = None
                 if self.world_size > 1:
                     staging.div_(self.world_size)
-                if self.stage >= 2:
+                if self.stage >= 2 and self.world_size == 1:
+                    part = staging  # the shard is the whole buffer: no reduce, no copy
+                elif self.stage >= 2:
                     part = torch.empty(g.shard_numel, dtype=torch.float32, device=self.device)
                     self.coll.reduce_scatter_sum(part, staging, context=context)
                 else:
@@ -596,6 +609,9 @@ class ParameterManager:
                 g.grad_acc = part
             else:
                 g.grad_acc.add_(part)
+            return
+        if g.grad_acc is None and part.data_ptr() == g.grad_host.data_ptr():
+            g.grad_acc = g.grad_host  # staged in place (_stages_in_host)
             return
         if g.grad_acc is None:
             # Pinned: the copy runs on the current stream; grad_partitions() waits for it.
@@ -760,7 +776,7 @@ class ParameterManager:
                     yield "param", g.shard
                 if g.master is not None and not self.optimizer_offloaded:  # else host-side
                     yield "master", g.master
-                if g.grad_staging is not None:
+                if g.grad_staging is not None and g.grad_staging is not g.grad_host:
                     yield "grad", g.grad_staging
                 if g.grad_acc is not None and g.grad_acc is not g.grad_host:
                     yield "grad", g.grad_acc
