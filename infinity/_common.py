@@ -6,6 +6,7 @@ Nothing here imports torch-heavy modules of the package: it sits at the bottom o
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import warnings
@@ -78,6 +79,21 @@ def reset_warnings_for_tests() -> None:
     """Forget which one-time warnings were emitted (tests assert on them)."""
     with _warned_lock:
         _warned.clear()
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in ``path``; a ValueError naming ``what`` (e.g. "config file") and the path
+    when the file is missing, not JSON, or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} {path!r}: expected a JSON object at the top level")
+    return raw
 
 
 def align_up(value: int, alignment: int) -> int:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from infinity._common import MiB
+from infinity._common import MiB, read_json_object
 
 AUTO = "auto"
 """Marker for values resolved later from the model (DeepSpeed accepts ``"auto"`` in the same places)."""
@@ -407,17 +406,7 @@ def load_config(source: "InfinityConfig | Mapping[str, Any] | str | os.PathLike[
     if isinstance(source, InfinityConfig):
         return source
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config file {path!r} is not valid JSON: {e}") from None
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"config file {path!r}: expected a JSON object at the top level")
-        source = raw
+        source = read_json_object(os.fspath(source), "config file")
     if not isinstance(source, Mapping):
         raise ValueError(f"config: expected a dict, a JSON path or an InfinityConfig, got "
                          f"{type(source).__name__}")

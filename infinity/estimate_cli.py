@@ -18,7 +18,7 @@ import argparse
 import json
 from typing import Any, Mapping
 
-from infinity._common import format_bytes
+from infinity._common import format_bytes, read_json_object
 from infinity.config import InfinityConfig, load_config
 from infinity.estimate import (
     GB,
@@ -85,16 +85,7 @@ def shape_from_dict(raw: Mapping[str, Any], *, seq_len: int | None = None) -> Mo
 
 
 def load_model_shape(path: str, *, seq_len: int | None = None) -> ModelShape:
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"--model {path!r} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--model {path!r} is not valid JSON: {e}") from None
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"--model {path!r}: expected a JSON object")
-    return shape_from_dict(raw, seq_len=seq_len)
+    return shape_from_dict(read_json_object(path, "--model"), seq_len=seq_len)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
