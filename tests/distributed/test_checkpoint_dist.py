@@ -32,15 +32,9 @@ STEPS, SAVE_AT = 6, 3
 
 
 def _config(root: str, name: str, stage: int, dtype: str, gas: int, offload: str, rank: int):
-    from _engine_common import engine_config
+    from _engine_common import rank_config
 
-    swap = os.path.join(root, "swap", f"{name}-r{rank}")
-    extra = {}
-    if offload != "none":
-        extra = dict(offload_optimizer={"device": offload, "nvme_path": swap},
-                     offload_param={"device": offload, "nvme_path": swap},
-                     zero={"sub_group_numel": 300})
-    return engine_config(stage=stage, dtype=dtype, gas=gas, **extra)
+    return rank_config(root, name, rank, stage=stage, dtype=dtype, offload=offload, gas=gas)
 
 
 def _state(engine) -> dict:

@@ -29,15 +29,9 @@ STEPS = 2
 
 
 def _config(root: str, name: str, stage: int, dtype: str, offload: str, rank: int):
-    from _engine_common import engine_config
+    from _engine_common import rank_config
 
-    swap = os.path.join(root, "swap", f"{name}-r{rank}")
-    extra = {}
-    if offload != "none":
-        extra = dict(offload_optimizer={"device": offload, "nvme_path": swap},
-                     offload_param={"device": offload, "nvme_path": swap},
-                     zero={"sub_group_numel": 300})
-    return engine_config(stage=stage, dtype=dtype, **extra)
+    return rank_config(root, name, rank, stage=stage, dtype=dtype, offload=offload)
 
 
 def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:

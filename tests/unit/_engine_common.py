@@ -8,6 +8,8 @@ after every micro-batch and summed there; ``clip_grad_norm_`` on the fp32 gradie
 
 from __future__ import annotations
 
+import os
+
 import copy
 from typing import Any, Callable
 
@@ -59,6 +61,19 @@ def engine_config(*, stage: int, dtype: str = "fp32", gas: int = 1, clip: float 
     for key, value in extra.items():
         cfg.setdefault(key, {}).update(value) if isinstance(value, dict) else cfg.update({key: value})
     return cfg
+
+
+def rank_config(root: str, name: str, rank: int, *, stage: int, dtype: str, offload: str,
+                gas: int = 1) -> dict[str, Any]:
+    """engine_config for one rank of a 2-process case: parameters and optimizer offloaded to
+    ``offload`` ('none', 'cpu', 'nvme') with a swap directory of its own under ``root``."""
+    extra: dict[str, Any] = {}
+    if offload != "none":
+        swap = os.path.join(root, "swap", f"{name}-r{rank}")
+        extra = dict(offload_optimizer={"device": offload, "nvme_path": swap},
+                     offload_param={"device": offload, "nvme_path": swap},
+                     zero={"sub_group_numel": 300})
+    return engine_config(stage=stage, dtype=dtype, gas=gas, **extra)
 
 
 def reference_train(model: nn.Module, data, *, dtype: str = "fp32", clip: float = 0.0,
