@@ -3,7 +3,8 @@
 from infinity._common import SwapIOError, TierCapacityError
 from infinity.config import InfinityConfig, load_config
 
-__all__ = ["InfinityConfig", "SwapIOError", "TierCapacityError", "initialize", "load_config"]
+__all__ = ["InfinityConfig", "SwapIOError", "TierCapacityError", "init", "initialize",
+           "load_config"]
 __version__ = "0.1.0"
 
 
@@ -14,4 +15,8 @@ def __getattr__(name: str):
         from infinity.engine import initialize
 
         return initialize
+    if name == "init":
+        from infinity.lazy import init
+
+        return init
     raise AttributeError(f"module 'infinity' has no attribute {name!r}")

@@ -40,6 +40,7 @@ from torch import nn
 from infinity.activations import apply_activation_checkpointing, select_modules
 from infinity._dist import Collectives, init_from_env_if_launched, is_distributed
 from infinity.config import InfinityConfig, PrecisionConfig, load_config
+from infinity.lazy import materialise_placeholders, recording_of
 from infinity.shard_optimizer import (InMemoryShardOptimizer, OffloadedShardOptimizer, build_store,
                                       tier_of)
 from infinity.stage3 import ParameterManager
@@ -163,6 +164,8 @@ class InfinityEngine:
                 nvme_path=self.offload.nvme_path, swapper_config=config.swapper,
                 rank=self.collectives.rank)
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
+        recording = recording_of(model)  # built under infinity.init: values come unit by unit
+        initial_values = None if recording is None else materialise_placeholders(model, recording)
         _move_buffers(model, self.device, self.compute_dtype)
         param_home = config.offload_param.device
         self.manager = ParameterManager(
@@ -171,7 +174,8 @@ class InfinityEngine:
             store=self.store if param_home != "none" else None,
             param_home=tier_of(param_home) if param_home != "none" else None,
             prefetch=self.offload is not None and self.offload.overlap,
-            grad_store=self.store if config.offload_optimizer.device != "none" else None)
+            grad_store=self.store if config.offload_optimizer.device != "none" else None,
+            initial_values=initial_values)
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/activations.py).
         self.activations = apply_activation_checkpointing(
@@ -407,7 +411,12 @@ def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None
                ) -> InfinityEngine:
     """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
-    DeepSpeed-style). Uses the default process group when ``torch.distributed`` is initialised."""
+    DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
+    it, else the defaults). Uses the default process group when ``torch.distributed`` is
+    initialised."""
+    if config is None:
+        recording = recording_of(model) if isinstance(model, nn.Module) else None
+        config = recording.config if recording is not None else None
     config = load_config(config)
     if is_distributed():
         logger.debug("using the default process group")

@@ -61,7 +61,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -208,7 +208,8 @@ class ParameterManager:
 
     def __init__(self, module: nn.Module, zero: ZeroConfig, *, collectives: Collectives,
                  device: torch.device, compute_dtype: torch.dtype, store: Any = None,
-                 param_home: Any = None, prefetch: bool = True, grad_store: Any = None):
+                 param_home: Any = None, prefetch: bool = True, grad_store: Any = None,
+                 initial_values: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
         """``store``/``param_home``: the tiered store and the home tier (HOST or NVME) of the
         parameter shards of gathered-on-demand units (stage 3 parameter offload); None: the
         shards stay on the device. ``prefetch``: read the next unit's shard ahead (only when the
@@ -216,8 +217,11 @@ class ParameterManager:
         lives off the device (None: on it), so fp32 masters are built in host memory for it to
         take, and each unit's reduced gradient partition moves right after its reduction into an
         accumulator homed in this store's host arena ([Note: gradient placement] in
-        infinity/estimate.py)."""
+        infinity/estimate.py). ``initial_values(param)``: the values of a parameter whose storage
+        holds none yet (built under ``infinity.init``: computed on demand, one at a time), or None
+        to read the parameter itself."""
         check_not_wrapped(module)
+        self._initial_values = initial_values
         self.store = store
         self.param_home = param_home
         self.prefetch = prefetch
@@ -300,7 +304,9 @@ class ParameterManager:
         init = torch.zeros(padded, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for s in slots:
-                init[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                values = self._initial_values(s.param) if self._initial_values else None
+                init[s.offset:s.offset + s.numel].copy_(
+                    (s.param.detach() if values is None else values).reshape(-1))
         self.coll.broadcast(init, src=0, context=f"initial broadcast of {key}")
         full = init if dtype == torch.float32 else init.to(dtype)
         for s in slots:  # [Note: release keeps parameter identity]

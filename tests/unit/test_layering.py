@@ -38,7 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "prefetch_bridge": {"prefetch", "tiers", "trace"},  # executor hops -> store fetches and gathers
     "stage3": {"tiers", "prefetch", "prefetch_bridge", "trace", "cpu_adam", "units", "shard_optimizer",
                "_dist"},
-    "engine": {"stage3", "shard_optimizer", "units", "checkpoint", "activations", "weights"},
+    "engine": {"stage3", "shard_optimizer", "units", "checkpoint", "activations", "weights", "lazy"},
+    "lazy": {"_common", "config"},  # records construction on meta; no engine, no tiers
     "weights": {"checkpoint", "safetensors_io", "shard_optimizer", "_common"},  # HF safetensors in
     "activations": {"_common", "config"},  # which modules run checkpointed; no hooks of stage3
     "checkpoint": {"shard_optimizer", "checkpoint_reader", "safetensors_io", "_common"},  # save/load
@@ -53,7 +54,7 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"engine", "swapper", "cpu_adam", "estimate", "plan", "tiers", "stage3", "models"},
     "train": {"engine", "bench", "estimate", "models"},
     "cli": {"bench", "estimate_cli", "plan", "train", "consolidate"},
-    "__init__": {"engine", "config", "_common"},
+    "__init__": {"engine", "config", "_common", "lazy"},
     "__main__": {"cli"},
 }
 
