@@ -55,10 +55,14 @@ def main() -> None:
     if dist.is_initialized():
         dist.barrier()
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir)
-    engine = infinity.initialize(model, args.config)
+    # No rank ever holds the whole model: built on meta, materialised unit by unit into this
+    # rank's shards, then each rank reads only its partition of the saved weights.
+    with infinity.init(args.config):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir))
+    engine = infinity.initialize(model)
+    engine.load_weights(args.model_dir)
     micro = engine.config.train_micro_batch_size_per_gpu
     micro = micro if isinstance(micro, int) else 2
     for i, tokens in enumerate(batches(model.config.vocab_size, micro, args.seq_len, rank=rank,

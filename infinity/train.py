@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         return synthetic_batch(gpt_config, args.batch_size, args.seq_len, seed=seed)
 
     torch.manual_seed(args.seed)
-    model = GPT(gpt_config)
+    with infinity.init():  # built on meta; initialize materialises it unit by unit (same values)
+        model = GPT(gpt_config)
     numel = sum(p.numel() for p in model.parameters())
     raw_config = _config(args, numel)
     engine = infinity.initialize(model, raw_config)
