@@ -395,6 +395,28 @@ class ParameterManager:
                 self._make_pre_forward(units), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 self._make_post_forward(units), always_call=True))
+        for module in self.module.modules():
+            if any(p is not None and id(p) in self._slot_of
+                   and not self._slot_of[id(p)][0].always_gathered
+                   for p in module._parameters.values()):
+                self._handles.append(module.register_state_dict_pre_hook(
+                    self._refuse_released_state_dict))
+
+    def _refuse_released_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``module.state_dict()`` between steps would hand out views of released storage (0
+        bytes, [Note: release keeps parameter identity]): whoever reads one crashes the process.
+        Raise instead, naming what to call. ``keep_vars=True`` returns the Parameter objects
+        themselves (the engine's own key lookups) and is allowed."""
+        if keep_vars:
+            return
+        for name, p in module._parameters.items():
+            entry = self._slot_of.get(id(p)) if p is not None else None
+            if entry is not None and entry[0].state is UnitState.RELEASED:
+                raise RuntimeError(
+                    f"state_dict(): parameter {prefix}{name} belongs to unit {entry[0].name!r}, "
+                    f"which stage 3 keeps sharded across ranks (released here); its values are "
+                    f"not in the module. Call engine.full_state_dict() on every rank for the full "
+                    f"values, or engine.save_checkpoint(dir) and `infinity consolidate`")
 
     def remove_hooks(self) -> None:
         for h in self._handles:

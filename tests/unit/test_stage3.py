@@ -340,3 +340,26 @@ def test_outside_use_first_seen_after_the_traced_step_is_a_clear_error():
     engine_train(engine, data[:2])
     with pytest.raises(RuntimeError, match="parameter of a released unit was read"):
         engine_train(engine, data[2:])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_module_state_dict_between_steps_refuses_released_parameters(stage):
+    """Stage 3: a released parameter's storage holds 0 bytes, so module.state_dict() raises a
+    clear error (reading such a view would crash the process) instead of handing it out; the
+    engine's own lookups (keep_vars=True) and stages 0-2 keep working, with the engine's values."""
+    model = tiny_gpt(0)
+    engine = infinity.initialize(model, engine_config(stage=stage))
+    x, y = batches(1, 1)[0][0]
+    engine.backward(engine(x, y))
+    engine.step()
+    assert set(model.state_dict(keep_vars=True)) == set(engine.full_state_dict())
+    if stage == 3:
+        with pytest.raises(RuntimeError, match=r"wte\.weight.*engine\.full_state_dict\(\)"):
+            model.state_dict()
+        with pytest.raises(RuntimeError, match="attn"):
+            model.blocks[0].state_dict()
+    else:
+        full = engine.full_state_dict()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, full[k]), k
+    engine.close()
