@@ -22,13 +22,16 @@ each field; set ``gather_lead_entries`` when the world size is above 1)
 ``UnitSpec(*, unit, shard_bytes, gathered_bytes, home)``
 
 ``PrefetchExecutor(*, issue, config=PrefetchConfig(), locate=None, free_bytes=None,
-clock=time.perf_counter, store=None)``
+evictable=None, clock=time.perf_counter, store=None)``
     ``issue(action) -> handle`` (``wait()``, ``done()``; optional float ``elapsed_s`` once done
     feeds the bandwidth EMA); ``locate(unit) -> level`` the nearest level where the store holds the
     unit now (else the executor's own bookkeeping, fed by completions and ``on_evicted``, is used);
     ``free_bytes(level) -> int | None`` bytes a new copy may take at that level without evicting
     anything needed sooner (a Belady store: free bytes plus copies whose next use is later than the
-    fetch's; None: no limit known). The executor bounds bytes in flight per destination itself.
+    fetch's; None: no limit known). ``evictable(level) -> [(next_use_position, nbytes), ...]`` the
+    copies the store may evict at a level whose ``free_bytes`` is known, positions in the followed
+    trace: a prefetch may take those used after it, never one used sooner ([Note: prefetch never
+    displaces a sooner use] in prefetch_plan.py). The executor bounds bytes in flight per destination itself.
     Methods: ``register_unit(spec)``, ``begin_step(phase="train")``, ``pre_hook(unit) -> handle``,
     ``post_hook(unit)``, ``end_step() -> Trace | None``, ``need(unit) -> handle``, ``poll()``,
     ``on_evicted(unit, nbytes, level=None)``, ``next_use_distance(unit, cursor=None) -> float | None``,
@@ -221,12 +224,14 @@ class PrefetchExecutor:
     def __init__(self, *, issue: Callable[[FetchAction], Handle], config: PrefetchConfig | None = None,
                  locate: Callable[[Hashable], Level | str] | None = None,
                  free_bytes: Callable[[Level], int | None] | None = None,
+                 evictable: Callable[[Level], list[tuple[float, int]]] | None = None,
                  clock: Callable[[], float] = time.perf_counter, store: TraceStore | None = None):
         cfg = config or PrefetchConfig()
         self.config = cfg
         self._issue_fn = issue
         self._locate = locate  # the store's truth about residency, when it offers one
         self._free_fn = free_bytes
+        self._evictable_fn = evictable
         self._clock = clock
         self.bandwidth = Bandwidths({
             (Level.NVME, Level.HOST): cfg.nvme_to_host_bytes_per_s,
@@ -438,11 +443,14 @@ class PrefetchExecutor:
             lookahead = max(0, cfg.lookahead_bytes - used)
         room = {lvl: (None if b is None else b - self._inflight_bytes[lvl]) for lvl, b in self._budget.items()}
         free = {lvl: self._free_fn(lvl) for lvl in _FAST} if self._free_fn is not None else {}
+        evictable = ({lvl: self._evictable_fn(lvl) for lvl, f in free.items() if f is not None}
+                     if self._evictable_fn is not None else {})
         req = PlanRequest(trace=trace, cursor=cursor, time_to_cursor_s=time_to_cursor_s,
                           next_plan_in_s=next_plan_in_s, levels=_LevelView(self),
                           inflight={u: f.action.dst for u, f in self._inflight.items()},
                           bandwidth=self.bandwidth, link_busy_s=self._link_busy_s(self._clock()),
-                          free_bytes=free, inflight_free_bytes=room, lookahead_bytes=lookahead,
+                          free_bytes=free, evictable=evictable, inflight_free_bytes=room,
+                          lookahead_bytes=lookahead,
                           safety_factor=cfg.transfer_time_safety_factor, max_entries=cfg.max_plan_entries,
                           plans_at_post=self._expect_post, gather_lead_entries=cfg.gather_lead_entries)
         for action in plan(req):

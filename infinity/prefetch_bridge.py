@@ -156,7 +156,8 @@ class ParamPrefetcher:
         self._gathered_budget = gathered_budget_bytes  # None: only the device's own limit
         self._clock = clock
         self.executor = PrefetchExecutor(issue=self._issue, config=config, locate=self._locate,
-                                         free_bytes=self._free_bytes, clock=clock)
+                                         free_bytes=self._free_bytes, evictable=self._evictable,
+                                         clock=clock)
         for u in self._units.values():
             self.executor.register_unit(UnitSpec(unit=u.unit, shard_bytes=u.shard_bytes,
                                                  gathered_bytes=u.gathered_bytes, home=u.home))
@@ -168,6 +169,9 @@ class ParamPrefetcher:
         self._last_phase: str | None = None  # phase of the last ended step: the next one's guess
         self._warm_bytes = 0  # shard bytes warm_next_step() fetched
         self._warm_handles: list[Any] = []  # its fetches, until seen complete (drain waits for them)
+        self._next_pos: dict[Hashable, float | None] = {}  # next use we gave the store, per unit
+        self._keys = {k for u in self._units.values() for k in u.keys}
+        self._sole_cache: set[Level] = set()  # levels where our shards are the only evictable copies
         _drain_before_pools_stop(self)
 
     # ---- steps -----------------------------------------------------------------------------------
@@ -182,9 +186,10 @@ class ParamPrefetcher:
     def begin_step(self, phase: str) -> None:
         """A step of ``phase`` starts ('train', 'eval', ...: each phase has its own traces)."""
         self._report_evictions()
-        self.executor.begin_step(phase)
+        self._sole_cache = self._levels_only_we_cache()
         self._phase = phase
         self._refresh_next_use(full=True)
+        self.executor.begin_step(phase)
 
     def end_step(self) -> None:
         """The step's last unit ran: commit its trace; until the next step the store keeps first
@@ -300,12 +305,49 @@ class ParamPrefetcher:
         return level
 
     def _free_bytes(self, level: Level) -> int | None:
-        # HOST/DEVICE: the store evicts by the trace's next use (Belady), so a just-in-time prefetch
-        # only displaces copies needed later than it; its budgets are enforced there.
-        if level is not Level.GATHERED or self._gathered_budget is None:
-            return None
-        held = sum(u.gathered_bytes for u in self._units.values() if self._is_gathered(u.unit))
-        return self._gathered_budget - held
+        if level is Level.GATHERED:
+            if self._gathered_budget is None:
+                return None
+            held = sum(u.gathered_bytes for u in self._units.values() if self._is_gathered(u.unit))
+            return self._gathered_budget - held
+        if level not in self._sole_cache:
+            return None  # other copies the store may evict are there: their next use is unknown
+        # [Note: prefetch never displaces a sooner use] in prefetch_plan.py: the free bytes here,
+        # our evictable copies in _evictable; the planner takes only those used after the fetch.
+        tier = _TIER_OF[level]
+        return self._tier_budget(tier) - self._tier_used(tier)
+
+    def _tier_budget(self, tier: Tier) -> int:
+        return int(self.store.config.device_budget_bytes if tier is Tier.DEVICE
+                   else self.store.config.host_budget_bytes)
+
+    def _tier_used(self, tier: Tier) -> int:
+        return int(self.store.stats()[f"{tier.label}_used_bytes"])
+
+    def _evictable(self, level: Level) -> list[tuple[float, int]]:
+        """Our shards' copies at ``level`` the store may evict, with the next use we gave it."""
+        tier, out = _TIER_OF[level], []
+        for u in self._units.values():
+            if u.home is level or not all(self.store.state(k, tier) is Residency.RESIDENT for k in u.keys):
+                continue
+            pos = self._next_pos.get(u.unit)
+            out.append((math.inf if pos is None else pos, u.shard_bytes))
+        return out
+
+    def _levels_only_we_cache(self) -> set[Level]:
+        """HOST/DEVICE levels where no other shard of the store has a copy the store could evict
+        (a copy above a valid lower one): there our copies and the free bytes are the whole room."""
+        levels = {Level.HOST, Level.DEVICE}
+        lower = {Tier.DEVICE: (Tier.HOST, Tier.NVME), Tier.HOST: (Tier.NVME,)}
+        for key in self.store.keys():
+            if key in self._keys or not levels:
+                continue
+            for level in list(levels):
+                tier = _TIER_OF[level]
+                if self.store.state(key, tier) is not Residency.ABSENT and any(
+                        self.store.state(key, t) is not Residency.ABSENT for t in lower[tier]):
+                    levels.discard(level)
+        return levels
 
     # ---- eviction feedback ---------------------------------------------------------------------------
     def _report_evictions(self) -> None:
@@ -323,6 +365,7 @@ class ParamPrefetcher:
                 del self._cached[unit]
 
     def _set_next_use(self, u: PrefetchUnit, position: float | None) -> None:
+        self._next_pos[u.unit] = position
         for key in u.keys:
             self.store.set_next_use(key, position)
 

@@ -16,8 +16,8 @@ Public API
     One hop of one unit; ``position`` is the trace index of the use it serves.
 
 ``PlanRequest(*, trace, cursor, time_to_cursor_s, next_plan_in_s, levels, inflight, bandwidth,
-link_busy_s={}, free_bytes={}, inflight_free_bytes={}, lookahead_bytes=None, safety_factor=1.0,
-max_entries=4096, plans_at_post=True, gather_lead_entries=None)`` and
+link_busy_s={}, free_bytes={}, evictable={}, inflight_free_bytes={}, lookahead_bytes=None,
+safety_factor=1.0, max_entries=4096, plans_at_post=True, gather_lead_entries=None)`` and
 ``plan(request) -> list[FetchAction]``
     The pure planner (see :func:`plan`).
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 from infinity.trace import Level, Trace, TraceEntry, as_level
 
@@ -118,6 +118,10 @@ class PlanRequest:
     """Seconds of transfers already queued on each hop."""
     free_bytes: Mapping[Level, int | None] = field(default_factory=dict)
     """Bytes new copies may still take per level (missing or None: no limit)."""
+    evictable: Mapping[Level, Sequence[tuple[float, int]]] = field(default_factory=dict)
+    """Per level with known ``free_bytes``: the copies the store may evict there, as (trace position
+    of their next use, bytes). A prefetch for position ``j`` may also take the bytes of those used
+    after ``j``, never of one used sooner ([Note: prefetch never displaces a sooner use])."""
     inflight_free_bytes: Mapping[Level, int | None] = field(default_factory=dict)
     """Room under each destination level's in-flight byte bound (missing or None: no bound)."""
     lookahead_bytes: int | None = None
@@ -182,17 +186,52 @@ def _finish_s(chain: list[tuple[Hop, int, float]], t0: float, link_free: Mapping
     return t
 
 
-def _fits(req_free: dict, room: dict, chain: list[tuple[Hop, int, float]]) -> bool:
+class _Room:
+    """[Note: prefetch never displaces a sooner use] The store evicts by the trace's next use
+    (Belady): a new copy displaces the resident copy used furthest ahead, even one used sooner than
+    the new copy itself. A prefetch that displaces a sooner use turns one fetch into two (the
+    displaced copy is fetched again, often on demand), which is how a host budget of part of the
+    model made the forward read more than the whole model. So, per level, a prefetch for position
+    ``j`` fits only in free bytes plus evictable copies whose next use is after ``j``; taking them
+    uses the furthest first, as the store will. With budgets unknown (no ``free_bytes``) a level is
+    unlimited, as before."""
+
+    def __init__(self, req: PlanRequest):
+        self.free = {lvl: v for lvl, v in req.free_bytes.items() if v is not None}
+        # ascending next use: the furthest is popped first
+        self.evictable = {lvl: sorted(req.evictable.get(lvl, ()), key=lambda c: c[0])
+                          for lvl in self.free}
+
+    def fits(self, lvl: Level, nbytes: int, position: int) -> bool:
+        free = self.free.get(lvl)
+        if free is None or free >= nbytes:
+            return True
+        for pos, b in reversed(self.evictable[lvl]):
+            if pos <= position:
+                break
+            free += b
+            if free >= nbytes:
+                return True
+        return False
+
+    def take(self, lvl: Level, nbytes: int) -> None:
+        if lvl not in self.free:
+            return
+        self.free[lvl] -= nbytes
+        stack = self.evictable[lvl]
+        while self.free[lvl] < 0 and stack:  # fits() checked the positions; demand takes any
+            self.free[lvl] += stack.pop()[1]
+
+
+def _fits(free: _Room, room: dict, chain: list[tuple[Hop, int, float]], position: int) -> bool:
     (_, dst), nbytes, _ = chain[0]
-    return (req_free.get(dst, nbytes) >= nbytes and room.get(dst, nbytes) >= nbytes
-            and all(req_free.get(h[1], b) >= b for h, b, _ in chain[1:]))
+    return room.get(dst, nbytes) >= nbytes and all(free.fits(h[1], b, position) for h, b, _ in chain)
 
 
-def _charge(free: dict, room: dict, link_free: dict, chain: list[tuple[Hop, int, float]]) -> None:
+def _charge(free: _Room, room: dict, link_free: dict, chain: list[tuple[Hop, int, float]]) -> None:
     """Reserve what a planned unit will use: its bytes at every rung it climbs, its link time."""
     for hop, nbytes, _ in chain:
-        if hop[1] in free:
-            free[hop[1]] -= nbytes
+        free.take(hop[1], nbytes)
     (_, dst), nbytes, _ = chain[0]
     if dst in room:
         room[dst] -= nbytes
@@ -212,7 +251,7 @@ class _Planner:
         self.req, t, bw, k = req, req.trace, req.bandwidth, req.safety_factor
         self.link_free = dict(req.link_busy_s)  # seconds until each hop's queue drains
         self.busiest_s = max(self.link_free.values(), default=0.0)
-        self.free = {lvl: v for lvl, v in req.free_bytes.items() if v is not None}
+        self.free = _Room(req)
         self.room = {lvl: v for lvl, v in req.inflight_free_bytes.items() if v is not None}
         self.look = req.lookahead_bytes  # prefetch bytes still allowed by the cap
         self.blocked: set[Level] = set()  # levels no later prefetch may go to (order is kept)
@@ -276,7 +315,7 @@ class _Planner:
             if _finish_s(chain, req.next_plan_in_s, self.link_free, self.points) <= deadline:
                 blocked.add(Level.GATHERED)  # it can wait; its all-gather comes later, so later ones wait
                 return None
-            if dst in blocked or not _fits(self.free, self.room, chain):
+            if dst in blocked or not _fits(self.free, self.room, chain, j):
                 blocked.update((dst, Level.GATHERED))
                 return None
             if self.look is not None:
@@ -301,7 +340,8 @@ def plan(req: PlanRequest) -> list[FetchAction]:
     the last planning point that still hides its transfer: far enough ahead, not more. The scan stops
     once even the largest remaining unit, behind all queued transfers, could wait.
 
-    Budgets: a prefetch must fit the free bytes of every rung it climbs, its destination's in-flight
+    Budgets: a prefetch must fit the free bytes of every rung it climbs (counting evictable copies
+    used after it, [Note: prefetch never displaces a sooner use]), its destination's in-flight
     room and ``lookahead_bytes``; the first that does not fit blocks later prefetches into that level
     (need order is kept). A demand hop (needed now) is always planned, first, and charged first.
     [Note: all-gathers in trace order] All-gathers are collectives: every rank must issue them in the

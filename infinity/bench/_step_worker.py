@@ -15,6 +15,10 @@ import torch
 
 from infinity.models.gpt import GPT, PRESETS, synthetic_batch
 
+PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
+"""Parameters on NVMe against the same configuration with every parameter in memory (issue #5)."""
+NVME_MODES = ("stage3-nvme", "stage3-nvme-params")
+
 
 def _peak_rss_bytes() -> int:
     """This process's own high-water mark (VmHWM). Not ru_maxrss: Linux carries the parent's
@@ -63,11 +67,57 @@ def _cpu_device_budget(model: GPT, spec: dict[str, Any]) -> int:
     """The host-budget fraction of the parameter bytes, but at least what a step needs on the
     device: the largest unit gathered and two shards in flight (DESIGN: units are Blocks here)."""
     param_bytes = 2 if spec["dtype"] == "bf16" else 4
+    parts = _unit_numels(model)
+    total = sum(parts) * param_bytes
+    return max(int(total * spec["host_budget_fraction"]), 3 * max(parts) * param_bytes + 2 ** 20)
+
+
+def _unit_numels(model: GPT) -> list[int]:
+    """Elements per unit: one per Block, then the rest (embeddings, final norm) as the root unit."""
     blocks = [m for m in model.modules() if type(m).__name__ == "Block"]
-    rest = sum(p.numel() for p in model.parameters()) - sum(p.numel() for b in blocks for p in b.parameters())
-    largest = max([rest] + [sum(p.numel() for p in b.parameters()) for b in blocks]) * param_bytes
-    total = sum(p.numel() for p in model.parameters()) * param_bytes
-    return max(int(total * spec["host_budget_fraction"]), 3 * largest + 2 ** 20)
+    numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    return numels + [sum(p.numel() for p in model.parameters()) - sum(numels)]
+
+
+PARAMS_SUB_GROUP_NUMEL = 2 ** 18
+"""The optimizer's sub-group in PARAMS_MODES (3 MiB of fp32 state): small extents, so that the
+fragmentation slack below stays a small part of the parameters' host room."""
+
+
+def _params_config(model: GPT, spec: dict[str, Any], config: dict[str, Any]) -> int:
+    """PARAMS_MODES: the optimizer state in host memory in both, the device budget bounded the
+    same way in both (on a GPU too: left 'auto' it would cache every shard on the device after the
+    first step and nothing would be read from NVMe again). ``stage3-nvme-params`` homes the
+    parameters on NVMe with host room for ``host_budget_fraction`` of them beyond what the optimizer
+    homes there; ``stage3-mem-params`` homes them in host memory ('auto' host budget): every
+    parameter is already in memory, the reference the NVMe mode is divided by. Returns the host
+    room for parameters in bytes (0 for the reference)."""
+    config["zero"]["sub_group_numel"] = PARAMS_SUB_GROUP_NUMEL
+    config["offload_optimizer"] = {"device": "cpu"}
+    config["memory"] = {"device_budget_bytes": _cpu_device_budget(model, spec)}
+    if spec["mode"] == "stage3-mem-params":
+        config["offload_param"] = {"device": "cpu"}
+        return 0
+    path = os.path.abspath(spec["dir"])
+    os.makedirs(path, exist_ok=True)
+    config["offload_param"] = {"device": "nvme", "nvme_path": path}
+    numels, item = _unit_numels(model), (2 if spec["dtype"] == "bf16" else 4)
+    extent = lambda n: -(-n // 4096) * 4096  # noqa: E731
+    # The optimizer's host-homed state: fp32 master + two moments (12 B, per sub-group) and the
+    # fp32 gradient accumulator (4 B) per element, in whole 4 KiB extents (per unit here; ours
+    # may split a unit into a few more parts: a few extents of margin).
+    sub = PARAMS_SUB_GROUP_NUMEL
+    homed = sum(extent(12 * min(sub, n - lo)) for n in numels for lo in range(0, n, sub))
+    homed += sum(extent(4 * n) + 2 * 4096 for n in numels) + 4 * 4096
+    # Room for parameter shards: the fraction, but at least the store's comfortable NVMe staging
+    # (three of the largest shard: one read, one prefetched, a spare; below it the engine turns the
+    # prefetcher off), plus one optimizer sub-group of slack: at initialize the shards' HOST copies
+    # (kept while they are written to NVMe) interleave with the optimizer's extents in the
+    # arena, and a budget of exactly the sum can leave no hole for the last one (fragmentation).
+    room = max(int(sum(numels) * item * spec["host_budget_fraction"]), 3 * extent(max(numels) * item))
+    room += extent(12 * min(sub, max(numels)))
+    config["memory"]["host_budget_bytes"] = homed + room
+    return room
 
 
 def _ours(model: GPT, spec: dict[str, Any]):
@@ -95,6 +145,8 @@ def _ours(model: GPT, spec: dict[str, Any]):
             # Without a GPU the DEVICE tier is host RAM too: left 'auto' it caches every parameter
             # shard after the first step and nothing is read from NVMe again. Bound it like the host.
             config["memory"]["device_budget_bytes"] = _cpu_device_budget(model, spec)
+    elif mode in PARAMS_MODES:
+        spec["host_param_room_bytes"] = _params_config(model, spec, config)
     engine = infinity.initialize(model, config)
 
     def step(x, y) -> float:
@@ -116,6 +168,38 @@ def _timed(after: dict[str, Any], before: dict[str, Any], times: list[float]) ->
     return {"hit_rate": (pa["hits"] - pb["hits"]) / needs if needs else None,
             "stall_fraction": (pa["stall_s_total"] - pb["stall_s_total"]) / max(sum(times), 1e-9),
             "late": pa["late"] - pb["late"], "misses": pa["misses"] - pb["misses"], "needs": needs}
+
+
+def _param_reads(after: dict[str, Any], before: dict[str, Any], steps: int,
+                 spec: dict[str, Any]) -> dict[str, Any]:
+    """NVMe parameter reads of the timed steps, and the time to read every parameter shard once
+    at the swapper's read bandwidth, measured here on the same directory (one direct-I/O swap-in
+    of that many bytes, best of two: the disk's best case, so the time is a lower bound)."""
+    from infinity.swapper import Swapper, aligned_empty
+
+    read = (after.get("bytes_moved", {}).get("NVME->HOST", 0)
+            - before.get("bytes_moved", {}).get("NVME->HOST", 0))
+    param_bytes = int(after.get("bytes", {}).get("NVME", {}).get("current", 0))
+    out: dict[str, Any] = {"nvme_read_bytes_per_step": read / max(steps, 1),
+                           "param_nvme_bytes": param_bytes,
+                           "host_param_room_bytes": spec.get("host_param_room_bytes", 0)}
+    if not param_bytes:
+        return out
+    sw = Swapper(os.path.abspath(spec["dir"]))
+    try:
+        buf = aligned_empty(param_bytes, dtype=torch.uint8)
+        buf.fill_(1)
+        sw.swap_out("read-probe", buf).wait()
+        seconds = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            sw.swap_in("read-probe", buf).wait()
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        sw.close()
+    bw = param_bytes / min(seconds)
+    out.update(read_bytes_per_s=bw, param_read_s=param_bytes / bw, direct_io=sw.direct_io)
+    return out
 
 
 def main() -> None:
@@ -140,6 +224,8 @@ def main() -> None:
             opt_times.append(after.get("optimizer_step_s", 0.0) - before.get("optimizer_step_s", 0.0))
     s = stats() or {}
     timed = _timed(s, warm, times)
+    if spec["mode"] == "stage3-nvme-params":
+        timed.update(_param_reads(s, warm, len(times), spec))
     out = {"mode": spec["mode"], "step_s": statistics.median(times), "step_times_s": times,
            "fwd_bwd_s": statistics.median(t - o for t, o in zip(times, opt_times)),
            "peak_rss_bytes": _peak_rss_bytes(), "final_loss": loss,
@@ -152,7 +238,7 @@ def main() -> None:
            "stats": s}
     print(json.dumps(out, default=str), flush=True)
     close()  # prefetches may be in flight: stop the store's threads before the interpreter does
-    if spec["mode"] == "stage3-nvme":
+    if spec["mode"] in NVME_MODES:
         shutil.rmtree(os.path.abspath(spec["dir"]), ignore_errors=True)
 
 

@@ -6,6 +6,10 @@ Every mode runs in its own fresh process (peak RSS is per process), one after an
 GPT model and synthetic tokens: plain PyTorch (the reference every ratio is taken against), ours at
 stage 3 without offload, with CPU offload, with parameters and optimizer on NVMe, and DeepSpeed
 ZeRO-3 with the same settings when ``--deepspeed-python`` points at an interpreter with DeepSpeed.
+
+The prefetcher alone (issue #5): ``--modes stage3-mem-params,stage3-nvme-params`` runs parameters
+on NVMe against the same configuration with the parameters in memory (see PARAMS_MODES), and
+reports the time to read the parameters from NVMe next to the reference's compute time.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ from infinity.bench.progress import Progress
 from infinity.bench.report import Report, add_common_arguments
 
 OURS_MODES = ("stage3", "stage3-cpu", "stage3-nvme")
+PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
+"""Issue #5's comparison: parameters on NVMe (host room for a fraction of them, the optimizer in
+host memory, the device budget bounded) against the same configuration with every parameter in
+host memory; ``x_params_in_memory`` is the first's step time over the second's."""
+PARAMS_REF = "stage3-mem-params"
 DS_MODES = ("ds-stage3", "ds-stage3-cpu", "ds-stage3-nvme")
 DEFAULT_DS_PYTHON = "/root/dsvenv/bin/python"
 # `infinity bench all --quick`: the tiny preset, plain PyTorch against ours, a few steps.
@@ -40,13 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--modes", default="plain," + ",".join(OURS_MODES) + "," + ",".join(DS_MODES),
-                        help="comma-separated subset of plain, " + ", ".join(OURS_MODES + DS_MODES))
+    parser.add_argument("--modes", default=",".join(("plain",) + OURS_MODES + PARAMS_MODES + DS_MODES),
+                        help="comma-separated subset of plain, "
+                        + ", ".join(OURS_MODES + PARAMS_MODES + DS_MODES))
     parser.add_argument("--dir", default="./infinity-data/bench-step", help="NVMe swap directory")
     parser.add_argument("--host-budget-fraction", type=float, default=0.5,
-                        help="NVMe modes: host budget as a fraction of the model's training state")
+                        help="NVMe modes: host budget as a fraction of the model's training state "
+                        "(stage3-nvme-params: of the parameters, beyond the optimizer's host state)")
     parser.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
                         help="interpreter with DeepSpeed for the ds-* references (skipped if missing)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the modes this many times, every other round in reverse order; "
+                        "each mode reports its median round, x_params_in_memory the median of "
+                        "the per-round ratios")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="draw a per-step timeline (compute, I/O, stall) per mode "
@@ -82,41 +97,93 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    results = []
-    bar = Progress(len(modes), desc="bench step")
-    for mode in modes:
-        bar.update(0, running=mode)  # modes take minutes: say which one is running
-        results.append(_run_mode(mode, args))
-        bar.update(1, done=mode, step_s=results[-1].get("step_s", float("nan")))
+    rounds = max(1, args.rounds)
+    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    bar = Progress(len(modes) * rounds, desc="bench step")
+    for k in range(rounds):
+        # Odd rounds run the modes backwards (ABBA): drift on shared cores hits every mode alike.
+        for mode in (modes if k % 2 == 0 else modes[::-1]):
+            bar.update(0, running=mode)  # modes take minutes: say which one is running
+            result = _run_mode(mode, args)
+            per_mode[mode].append({**result, "round": k} if rounds > 1 else result)
+            bar.update(1, done=mode, step_s=result.get("step_s", float("nan")))
     bar.close()
+    results = [_median_round(per_mode[m]) for m in modes]
     plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)
-    rows = []
-    for r in results:
-        row: dict[str, Any] = {"mode": r["mode"]}
-        if "error" in r:
-            row["note"] = r["error"][:120]
-            rows.append(row)
-            continue
-        row["step_s"] = r["step_s"]
-        row["x_plain"] = r["step_s"] / plain["step_s"] if plain else None
-        row["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
-        row["rss_x_plain"] = r["peak_rss_bytes"] / plain["peak_rss_bytes"] if plain else None
-        row["stall_frac"] = r.get("stall_fraction")
-        row["hit_rate"] = r.get("hit_rate")
-        row["moved_mib"] = r.get("bytes_moved", 0) / 2**20
-        row["final_loss"] = r.get("final_loss")
-        rows.append(row)
+    rows = [_row(r, plain, _params_ratio(per_mode, r["mode"])) for r in results]
+    columns = list(dict.fromkeys(k for row in rows for k in row))  # later rows may add columns
     report = Report(name="step", title=f"infinity bench step: GPT {args.model}, {args.dtype}, "
-                    f"batch {args.batch_size} x {args.seq_len}, median of {args.steps} steps",
-                    rows=rows, params=_worker_args(args), extra={"raw": results},
+                    f"batch {args.batch_size} x {args.seq_len}, median of {args.steps} steps"
+                    + (f", median of {rounds} rounds" if rounds > 1 else ""),
+                    rows=rows, columns=columns, params={**_worker_args(args), "rounds": rounds},
+                    extra={"raw": results} if rounds == 1 else {
+                        "raw": results, "rounds_raw": [r for m in modes for r in per_mode[m]]},
                     notes=["x_plain: step time / plain PyTorch step time (same run)",
-                           "rss_x_plain: peak RSS / plain PyTorch's peak RSS"])
+                           "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
+                           "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
+                           *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])
     if args.plot:
         written, message = _plot(results, args.plot)
         print(message, file=sys.stderr)  # stderr: keeps --json stdout one document
         report.extra["plot"] = args.plot if written else None
     report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
     return 0 if all("error" not in r for r in results if not r["mode"].startswith("ds-")) else 1
+
+
+PARAMS_NOTES = [
+    f"x_params_in_memory: step time / {PARAMS_REF}'s step time (same run, same round: parameters "
+    "in host memory, otherwise the same configuration; median over --rounds)",
+    "param_read_s: every parameter shard's bytes / the swapper's read bandwidth measured on --dir "
+    "(a lower bound); compute_s: the forward + backward of " + PARAMS_REF + " (the window the reads "
+    "can hide in); read_lt_compute: param_read_s < compute_s (issue #5's 1.15x precondition)"]
+
+
+def _median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's record: the round with the (lower) median step time; an error only when every
+    round failed. Its ``round_step_s`` lists every round's step time."""
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["step_s"])
+    if not ok:
+        return runs[0]
+    if len(runs) == 1:
+        return ok[0]
+    return {**ok[(len(ok) - 1) // 2], "round_step_s": [r["step_s"] for r in runs if "error" not in r]}
+
+
+def _params_ratio(per_mode: dict[str, list[dict[str, Any]]], mode: str) -> dict[str, Any] | None:
+    """For a PARAMS_MODES mode: the median of its per-round step time / the reference's step time
+    in the same round (paired, so a slow round slows both), and the reference's median round."""
+    if mode not in PARAMS_MODES or PARAMS_REF not in per_mode:
+        return None
+    pairs = [(r, ref) for r, ref in zip(per_mode[mode], per_mode[PARAMS_REF])
+             if "error" not in r and "error" not in ref]
+    if not pairs:
+        return None
+    return {"x": statistics.median(r["step_s"] / ref["step_s"] for r, ref in pairs),
+            "ref": _median_round(per_mode[PARAMS_REF])}
+
+
+def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any] | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"mode": r["mode"]}
+    if "error" in r:
+        row["note"] = r["error"][:120]
+        return row
+    row["step_s"] = r["step_s"]
+    row["x_plain"] = r["step_s"] / plain["step_s"] if plain else None
+    row["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
+    row["rss_x_plain"] = r["peak_rss_bytes"] / plain["peak_rss_bytes"] if plain else None
+    row["stall_frac"] = r.get("stall_fraction")
+    row["hit_rate"] = r.get("hit_rate")
+    row["moved_mib"] = r.get("bytes_moved", 0) / 2**20
+    row["final_loss"] = r.get("final_loss")
+    if r["mode"] in PARAMS_MODES:
+        timed = r.get("prefetch_timed") or {}
+        row["x_params_in_memory"] = params["x"] if params else None
+        row["nvme_read_mib_per_step"] = timed.get("nvme_read_bytes_per_step", 0) / 2**20
+        row["param_read_s"] = timed.get("param_read_s")
+        row["compute_s"] = params["ref"].get("fwd_bwd_s") if params else None
+        row["read_lt_compute"] = (row["param_read_s"] < row["compute_s"]
+                                  if row["param_read_s"] is not None and row["compute_s"] else None)
+    return row
 
 
 def _plot(results: list[dict[str, Any]], path: str) -> tuple[bool, str]:

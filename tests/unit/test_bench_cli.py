@@ -246,3 +246,27 @@ def test_all_no_save_isolates_a_failing_bench(tmp_path, monkeypatch, capsys):
     assert [args for _, args in seen] == [{"size": 100, "json": True, "results_dir": str(results),
                                            "no_save": True}] * 2
     assert not results.exists()
+
+
+def test_step_params_modes_ratio_and_same_training(tmp_path, capsys):
+    # Issue #5's pair: parameters on NVMe against the same configuration with them in memory.
+    argv = step_argv(tmp_path, "--json", "--no-save")
+    argv[argv.index("--model") + 1] = "small"  # tiny has no unit large enough to offload
+    argv[argv.index("--modes") + 1] = "stage3-mem-params,stage3-nvme-params"
+    argv[argv.index("--steps") + 1] = "1"
+    assert main(argv) == 0
+    record = parse_single_json(capsys.readouterr()[0])
+    ref, nvme = record["rows"]
+    raw = {r["mode"]: r for r in record["raw"]}
+    assert (ref["mode"], nvme["mode"]) == ("stage3-mem-params", "stage3-nvme-params")
+    # the same math on the same batches: parameters homed on NVMe train exactly like in memory
+    assert nvme["final_loss"] == ref["final_loss"]
+    assert ref["x_params_in_memory"] == 1.0
+    assert nvme["x_params_in_memory"] == pytest.approx(nvme["step_s"] / ref["step_s"], rel=1e-12)
+    assert nvme["compute_s"] == pytest.approx(raw["stage3-mem-params"]["fwd_bwd_s"], rel=1e-12)
+    timed = raw["stage3-nvme-params"]["prefetch_timed"]
+    # every parameter shard lives in a swap file: bf16 bytes of the offloaded (non-persistent) units
+    assert 0 < timed["param_nvme_bytes"] <= 2 * raw["stage3-nvme-params"]["num_params"]
+    assert nvme["param_read_s"] == pytest.approx(timed["param_nvme_bytes"] / timed["read_bytes_per_s"])
+    assert nvme["read_lt_compute"] == (nvme["param_read_s"] < nvme["compute_s"])
+    assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())

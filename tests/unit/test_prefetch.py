@@ -105,6 +105,41 @@ def test_free_bytes_of_later_rungs_are_reserved_and_lookahead_cap():
     assert sum(a.nbytes for a in got) <= 350 and [a.unit for a in got] == ["u0", "u1", "u2"]
 
 
+def _belady_reference(free, evictable, positions, nbytes):
+    """Independent reference for [Note: prefetch never displaces a sooner use]: walking the units
+    in need order, a prefetch for position j may use free bytes and copies used after j, the
+    furthest first; the first that does not fit blocks the level."""
+    pool, planned = sorted(evictable), []
+    for j in positions:
+        later = [c for c in pool if c[0] > j]
+        if free + sum(b for _, b in later) < nbytes:
+            break
+        planned.append(j)
+        free -= nbytes
+        while free < 0:
+            free += pool.pop()[1]  # the furthest next use first, as the store evicts
+    return planned
+
+
+@pytest.mark.parametrize("free,evictable", [
+    (0, [(float("inf"), 100), (10, 100), (2, 100)]),
+    (50, [(1, 100), (4, 60), (5, 60), (3, 100)]),
+    (0, []),
+    (300, [(0, 100)]),
+])
+def test_prefetch_never_displaces_a_copy_used_sooner(free, evictable):
+    units = [f"u{i}" for i in range(6)]
+    t = mk_trace([(u, 100, 400, Level.NVME) for u in units], compute_s=0.01)  # every read is late
+    base = dict(trace=t, cursor=0, time_to_cursor_s=0.01, next_plan_in_s=0.005, levels={}, inflight={},
+                bandwidth=bw(nvme=100.0))
+    unlimited = plan(PlanRequest(**base))
+    assert [a.unit for a in unlimited] == units  # without budgets every read starts now
+    got = plan(PlanRequest(**base, free_bytes={Level.HOST: free}, evictable={Level.HOST: evictable}))
+    expected = _belady_reference(free, evictable, range(6), 100)
+    assert [a.position for a in got] == expected
+    assert all(a.src is Level.NVME and a.dst is Level.HOST for a in got)
+
+
 def test_all_gathers_planned_in_trace_order():
     # u1 is on the device already (gather only), u0 still on the host: u1's gather must wait for u0's.
     t = mk_trace([("u0", 100, 200, Level.HOST), ("u1", 100, 200, Level.DEVICE)], compute_s=0.01)
