@@ -111,7 +111,8 @@ def _measure(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         ("ours bf16 states", _ours(p, g, m16, v16, threads), 20, "ours fp32"),
         ("ours bf16 states + bf16 out", _ours(p, g, m16, v16, threads, out16), 22, "fused+copy_"),
     ]
-    times = _round_robin([(name, fn) for name, fn, _, _ in variants], repeats=args.repeats)
+    samples = _round_robin([(name, fn) for name, fn, _, _ in variants], repeats=args.repeats)
+    times = {name: statistics.median(ts) for name, ts in samples.items()}
     if os.environ.get(cpu_adam.BACKEND_ENV, "auto") != "torch":  # slow: fewer repeats, outside the rounds
         fallback = _with_backend("torch", _ours(p, g, m32, v32, threads))
         times["ours, torch fallback path"], _ = median_time_s(fallback, repeats=min(2, args.repeats), warmup=1)
@@ -124,11 +125,11 @@ def _measure(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                      "GB/s": n * bytes_per / t / 1e9, "bytes/param": bytes_per,
                      "speedup": None if ref == "-" else times[ref] / t,
                      "vs": "-" if ref == "-" else ref})
-    return rows, times
+    return rows, times, samples
 
 
 def _round_robin(fns: list[tuple[str, Callable[[], None]]], *, repeats: int) -> dict[str, float]:
-    """Median seconds per variant, timing one call of each variant per round.
+    """Seconds per variant per round, timing one call of each variant per round.
 
     The cores are shared: interleaving spreads any slow period over all variants instead of
     charging it to whichever variant happened to run then.
@@ -147,7 +148,7 @@ def _round_robin(fns: list[tuple[str, Callable[[], None]]], *, repeats: int) -> 
                 bar.update(1, round=f"{round_}/{repeats}")  # after t1: never timed
     finally:
         bar.close()
-    return {name: statistics.median(ts) for name, ts in samples.items()}
+    return samples
 
 
 def _with_backend(name: str, fn: Callable[[], None]) -> Callable[[], None]:
@@ -208,22 +209,28 @@ def _deepspeed(args: Any) -> tuple[dict[str, Any] | None, str]:
 def run(args: Any) -> int:
     torch.set_num_threads(args.threads)
     backend = cpu_adam.backend()  # builds the kernel now, outside the timed region
-    rows, times = _measure(args)
+    rows, times, samples = _measure(args)
     ds, ds_note = _deepspeed(args)
     if ds is not None:
         n = args.numel
         rows.append({"variant": "DeepSpeed CPUAdam (subprocess)", "time_ms": ds["ds_s"] * 1e3,
                      "Gupdates/s": n / ds["ds_s"] / 1e9, "GB/s": n * 28 / ds["ds_s"] / 1e9,
                      "bytes/param": 28, "speedup": ds["fused_s"] / ds["ds_s"], "vs": "fused (in its process)"})
-    t = times
+    def ratio(ref: str, variant: str) -> float:
+        """Median over rounds of the per-round ratio: a slow stretch of the shared machine hits
+        both variants of a round, so it cancels here rather than in the medians' quotient."""
+        return statistics.median(a / b for a, b in zip(samples[ref], samples[variant]))
+
     targets = {
-        "fp32 vs torch fused AdamW (target >= 1.0)": t["torch AdamW fused"] / t["ours fp32"],
-        "bf16 out vs fused + copy_ (target >= 1.25)": t["torch fused + copy_ to bf16"] / t["ours fp32 + bf16 out"],
-        "bf16 out vs fused + .to(bf16)": t["torch fused + .to(bf16)"] / t["ours fp32 + bf16 out"],
-        "bf16 states vs ours fp32 (target >= 1.3)": t["ours fp32"] / t["ours bf16 states"],
+        "fp32 vs torch fused AdamW (target >= 1.0)": ratio("torch AdamW fused", "ours fp32"),
+        "bf16 out vs fused + copy_ (target >= 1.25)": ratio("torch fused + copy_ to bf16",
+                                                            "ours fp32 + bf16 out"),
+        "bf16 out vs fused + .to(bf16)": ratio("torch fused + .to(bf16)", "ours fp32 + bf16 out"),
+        "bf16 states vs ours fp32 (target >= 1.3)": ratio("ours fp32", "ours bf16 states"),
     }
     notes = [f"{k}: {v:.2f}x" for k, v in targets.items()]
-    notes += [f"backend {backend}; {args.threads} threads; numel {args.numel}; median of {args.repeats}; "
+    notes += [f"backend {backend}; {args.threads} threads; numel {args.numel}; median of {args.repeats} "
+              f"rounds (ratios above: median of the per-round ratios); "
               f"buffers of every variant on {'huge-page-advised memory' if args.hugepages else 'torch allocations'}",
               "speedup = time of the 'vs' variant / time of this row", ds_note]
     report = Report(name="adam", title=f"CPU Adam, {args.numel} params, {args.threads} threads",
