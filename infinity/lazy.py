@@ -63,7 +63,7 @@ _CPU = torch.device("cpu")
 _VALUE_CONSTRUCTORS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
 
 
-class LazyInitError(InfinityError, RuntimeError):
+class LazyInitError(InfinityError, ValueError):
     """A model built under ``infinity.init`` used a construction pattern that cannot be deferred."""
 
 

@@ -56,7 +56,7 @@ def test_parity_and_recompute(stage, units, offload):
     assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
     # forward + recompute in backward, for every block, every step
     assert calls[0] == 2 * STEPS * TINY.n_layer
-    assert set(engine.module.state_dict()) == set(tiny_gpt().state_dict())
+    assert set(engine.module.state_dict(keep_vars=True)) == set(tiny_gpt().state_dict())
     engine.close()
 
 
