@@ -6,6 +6,16 @@ page-aligned always), so there is no per-tensor pinning, no power-of-two roundin
 land in extents with direct I/O and no staging copy. Extents start at and span multiples of the
 alignment; the free list is kept sorted by offset and coalesced on every free. Best fit limits
 fragmentation; when no single hole is large enough the store evicts to make one (see ``store.py``).
+
+[Note: long-lived extents from the top]
+Home copies (shards homed on the HOST tier, the gradient accumulators) live as long as the store;
+cache and staging copies come and go. Allocated from the same end, the home copies end up strewn
+between the transient ones, and once every transient copy is evicted the free bytes are split into
+holes no larger than the gaps between home copies: a budget the planner accepted then failed with
+"fragmented" (small preset, parameters on NVMe, host budgets of 0.1-0.75 of the model). So
+long-lived extents are carved from the top of the highest hole that fits and transient ones by
+best fit from the bottom: the home copies pack at the top, and evicting the transient copies always
+leaves one hole.
 """
 
 from __future__ import annotations
@@ -67,28 +77,41 @@ class HostArena:
         """Bytes an extent for ``nbytes`` of payload occupies (rounded up to the alignment)."""
         return max(align_up(nbytes, self.alignment_bytes), self.alignment_bytes)
 
-    def allocate(self, nbytes: int) -> Extent | None:
-        """Best-fit extent for ``nbytes``; None when no single hole is large enough."""
+    def allocate(self, nbytes: int, *, long_lived: bool = False) -> Extent | None:
+        """An extent for ``nbytes``; None when no single hole is large enough. Transient: best
+        fit, from the bottom of the hole; ``long_lived``: from the top of the highest hole that
+        fits ([Note: long-lived extents from the top])."""
         size = self.extent_bytes(nbytes)
         with self._lock:
             best = None
-            for off in self._free_offsets:
-                hole = self._free_sizes[off]
-                if hole >= size and (best is None or hole < self._free_sizes[best]):
-                    best = off
-                    if hole == size:
-                        break
+            if long_lived:
+                best = next((off for off in reversed(self._free_offsets)
+                             if self._free_sizes[off] >= size), None)
+            else:
+                for off in self._free_offsets:
+                    hole = self._free_sizes[off]
+                    if hole >= size and (best is None or hole < self._free_sizes[best]):
+                        best = off
+                        if hole == size:
+                            break
             if best is None:
                 return None
-            hole = self._free_sizes.pop(best)
-            i = bisect.bisect_left(self._free_offsets, best)
-            del self._free_offsets[i]
-            if hole > size:
-                rest = best + size
-                self._free_sizes[rest] = hole - size
-                self._free_offsets.insert(i, rest)
-            self._live[best] = size
-            return Extent(best, size)
+            hole = self._free_sizes[best]
+            if hole == size:
+                del self._free_sizes[best]
+                del self._free_offsets[bisect.bisect_left(self._free_offsets, best)]
+                start = best
+            elif long_lived:  # the hole keeps its start, and shrinks
+                self._free_sizes[best] = hole - size
+                start = best + hole - size
+            else:  # the hole moves up past the extent
+                del self._free_sizes[best]
+                i = bisect.bisect_left(self._free_offsets, best)
+                self._free_offsets[i] = best + size
+                self._free_sizes[best + size] = hole - size
+                start = best
+            self._live[start] = size
+            return Extent(start, size)
 
     def free(self, extent: Extent) -> None:
         with self._lock:

@@ -90,7 +90,7 @@ class _BudgetMixin:
         if self._used[tier] + charge > self._budget[tier]:
             return None
         if tier is Tier.HOST:
-            extent = self.arena.allocate(shard.nbytes)
+            extent = self.arena.allocate(shard.nbytes, long_lived=shard.home is tier)
             if extent is None:
                 return None  # fragmented: evict to make a hole
             tensor = self.arena.view(extent, shard.numel, shard.dtype)

@@ -37,13 +37,36 @@ def test_random_allocate_free_keeps_extents_aligned_and_disjoint():
         if live and rng.random() < 0.45:
             arena.free(live.pop(rng.randrange(len(live))))
         else:
-            extent = arena.allocate(rng.randint(1, 5 * KB4))
+            extent = arena.allocate(rng.randint(1, 5 * KB4), long_lived=rng.random() < 0.3)
             if extent is not None:
                 live.append(extent)
         _check_layout(arena)
     for extent in live:
         arena.free(extent)
     assert [(h.offset_bytes, h.size_bytes) for h in arena.holes()] == [(0, 64 * KB4)]
+
+
+def test_long_lived_extents_pack_at_the_top_so_evicting_the_rest_leaves_one_hole():
+    """Home copies interleaved in time with cache copies of other sizes: once every cache copy is
+    freed (evicted), the free bytes are one hole, not the gaps between home copies."""
+    rng = random.Random(1)
+    for _ in range(20):
+        arena = HostArena(256 * KB4, alignment_bytes=KB4, allocate_fn=aligned_empty)
+        home, cache = [], []
+        for _ in range(60):
+            long_lived = rng.random() < 0.4
+            extent = arena.allocate(rng.randint(1, 6 * KB4), long_lived=long_lived)
+            if extent is None:
+                break
+            (home if long_lived else cache).append(extent)
+            if cache and rng.random() < 0.3:
+                arena.free(cache.pop(rng.randrange(len(cache))))
+        for extent in cache:
+            arena.free(extent)
+        holes = arena.holes()
+        assert len(holes) == 1 and holes[0].offset_bytes == 0, holes
+        assert holes[0].size_bytes == 256 * KB4 - sum(e.size_bytes for e in home)
+        _check_layout(arena)
 
 
 def test_extent_views_do_not_alias():
