@@ -11,6 +11,8 @@ Usage (the same calls as a DeepSpeed engine)::
 Every ``engine.step()`` call counts one micro-batch; the optimizer runs on every
 ``gradient_accumulation_steps``-th call (DeepSpeed semantics). Gradients are averaged over ranks and
 summed over micro-batches (the loss is divided by the number of micro-batches in ``backward``).
+Buffers are replicated: rank 0's are broadcast at set-up and before each training forward (DDP's
+default).
 The step: unscale (fp16), check for overflow (fp16: skip the step and lower the scale, DeepSpeed's
 dynamic loss scaling), clip to ``gradient_clipping`` by the exact global norm over all shards and
 ranks, Adam(W) on the fp32 master shards, write the new low-precision parameters back.
@@ -178,6 +180,8 @@ class InfinityEngine:
             initial_values=initial_values)
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/activations.py).
+        if self.collectives.world_size > 1:
+            self._broadcast_buffers()
         self.activations = apply_activation_checkpointing(
             model, config.activation_checkpointing,
             unit_module_names=[u.name for u in self.manager.units])
@@ -217,6 +221,8 @@ class InfinityEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training and self.collectives.world_size > 1:
+            self._broadcast_buffers()
         with self.manager.forward_scope():
             try:
                 return self.module(*args, **kwargs)
@@ -229,6 +235,25 @@ class InfinityEngine:
                         f"zero.persistence_threshold_numel / use zero.unit_class_names so both "
                         f"end up in one unit") from e
                 raise
+
+    def _broadcast_buffers(self) -> None:
+        """DistributedDataParallel's ``broadcast_buffers``: every training forward on every rank
+        starts from rank 0's buffers (BatchNorm running statistics, counters). Not after the
+        forward: autograd saved some of them (batch norm's running statistics) and an in-place
+        write would fail the backward's version check. So that every rank reports the same
+        values, ``full_state_dict`` broadcasts too (checkpoints write rank 0's). One broadcast
+        per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buf in self.module.buffers():
+            by_dtype.setdefault(buf.dtype, []).append(buf)
+        with torch.no_grad():
+            for dtype, bufs in by_dtype.items():
+                flat = torch.cat([b.reshape(-1) for b in bufs])
+                self.collectives.broadcast(flat, src=0, context=f"buffers ({dtype})")
+                offset = 0
+                for b in bufs:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
 
     @property
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -358,6 +383,8 @@ class InfinityEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full state dict (fp32 masters for trained parameters), keyed like
         ``model.state_dict()``; a collective: call it on every rank."""
+        if self.collectives.world_size > 1:
+            self._broadcast_buffers()
         return self.manager.full_state_dict(master_of=self.optimizer.master_values)
 
     def load_weights(self, path: str, *, strict: bool = True) -> dict[str, list[str]]:

@@ -278,3 +278,63 @@ def test_torchrun_without_init_process_group_uses_the_launcher_environment(tmp_p
     assert result["world_size"] == 2
     ref_losses, ref_state = reference_train(tiny_gpt(), batches(4, 1))
     assert_close_run(result["losses"], result["state"], ref_losses, ref_state, "fp32")
+
+
+def _batchnorm_net():
+    from test_stage3 import BatchNormNet
+
+    return BatchNormNet()
+
+
+def worker_buffers(rank: int, world_size: int, out_dir: str) -> dict:
+    import infinity
+    from _engine_common import batches, engine_config, engine_train
+
+    engine = infinity.initialize(_batchnorm_net(), engine_config(stage=3,
+                                                                 unit_class_names=("Linear",)))
+    losses = engine_train(engine, batches(4, 1), rank=rank, world_size=world_size)
+    return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def _ddp_reference(model, data):
+    """Plain PyTorch emulating DistributedDataParallel on 2 ranks: each half of the batch runs
+    from the same buffers (rank 0's, broadcast), gradients are averaged, and rank 0's updated
+    buffers are kept (BatchNorm statistics of its half)."""
+    import torch
+
+    from _engine_common import BETAS, EPS, LR, WD
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses = []
+    for (batch,) in data:
+        start = {k: b.clone() for k, b in model.named_buffers()}
+        kept, total = None, 0.0
+        for r, part in enumerate(zip(*(t.chunk(2) for t in batch))):
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    b.copy_(start[k])
+            loss = model(*part)
+            (loss / 2).backward()
+            total += loss.item() / 2
+            if r == 0:
+                kept = {k: b.clone() for k, b in model.named_buffers()}
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(kept[k])
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
+def test_two_ranks_keep_rank0_buffers_like_ddp():
+    """BatchNorm running statistics: each training forward starts from rank 0's buffers, so both
+    ranks end with the same values, those of DistributedDataParallel (emulated in plain PyTorch)."""
+    from _engine_common import assert_close_run, batches
+
+    results = launch(__file__, "worker_buffers", timeout_s=120)
+    ref_losses, ref_state = _ddp_reference(_batchnorm_net(), batches(4, 1))
+    for res in results:
+        assert_close_run(res["losses"], res["state"], ref_losses, ref_state, "fp32")
+    assert results[0]["state"]["body.1.running_mean"].equal(
+        results[1]["state"]["body.1.running_mean"])
