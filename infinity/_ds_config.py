@@ -174,9 +174,7 @@ _TOP_KEYS: dict[str, Any] = {
     "dump_state": _replaced("engine.stats()"),
     "prescale_gradients": _rejected("gradient prescaling is not implemented", False),
     "gradient_predivide_factor": _rejected("gradient predivide is not implemented", 1.0),
-    "communication_data_type": _rejected(
-        "a separate communication dtype is not implemented; gradients are reduced in their own "
-        "dtype", None),
+    "communication_data_type": "mapped",  # -> precision.reduce_dtype (see _precision)
     "scheduler": _rejected(
         "DeepSpeed LR schedulers are not built in; wrap engine.optimizer in a torch.optim.lr_scheduler"),
     "activation_checkpointing": _rejected(
@@ -269,6 +267,25 @@ def _offload(raw: Mapping[str, Any], name: str, table: Mapping[str, Any]) -> Off
     return OffloadConfig(name=name, device=device, nvme_path=raw.get("nvme_path"))
 
 
+_COMM_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+                "fp16": "fp16", "float16": "fp16"}
+
+
+def _reduce_dtype(raw: Mapping[str, Any], compute: str) -> str:
+    """``communication_data_type``: 'fp32', or the compute dtype itself ('compute'). Absent: our
+    default, fp32 (DeepSpeed's is the compute dtype; set it to keep DeepSpeed's bytes)."""
+    value = raw.get("communication_data_type")
+    if value is None:
+        return "fp32"
+    name = _COMM_DTYPES.get(str(value).lower())
+    if name == "fp32":
+        return "fp32"
+    if name == compute:
+        return "compute"
+    raise ValueError(f"communication_data_type: {value!r} is not supported with compute dtype "
+                     f"{compute}; use 'fp32' or {compute!r}")
+
+
 def _precision(raw: Mapping[str, Any]) -> PrecisionConfig:
     bf16 = _section(raw, "bf16", "bf16") or _section(raw, "bfloat16", "bfloat16")
     fp16 = _section(raw, "fp16", "fp16")
@@ -281,9 +298,11 @@ def _precision(raw: Mapping[str, Any]) -> PrecisionConfig:
         extra = sorted(set(fp16) - {"enabled"})
         if extra:
             warn_once("ds:fp16-off", f"fp16 keys {extra} have no effect while fp16.enabled is false")
-        return PrecisionConfig(dtype="bf16" if bf16_on else "fp32")
+        return PrecisionConfig(dtype="bf16" if bf16_on else "fp32",
+                               reduce_dtype=_reduce_dtype(raw, "bf16" if bf16_on else "fp32"))
     kwargs = {k: _as_int(fp16[k]) for k in ("initial_scale_power", "loss_scale_window", "hysteresis")
               if k in fp16}
+    kwargs["reduce_dtype"] = _reduce_dtype(raw, "fp16")
     for key in ("loss_scale", "min_loss_scale"):
         if key in fp16:
             kwargs[key] = fp16[key]
@@ -449,6 +468,8 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
         zero["stage3_max_reuse_distance"] = z.max_reuse_distance_numel
     out: dict[str, Any] = {"zero_optimization": zero}
     p = config.precision
+    if p.dtype != "fp32":  # DeepSpeed's own default would be the compute dtype: say which
+        out["communication_data_type"] = p.dtype if p.reduce_dtype == "compute" else "fp32"
     if p.dtype == "bf16":
         out["bf16"] = {"enabled": True}
     elif p.dtype == "fp16":

@@ -182,9 +182,14 @@ class PrecisionConfig:
     """Overflows tolerated before the scale is halved."""
     min_loss_scale: float = 1.0
     """The dynamic scale never drops below this."""
+    reduce_dtype: Literal["fp32", "compute"] = "fp32"
+    """Dtype gradients cross ranks in (reduce-scatter / all-reduce). 'fp32': the engine's fp32
+    gradient staging as it is, no rounding between ranks. 'compute': cast to ``dtype`` first, half
+    the bytes with bf16/fp16 (DeepSpeed's and FSDP's default), rounded once per reduction."""
 
     def __post_init__(self) -> None:
         _check_choice("precision.dtype", self.dtype, _DTYPES)
+        _check_choice("precision.reduce_dtype", self.reduce_dtype, ("fp32", "compute"))
         _check_float("fp16.loss_scale", self.loss_scale)
         _check_int("fp16.initial_scale_power", self.initial_scale_power, minimum=0)
         if self.initial_scale_power > 63:

@@ -177,7 +177,9 @@ class InfinityEngine:
             param_home=tier_of(param_home) if param_home != "none" else None,
             prefetch=self.offload is not None and self.offload.overlap,
             grad_store=self.store if config.offload_optimizer.device != "none" else None,
-            initial_values=initial_values)
+            initial_values=initial_values,
+            reduce_dtype=(self.compute_dtype if config.precision.reduce_dtype == "compute"
+                          else torch.float32))
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/activations.py).
         if self.collectives.world_size > 1:

@@ -100,7 +100,7 @@ def to_config(plan: Plan) -> InfinityConfig:
         offload_param=offload("offload_param", best.offload_param),
         offload_optimizer=offload("offload_optimizer", best.offload_optimizer),
         memory=MemoryConfig(device_budget_bytes=device_budget, host_budget_bytes=host_budget),
-        precision=PrecisionConfig(dtype=req.dtype),
+        precision=PrecisionConfig(dtype=req.dtype, reduce_dtype=req.reduce_dtype),
         gradient_accumulation_steps=best.grad_accum,
         train_micro_batch_size_per_gpu=best.micro_batch,
         activation_checkpointing=ActivationCheckpointingConfig(
@@ -300,6 +300,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto",
                      help="activation checkpointing (auto: search both)")
     job.add_argument("--headroom", type=float, default=0.10, help="fraction of each tier kept free")
+    job.add_argument("--reduce-dtype", choices=("fp32", "compute"), default="fp32",
+                     help="dtype gradients cross ranks in: fp32 (default, exact) or the compute "
+                     "dtype (half the bytes with bf16/fp16)")
     parser.add_argument("--out-native", metavar="PATH", help="write the native config here")
     parser.add_argument("--out-deepspeed", metavar="PATH", help="write a DeepSpeed ds_config.json here")
     parser.add_argument("--all", action="store_true", help="list every fitting candidate, fastest first")
@@ -324,7 +327,8 @@ def request_from_args(args: argparse.Namespace, hw: Hardware) -> PlanRequest:
     mbs = (args.micro_batch,) if args.micro_batch else MICRO_BATCHES
     return PlanRequest(numel=numel, shape=shape, shape_assumed=assumed, optimizer=args.optimizer,
                        dtype=args.dtype, global_batch=global_batch, headroom=args.headroom,
-                       micro_batches=mbs, checkpointing=ckpt, nvme_path=args.nvme_path)
+                       micro_batches=mbs, checkpointing=ckpt, nvme_path=args.nvme_path,
+                       reduce_dtype=args.reduce_dtype)
 
 
 def plan_to_dict(plan: Plan, *, show_all: bool = False) -> dict[str, Any]:

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 from infinity._common import GiB, MiB
+from infinity.config import DTYPE_BYTES
 from infinity.estimate import (
     DEFAULT_SUB_GROUP_NUMEL,
     ENGINE_GRAD_DTYPE,
@@ -159,6 +160,8 @@ class PlanRequest:
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     checkpointing: tuple[bool, ...] = (False, True)
     nvme_path: str | None = None
+    reduce_dtype: str = "fp32"
+    """precision.reduce_dtype of the configs priced: 'fp32' or 'compute' (the compute dtype)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,9 +231,10 @@ def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, mi
                checkpointing: bool, ga: int) -> tuple[dict[str, float], float]:
     n, psi, t = hw.gpus, req.numel, ledger.terms
     p, g, k, og = t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.optimizer_grad_bytes
-    # Collectives are priced at the compute dtype's width (``gw``), the wire format a gradient
-    # reduction needs; the fp32 accumulator (``g``) is what sits in memory and crosses PCIe.
-    gw = p
+    # Gradient collectives move ``gw`` bytes per element: the engine reduces its fp32 staging as
+    # is, or cast to the compute dtype (precision.reduce_dtype). The fp32 accumulator (``g``) is
+    # what sits in memory and crosses PCIe; parameter gathers move ``p``.
+    gw = p if req.reduce_dtype == "compute" else DTYPE_BYTES["fp32"]
     shard = psi / n
     ring = (n - 1) / n
     link = hw.link_bytes_per_s

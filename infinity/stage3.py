@@ -209,7 +209,8 @@ class ParameterManager:
     def __init__(self, module: nn.Module, zero: ZeroConfig, *, collectives: Collectives,
                  device: torch.device, compute_dtype: torch.dtype, store: Any = None,
                  param_home: Any = None, prefetch: bool = True, grad_store: Any = None,
-                 initial_values: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
+                 initial_values: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 reduce_dtype: torch.dtype = torch.float32):
         """``store``/``param_home``: the tiered store and the home tier (HOST or NVME) of the
         parameter shards of gathered-on-demand units (stage 3 parameter offload); None: the
         shards stay on the device. ``prefetch``: read the next unit's shard ahead (only when the
@@ -219,9 +220,11 @@ class ParameterManager:
         accumulator homed in this store's host arena ([Note: gradient placement] in
         infinity/estimate.py). ``initial_values(param)``: the values of a parameter whose storage
         holds none yet (built under ``infinity.init``: computed on demand, one at a time), or None
-        to read the parameter itself."""
+        to read the parameter itself. ``reduce_dtype``: what gradients cross ranks in (fp32, or
+        the compute dtype: precision.reduce_dtype)."""
         check_not_wrapped(module)
         self._initial_values = initial_values
+        self.reduce_dtype = reduce_dtype
         self.store = store
         self.param_home = param_home
         self.prefetch = prefetch
@@ -603,13 +606,20 @@ class ParameterManager:
                 g.grad_staging = None
                 if self.world_size > 1:
                     staging.div_(self.world_size)
+                # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
+                # bytes with bf16/fp16); the sum lands back in fp32 for the accumulator.
+                wire = staging if self.world_size == 1 or self.reduce_dtype == torch.float32 \
+                    else staging.to(self.reduce_dtype)
                 if self.stage >= 2 and self.world_size == 1:
                     part = staging  # the shard is the whole buffer: no reduce, no copy
                 elif self.stage >= 2:
-                    part = torch.empty(g.shard_numel, dtype=torch.float32, device=self.device)
-                    self.coll.reduce_scatter_sum(part, staging, context=context)
+                    part = torch.empty(g.shard_numel, dtype=wire.dtype, device=self.device)
+                    self.coll.reduce_scatter_sum(part, wire, context=context)
+                    part = part.float()  # no copy when the wire is fp32
                 else:
-                    self.coll.all_reduce_sum(staging, context=context)
+                    self.coll.all_reduce_sum(wire, context=context)
+                    if wire is not staging:
+                        staging.copy_(wire)
                     part = staging
                     if self.stage == 1 and self.optimizer_offloaded:  # only its shard leaves
                         part = staging[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]

@@ -200,3 +200,25 @@ def test_deepspeed_form_round_trips():
     assert again.precision == config.precision
     assert again.optimizer == config.optimizer
     assert again.gradient_clipping == config.gradient_clipping
+
+
+@pytest.mark.parametrize("value,compute,want", [
+    (None, "bf16", "fp32"), ("fp32", "bf16", "fp32"), ("bf16", "bf16", "compute"),
+    ("bfloat16", "bf16", "compute"), ("fp16", "fp16", "compute"), ("fp32", "fp32", "fp32")])
+def test_deepspeed_communication_data_type_maps_to_reduce_dtype(value, compute, want):
+    raw = {"zero_optimization": {"stage": 3}}
+    if compute != "fp32":
+        raw[compute] = {"enabled": True}
+    if value is not None:
+        raw["communication_data_type"] = value
+    config = load_config(raw)
+    assert config.precision.reduce_dtype == want
+    assert config_from_deepspeed(config_to_deepspeed(config)).precision == config.precision
+
+
+def test_deepspeed_communication_data_type_other_than_fp32_or_compute_is_refused():
+    with pytest.raises(ValueError, match="communication_data_type.*'fp32' or 'bf16'"):
+        load_config({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                     "communication_data_type": "fp16"})
+    with pytest.raises(ValueError, match="precision.reduce_dtype"):
+        load_config({"precision": {"dtype": "bf16", "reduce_dtype": "bf16"}})

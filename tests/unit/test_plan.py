@@ -4,6 +4,7 @@ a config in both forms, and the rules of thumb come out of the numbers."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -11,6 +12,7 @@ from infinity import cli
 from infinity._common import GiB, MiB
 from infinity.config import load_config
 from infinity.estimate import ModelShape, activation_bytes
+from infinity.planner import BUCKET_BYTES, COLLECTIVE_LATENCY_S
 from infinity.plan import (
     DEVICE_RESERVE_BYTES,
     HOST_RESERVE_BYTES,
@@ -117,7 +119,9 @@ def test_acceptance_with_a_llama_7b_hf_config(tmp_path, capsys):
 @pytest.mark.parametrize("hw", [hardware(), hardware(gpus=8, device_gib=80, host_gib=512)],
                          ids=["4x24GB", "8x80GB"])
 def test_small_models_do_not_use_stage_3(numel, hw):
-    plan = make_plan(request(numel), hw)
+    """The ZeRO paper's trade (stage 3 moves 1.5x data parallelism's bytes) holds when gradients
+    cross ranks in the parameters' dtype; see the fp32 case below."""
+    plan = make_plan(request(numel, reduce_dtype="compute"), hw)
     assert plan.fits
     assert any(c.fits for c in plan.candidates if c.stage == 3)  # it would fit ...
     assert plan.best.stage < 3                                    # ... but it is slower
@@ -186,3 +190,19 @@ def test_written_native_config_carries_the_chosen_checkpointing(tmp_path):
     assert rc == 0
     config = load_config(json.loads(native.read_text()))
     assert config.activation_checkpointing.units == "all"
+
+
+def test_gradient_reduce_dtype_prices_the_bytes_the_engine_sends():
+    """Stage 0 all-reduces every gradient once per step (2 (N-1)/N x the bytes of the gradients):
+    fp32 reduction sends twice the bf16 bytes, and the planner's link time says so."""
+    hw = hardware(gpus=8, device_gib=80, host_gib=512)
+    times = {}
+    for reduce_dtype in ("fp32", "compute"):
+        plan = make_plan(request(350e6, reduce_dtype=reduce_dtype, micro_batches=(8,),
+                                 checkpointing=(False,)), hw)
+        stage0 = next(c for c in plan.candidates if c.stage == 0 and c.offload_optimizer == "none")
+        times[reduce_dtype] = stage0.times_s["link"]
+    psi, ring, link = 350e6, 7 / 8, hw.link_bytes_per_s
+    buckets = math.ceil(psi * 4 / BUCKET_BYTES) - math.ceil(psi * 2 / BUCKET_BYTES)  # latency each
+    assert times["fp32"] - times["compute"] == pytest.approx(
+        2 * psi * (4 - 2) * ring / link + buckets * COLLECTIVE_LATENCY_S, rel=1e-6)
