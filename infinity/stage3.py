@@ -344,19 +344,27 @@ class ParameterManager:
         the device, mark dirty, release, write back to its home tier)."""
         if group.store_key is None:
             return group.full if self.stage == 0 else group.shard
-        return lambda: self._open_stored_shard(group)
+        return lambda overwrite=False: self._open_stored_shard(group, overwrite=overwrite)
 
     @contextlib.contextmanager
-    def _open_stored_shard(self, group: FlatGroup) -> Iterator[torch.Tensor]:
+    def _open_stored_shard(self, group: FlatGroup, *, overwrite: bool = False
+                           ) -> Iterator[torch.Tensor]:
+        """The shard on the device for writing. ``overwrite``: the caller writes every element
+        (the optimizer step), so an absent copy is not read first (``store.acquire``)."""
         from infinity.tiers import Tier
 
-        tensor = self.store.acquire(group.store_key, Tier.DEVICE).wait()
+        key = group.store_key
+        tensor = self.store.acquire(key, Tier.DEVICE, overwrite=overwrite).wait()
+        written = False
         try:
             yield tensor
-            self.store.mark_dirty(group.store_key, Tier.DEVICE)
+            self.store.mark_dirty(key, Tier.DEVICE)
+            written = True
         finally:
-            self.store.release(group.store_key, Tier.DEVICE)
-        self.store.write_back(group.store_key)  # async: the updated shard returns to its home
+            self.store.release(key, Tier.DEVICE)
+            if not written:  # partly written: never let those bytes pass for the shard
+                self.store.evict(key, Tier.DEVICE)
+        self.store.write_back(key)  # async: the updated shard returns to its home
 
     def read_shard(self, group: FlatGroup) -> torch.Tensor:
         """A copy-free view (device) or a fresh copy (store) of this rank's parameter shard."""

@@ -62,7 +62,9 @@ Rules the store keeps:
 ``stats()`` keys (stable; :data:`STATS_KEYS`): ``bytes_nvme_to_host``, ``bytes_host_to_device``,
 ``bytes_device_to_host``, ``bytes_host_to_nvme`` (shard payload bytes moved per tier pair; a zero-fill
 of a never-written NVME shard moves nothing); ``fetch_hits``, ``fetch_late``, ``fetch_misses``
-(fetch/acquire calls that found the copy resident / in flight / absent); ``wait_s`` and ``num_waits``
+(fetch/acquire calls that found the copy resident / in flight / absent); ``fetch_overwrites``
+(``acquire(overwrite=True)`` calls that allocated an absent copy without reading it); ``wait_s`` and
+``num_waits``
 (time blocked in ``TierHandle.wait`` and how many waits blocked); ``evictions_device``,
 ``evictions_host`` (copies dropped by policy or ``evict``); ``writebacks`` (write-backs issued);
 ``device_used_bytes``/``host_used_bytes`` (now), ``device_peak_bytes``/``host_peak_bytes``

@@ -150,7 +150,7 @@ def done_future(value: Any) -> Future:
 
 STATS_KEYS = (
     "bytes_nvme_to_host", "bytes_host_to_device", "bytes_device_to_host", "bytes_host_to_nvme",
-    "fetch_hits", "fetch_late", "fetch_misses", "wait_s", "num_waits",
+    "fetch_hits", "fetch_late", "fetch_misses", "fetch_overwrites", "wait_s", "num_waits",
     "evictions_device", "evictions_host", "writebacks",
     "device_used_bytes", "device_peak_bytes", "device_budget_bytes",
     "host_used_bytes", "host_peak_bytes", "host_budget_bytes", "host_largest_free_bytes",
@@ -165,7 +165,7 @@ class Counters:
         self._lock = threading.Lock()
         self.moved = {("nvme", "host"): 0, ("host", "device"): 0, ("device", "host"): 0,
                       ("host", "nvme"): 0}
-        self.fetch = {"hit": 0, "late": 0, "miss": 0}
+        self.fetch = {"hit": 0, "late": 0, "miss": 0, "overwrite": 0}
         self.wait_s = 0.0
         self.num_waits = 0
         self.evictions = {Tier.DEVICE: 0, Tier.HOST: 0}
@@ -184,7 +184,8 @@ class Counters:
         with self._lock:
             out: dict[str, float] = {f"bytes_{s}_to_{d}": v for (s, d), v in self.moved.items()}
             out.update(fetch_hits=self.fetch["hit"], fetch_late=self.fetch["late"],
-                       fetch_misses=self.fetch["miss"], wait_s=self.wait_s,
+                       fetch_misses=self.fetch["miss"],
+                       fetch_overwrites=self.fetch["overwrite"], wait_s=self.wait_s,
                        num_waits=self.num_waits, evictions_device=self.evictions[Tier.DEVICE],
                        evictions_host=self.evictions[Tier.HOST], writebacks=self.writebacks)
             return out

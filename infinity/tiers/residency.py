@@ -59,7 +59,8 @@ _A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Resid
 
 TRANSITIONS: dict[tuple[Residency, Residency], str] = {
     (_A, _I): "allocate and start moving bytes in (fetch, first write-back to NVMe)",
-    (_A, _R): "allocate with known contents (register with initial data or zeros)",
+    (_A, _R): "allocate with known contents (register with initial data or zeros; an overwrite "
+              "acquire, whose holder writes every byte before anyone reads)",
     (_I, _R): "the move into this tier completed",
     (_I, _A): "the move into this tier failed; its bytes are freed",
     (_R, _I): "overwrite a stale copy in place (write-back into the home copy)",

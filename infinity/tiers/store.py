@@ -142,10 +142,18 @@ class TieredStore(_BudgetMixin):
         evicted by later allocations: use :meth:`acquire` when compute reads it."""
         return self._fetch(key, tier, next_use=next_use, pin=False)
 
-    def acquire(self, key: str, tier: Tier, *, next_use: float | None = None) -> TierHandle:
+    def acquire(self, key: str, tier: Tier, *, next_use: float | None = None,
+                overwrite: bool = False) -> TierHandle:
         """:meth:`fetch` and pin: the copy is not evicted until a matching :meth:`release`.
-        If ``wait()`` raises, the pin is gone too (do not release)."""
-        return self._fetch(key, tier, next_use=next_use, pin=True)
+        If ``wait()`` raises, the pin is gone too (do not release).
+
+        ``overwrite``: the caller writes every element before anything reads the copy (the
+        optimizer writing a whole updated parameter shard). An absent copy is then allocated
+        without reading the shard from another tier (no NVMe read for bytes about to be
+        replaced): its contents are undefined until written. The caller must
+        :meth:`mark_dirty` it after writing, or :meth:`evict` it if the write fails, and nothing
+        else may read the shard meanwhile."""
+        return self._fetch(key, tier, next_use=next_use, pin=True, overwrite=overwrite)
 
     def release(self, key: str, tier: Tier) -> None:
         """Undo one :meth:`acquire` of the copy on ``tier``."""
@@ -171,7 +179,8 @@ class TieredStore(_BudgetMixin):
             copy.last_use = self._tick()
             return copy.tensor
 
-    def _fetch(self, key: str, tier: Tier, *, next_use: float | None, pin: bool) -> TierHandle:
+    def _fetch(self, key: str, tier: Tier, *, next_use: float | None, pin: bool,
+               overwrite: bool = False) -> TierHandle:
         if tier not in (Tier.DEVICE, Tier.HOST):
             raise ValueError(f"fetch({key!r}, {tier!r}): fetch to DEVICE or HOST; write_back "
                              "moves data to the home tier")
@@ -180,11 +189,12 @@ class TieredStore(_BudgetMixin):
             shard = self._shard(key)
             if next_use is not None:
                 shard.next_use = next_use
-            future, outcome = self._fetch_locked(shard, tier, pin)
+            future, outcome = self._fetch_locked(shard, tier, pin, overwrite)
             self.counters.fetch[outcome] += 1
         return TierHandle(future, key, tier, self.counters.add_wait)
 
-    def _fetch_locked(self, shard: _Shard, tier: Tier, pin: bool) -> tuple[Future, str]:
+    def _fetch_locked(self, shard: _Shard, tier: Tier, pin: bool,
+                      overwrite: bool = False) -> tuple[Future, str]:
         missed = False
         started: Future | None = None  # the move this call issued (or its HOST staging fetch)
         while True:
@@ -203,6 +213,11 @@ class TieredStore(_BudgetMixin):
                 if copy.state is _I:
                     return copy.future, "miss" if missed else "late"
                 return (done_future(copy.tensor), "miss" if missed else "hit")
+            if overwrite:
+                future = self._allocate_for_overwrite(shard, tier, pin)
+                if future is None:
+                    continue
+                return future, "overwrite"
             source = self._source(shard, tier)
             if source is None:  # DEVICE from NVME: stage in HOST first, then come back
                 started = self._fetch_locked(shard, Tier.HOST, False)[0]
@@ -219,6 +234,24 @@ class TieredStore(_BudgetMixin):
             copy.future = started = Future()
             self._start_move(shard, source, tier)
             missed = True  # the loop's next pass pins the copy and returns its future
+
+    def _allocate_for_overwrite(self, shard: _Shard, tier: Tier, pin: bool) -> Future | None:
+        """An absent copy made resident with undefined bytes for an overwrite acquire; None when
+        the copy changed while waiting for memory (the caller looks again). Other copies stay as
+        they are: until :meth:`mark_dirty` the shard's valid bytes are its home's."""
+        copy = shard.copies[tier]
+        alloc = self._reserve(tier, shard, for_key=shard.key)
+        if self._shards.get(shard.key) is not shard:
+            self._free(alloc)
+            raise KeyError(f"acquire({shard.key!r}): unregistered while waiting for memory")
+        if copy.state is not _A:
+            self._free(alloc)  # fetched by someone else while we waited for memory
+            return None
+        self._attach(shard, alloc)
+        shard.set_state(tier, _R)
+        copy.last_use = self._tick()
+        copy.pins += int(pin)
+        return done_future(copy.tensor)
 
     def _source(self, shard: _Shard, tier: Tier) -> Tier | None:
         """Where a fetch into ``tier`` reads from; None: DEVICE must wait for a HOST copy first."""

@@ -93,6 +93,57 @@ def test_dirty_host_copy_of_nvme_shard_survives_eviction(tmp_path):
         assert same_bytes(store.fetch("w", Tier.HOST).wait(), modified)
 
 
+def test_overwrite_acquire_reads_nothing_and_the_written_bytes_reach_nvme(tmp_path):
+    """acquire(overwrite=True) of an NVMe-homed shard cached nowhere allocates the device copy
+    without any read (no NVMe->HOST or HOST->DEVICE bytes); what the caller writes is what lands
+    in the swap file. A resident copy is handed out as it is."""
+    numel = 2500
+    with make_store(tmp_path) as (store, swapper):
+        store.register("w", numel, torch.float32, Tier.NVME,
+                       initial=random_tensor(numel, torch.float32, 0))
+        store.flush()
+        store.evict("w", Tier.HOST)
+        before = store.stats()
+        new = random_tensor(numel, torch.float32, seed=5)
+        dev = store.acquire("w", Tier.DEVICE, overwrite=True).wait()
+        dev.copy_(new)
+        store.mark_dirty("w", Tier.DEVICE)
+        store.release("w", Tier.DEVICE)
+        store.write_back("w").wait()
+        after = store.stats()
+        assert after["bytes_nvme_to_host"] == before["bytes_nvme_to_host"]
+        assert after["bytes_host_to_device"] == before["bytes_host_to_device"]
+        assert after["fetch_overwrites"] == before["fetch_overwrites"] + 1
+        on_disk = read_swap_file(swapper, "w", numel * 4, store.arena.alignment_bytes)
+        assert same_bytes(on_disk.view(torch.float32), new)
+        again = store.acquire("w", Tier.DEVICE, overwrite=True).wait()  # resident: as it is
+        assert same_bytes(again, new)
+        store.release("w", Tier.DEVICE)
+
+
+def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path):
+    """The parameter manager's write path (overwrite): a write that raises half way evicts the
+    device copy, so the next read sees the shard's previous bytes, never the half-written ones."""
+    from types import SimpleNamespace
+
+    from infinity.stage3 import ParameterManager
+
+    numel = 2500
+    old = random_tensor(numel, torch.float32, 0)
+    with make_store(tmp_path) as (store, _):
+        store.register("w", numel, torch.float32, Tier.NVME, initial=old)
+        store.flush()
+        store.evict("w", Tier.HOST)
+        manager = SimpleNamespace(store=store)
+        group = SimpleNamespace(store_key="w")
+        with pytest.raises(RuntimeError, match="boom"):
+            with ParameterManager._open_stored_shard(manager, group, overwrite=True) as dev:
+                dev[:100].fill_(7.0)
+                raise RuntimeError("boom")
+        assert store.state("w", Tier.DEVICE) is Residency.ABSENT
+        assert same_bytes(store.fetch("w", Tier.DEVICE).wait(), old)
+
+
 def test_budget_eviction_writes_back_dirty_device_copy(tmp_path):
     """A dirty DEVICE copy evicted to make room goes DEVICE -> HOST -> NVME before it is dropped."""
     numel = 1024  # 4 KiB each; DEVICE holds one shard, HOST two extents
