@@ -208,7 +208,10 @@ class InfinityEngine:
         else:
             optimizer = OffloadedShardOptimizer(
                 config.optimizer, self.store, home=tier_of(config.offload_optimizer.device),
-                sub_group_numel=self.offload.sub_group_numel)
+                sub_group_numel=self.offload.sub_group_numel,
+                readahead_bytes=self.offload.optimizer_readahead_bytes)
+            if config.offload_optimizer.device == "nvme":  # [Note: optimizer read-ahead]
+                self.manager.on_grad_ready = optimizer.prefetch
         offloaded = isinstance(optimizer, OffloadedShardOptimizer)
         for g in self.manager.trainable_groups():
             part = self.manager.param_partition(g)
@@ -311,6 +314,8 @@ class InfinityEngine:
                 logger.info("fp16 overflow: step %d skipped, loss scale now %g",
                             self.global_steps, self.scaler.scale)
                 self.manager.zero_grads()
+                if isinstance(self.optimizer, OffloadedShardOptimizer):
+                    self.optimizer.cancel_prefetch()  # no step uses the state read ahead
                 return
             self.scaler.update(False)
         norm = math.sqrt(norm_sq) * inv_scale

@@ -21,6 +21,9 @@ The term sizes are not hard-coded: :class:`StateTerms` derives them from the con
   device.
 * With the optimizer on NVMe the host holds staging buffers for a few sub-groups (read the next one,
   step the current one, write the previous one back): ``buffers['host']['optimizer_staging']``.
+  That is the least; the engine reads further ahead (from backward on) into the room the host
+  budget leaves, and keeps stepped sub-groups cached there for the next step ([Note: optimizer
+  read-ahead] in infinity/shard_optimizer.py), always within ``memory.host_budget_bytes``.
 * Working buffers that depend on the model's shape (gathered units, a unit's full gradient, the
   device and host copies of offloaded parameter shards on their way up) appear under ``buffers``
   when ``unit_numel`` is given; activations come from :func:`activation_bytes`.

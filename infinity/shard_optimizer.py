@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from infinity._common import TierCapacityError
 from infinity.config import OptimizerConfig
 
 logger = logging.getLogger(__name__)
@@ -183,13 +184,33 @@ class OffloadedShardOptimizer:
 
     Each key's master is cut into sub-groups of ``sub_group_numel`` elements; each sub-group is one
     store shard ``[master | exp_avg | exp_avg_sq]`` (fp32, one I/O per sub-group). ``step`` is a
-    pipeline over the sub-groups of every key: the fetch of sub-group i+1 is issued before the
-    update of i, and the write-back of i is issued right after it, so NVMe reads and writes overlap
-    the CPU math. The new parameters are written into ``param_out`` (the low-precision copy-out of
-    :func:`infinity.cpu_adam.adam_step_flat`, or a copy of the master for fp32 compute).
+    pipeline over the sub-groups of every key: reads run ahead of the update within the read-ahead
+    window, and the write-back of each sub-group is issued right after its update, so NVMe reads
+    and writes overlap the CPU math. The new parameters are written into ``param_out`` (the
+    low-precision copy-out of :func:`infinity.cpu_adam.adam_step_flat`, or a copy of the master for
+    fp32 compute).
+
+    [Note: optimizer read-ahead] With an NVME home the step is I/O-bound (12 B per parameter read
+    and written), so its reads start during backward: :meth:`prefetch` (called once a key's
+    gradient is final in this backward) acquires that key's sub-groups into HOST while they fit the
+    window of ``readahead_bytes``, counted in slots of the largest sub-group's extent; the step
+    then runs the prefetched keys first, in the order they were prefetched (backward order), and
+    keeps the window full of reads for the rest. The window is sized by the plan so that the
+    pinned sub-groups leave the host-homed shards and the parameter staging their room; the
+    store's budgets are enforced on every read all the same. The update itself still waits for the
+    step (exact global-norm clipping needs every gradient first). :meth:`cancel_prefetch` drops
+    the reads when no step follows (an fp16 overflow). Stepped sub-groups stay cached in HOST once
+    written back; the next step takes the keys still cached right after the ones read ahead, and
+    marks them needed soonest for the store's eviction, so that its own reads do not evict them
+    first (in a fixed order LRU drops exactly those before the step reaches them). Measured on
+    the 2-core VM (135M GPT, `infinity bench step`): with half the training state's bytes as host
+    budget the fp32 gradient accumulators leave room for three sub-groups and the step stays
+    bound by the disk (~3 GB read + written per step); at 0.9 of it the cached sub-groups cut the
+    step from 1.1 s to 0.7 s.
     """
 
-    def __init__(self, config: OptimizerConfig, store: Any, *, home: Any, sub_group_numel: int):
+    def __init__(self, config: OptimizerConfig, store: Any, *, home: Any, sub_group_numel: int,
+                 readahead_bytes: int = 0):
         from infinity.tiers import Tier
 
         if config.state_dtype != "fp32":
@@ -205,18 +226,33 @@ class OffloadedShardOptimizer:
         self.store = store
         self.home = home
         self.sub_group_numel = int(sub_group_numel)
+        self.readahead_bytes = int(readahead_bytes)
+        """Host bytes of sub-groups held pinned at once ([Note: optimizer read-ahead]); below two
+        slots the step reads one sub-group ahead."""
         self._tier = Tier
         self._numel: dict[str, int] = {}
         self._outs: dict[str, Any] = {}
         self._state_bytes = 0
+        self._ahead: dict[str, Any] = {}
+        """Store key of a sub-group -> handle of its acquire issued ahead of its update (pinned)."""
+        self._ready: dict[str, None] = {}
+        """Keys whose gradient is final in this step, in the order :meth:`prefetch` saw them."""
+        self._ahead_full = False
+        """A prefetch found the window full: later keys are read by the step (keeps a prefix)."""
         self.wait_s = 0.0
         """Seconds the step spent blocked on sub-group fetches (the pipeline's stall)."""
+
+    @property
+    def window_sub_groups(self) -> int:
+        """Sub-groups pinned at once at most (read ahead plus the one being updated)."""
+        largest = min(self.sub_group_numel, max(self._numel.values(), default=1))
+        slot = -(-12 * largest // 4096) * 4096  # an arena extent (as the plan counts it)
+        return max(2, self.readahead_bytes // slot)
 
     def _sub_groups(self, key: str) -> list[tuple[str, int, int]]:
         n = self._numel[key]
         return [(f"opt/{key}/{i}", lo, min(n, lo + self.sub_group_numel))
                 for i, lo in enumerate(range(0, n, self.sub_group_numel))]
-
     def add(self, key: str, master: torch.Tensor, param_out: Any) -> None:
         if key in self._numel:
             raise ValueError(f"shard optimizer: key {key!r} added twice")
@@ -279,36 +315,106 @@ class OffloadedShardOptimizer:
                 self.store.release(shard_key, self._tier.HOST)
         return out
 
+    def prefetch(self, key: str) -> None:
+        """The gradient of ``key`` is final for this step: start reading its sub-groups into HOST
+        while the read-ahead window has room ([Note: optimizer read-ahead]). NVME home only."""
+        if self.home is not self._tier.NVME or key in self._ready or key not in self._numel:
+            return
+        self._ready[key] = None
+        if self._ahead_full:
+            return  # what is read ahead stays a prefix of the step's order
+        for shard_key, _lo, _hi in self._sub_groups(key):
+            if len(self._ahead) >= self.window_sub_groups:
+                self._ahead_full = True
+                return
+            try:
+                self._ahead[shard_key] = self.store.acquire(shard_key, self._tier.HOST)
+            except TierCapacityError:  # optional work: never fail a backward for it
+                self._ahead_full = True
+                return
+
+    def cancel_prefetch(self) -> None:
+        """Drop the reads issued ahead (no step follows them)."""
+        self._ready.clear()
+        self._ahead_full = False
+        self._drop_ahead()
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, {}
+        for shard_key, handle in ahead.items():
+            try:
+                handle.wait()
+            except Exception:  # noqa: BLE001 - a failed read holds no pin; the step reported it
+                continue
+            self.store.release(shard_key, self._tier.HOST)
+
+    def _step_items(self) -> list[tuple[str, str, int, int]]:
+        """Sub-groups in step order, one key's sub-groups together (its parameter shard is opened
+        once): keys whose reads were issued ahead first (backward order: they are a prefix of
+        it), then, NVME home, keys with a sub-group still cached in HOST from the previous step (a
+        read saved before LRU evicts them), then the rest (backward order, then add order)."""
+        order = list(self._ready) + [k for k in self._numel if k not in self._ready]
+        ahead = {sk.rsplit("/", 1)[0].removeprefix("opt/") for sk in self._ahead}
+        head = [k for k in order if k in ahead]
+        rest = [k for k in order if k not in ahead]
+        if self.home is self._tier.NVME:
+            cached = {k for k in rest if any(self._cached_on_host(sk) for sk, _, _ in
+                                             self._sub_groups(k))}
+            rest = [k for k in rest if k in cached] + [k for k in rest if k not in cached]
+            for key in cached:  # evicted last by this step's allocations (Belady: needed soonest)
+                for sk, _lo, _hi in self._sub_groups(key):
+                    self.store.set_next_use(sk, 0.0)
+        return [(key, sk, lo, hi) for key in head + rest for sk, lo, hi in self._sub_groups(key)]
+
+    def _cached_on_host(self, shard_key: str) -> bool:
+        from infinity.tiers import Residency
+
+        return self.store.state(shard_key, self._tier.HOST) in (Residency.RESIDENT,
+                                                                 Residency.WRITING)
+
     def step(self, grads: Mapping[str, torch.Tensor], *, grad_scale: float = 1.0,
              lr: float | None = None) -> None:
         self.step_count += 1
         lr = self.lr if lr is None else lr
-        items = [(key, sk, lo, hi) for key in self._numel for sk, lo, hi in self._sub_groups(key)]
-        if not items:
-            return
-        handles = {0: self.store.acquire(items[0][1], self._tier.HOST)}
+        items = self._step_items()
+        self._ready.clear()
+        self._ahead_full = False
+        window = self.window_sub_groups if self.home is self._tier.NVME else 2
         writebacks = []
         open_key, out_ctx, out = None, None, None
+        cursor = 0  # the next item whose read is not issued yet
         try:
             for j, (key, shard_key, lo, hi) in enumerate(items):
-                if j + 1 < len(items):  # the read of i+1 overlaps the update of i
-                    handles[j + 1] = self.store.acquire(items[j + 1][1], self._tier.HOST)
+                while cursor < len(items) and (cursor <= j or len(self._ahead) < window):
+                    sk = items[cursor][1]  # reads of j+1.. overlap the update of j
+                    if sk not in self._ahead:
+                        try:
+                            self._ahead[sk] = self.store.acquire(sk, self._tier.HOST)
+                        except TierCapacityError:
+                            if cursor <= j:
+                                raise  # the sub-group stepped now: no room at all
+                            break  # a read ahead: try again after this update frees room
+                    cursor += 1
                 t0 = time.perf_counter()
-                buf = handles.pop(j).wait()
+                buf = self._ahead.pop(shard_key).wait()
                 self.wait_s += time.perf_counter() - t0
-                if key != open_key:  # one key's parameter shard is open (pinned) at a time
-                    if out_ctx is not None:
-                        out_ctx.__exit__(None, None, None)
-                    open_key, out_ctx = key, open_param_out(self._outs[key])
-                    out = out_ctx.__enter__()
-                self._update(buf, grads.get(key), out, lo, hi, grad_scale=grad_scale, lr=lr)
-                self.store.mark_dirty(shard_key, self._tier.HOST)
-                self.store.release(shard_key, self._tier.HOST)
-                if self.home is self._tier.NVME:  # the write of i overlaps the update of i+1
+                try:
+                    if key != open_key:  # one key's parameter shard is open (pinned) at a time
+                        if out_ctx is not None:
+                            out_ctx.__exit__(None, None, None)
+                        open_key, out_ctx = key, open_param_out(self._outs[key])
+                        out = out_ctx.__enter__()
+                    self._update(buf, grads.get(key), out, lo, hi, grad_scale=grad_scale, lr=lr)
+                    self.store.mark_dirty(shard_key, self._tier.HOST)
+                finally:
+                    self.store.release(shard_key, self._tier.HOST)
+                    self.store.set_next_use(shard_key, None)  # stepped: no longer needed soon
+                if self.home is self._tier.NVME:  # the write of j overlaps the update of j+1
                     writebacks.append(self.store.write_back(shard_key))
         finally:  # an error leaves the open shard unmarked (the store keeps its old bytes)
             if out_ctx is not None:
                 out_ctx.__exit__(*sys.exc_info())
+            self._drop_ahead()
         for handle in writebacks:
             handle.wait()
 

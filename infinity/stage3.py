@@ -206,6 +206,11 @@ class _OutsideUseDetector(TorchFunctionMode):
 class ParameterManager:
     """Owns the units of one model: builds, shards, hooks, gathers, releases, reduces gradients."""
 
+    on_grad_ready: "Callable[[str], None] | None" = None
+    """Called with a trainable group's key once its gradient of this backward is reduced and
+    accumulated (the engine starts reading that group's NVMe optimizer state then; [Note:
+    optimizer read-ahead] in infinity/shard_optimizer.py). Set by the owner; None: nobody."""
+
     def __init__(self, module: nn.Module, zero: ZeroConfig, *, collectives: Collectives,
                  device: torch.device, compute_dtype: torch.dtype, store: Any = None,
                  param_home: Any = None, prefetch: bool = True, grad_store: Any = None,
@@ -632,6 +637,8 @@ class ParameterManager:
                     if self.stage == 1 and self.optimizer_offloaded:  # only its shard leaves
                         part = staging[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
                 self._accumulate_grad(g, part)
+                if self.on_grad_ready is not None:
+                    self.on_grad_ready(g.key)
         self._note_peak()
 
     def _register_grad_accumulators(self) -> None:

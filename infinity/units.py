@@ -253,6 +253,11 @@ class OffloadPlan:
     """Full (gathered) bytes of the largest unit in the compute dtype."""
     overlap: bool
     """The host budget leaves room for reads ahead (prefetch) beyond the least that works."""
+    optimizer_readahead_bytes: int = 0
+    """Optimizer on NVMe: bytes of sub-groups the optimizer may hold pinned in HOST at once (read
+    during backward, read ahead in the step, the one being stepped), counted in slots of the
+    largest staging extent ([Note: optimizer read-ahead] in infinity/shard_optimizer.py); 0 when
+    nothing of the optimizer is on NVMe."""
 
 
 def _extent(nbytes: int) -> int:
@@ -356,6 +361,7 @@ def plan_offload(module: nn.Module, config: Any, *, world_size: int,
                 opt_parts.append(shard if zero.stage > 0 else shard * world_size)
     largest_unit = max(unit_bytes, default=0)
     host, sub, overlap = _resolve_host_budget(config, opt_parts, param_shards)
+    readahead = _optimizer_readahead_bytes(config, opt_parts, param_shards, sub, host, overlap)
     device_budget = config.memory.device_budget_bytes
     device_needed = largest_unit + 2 * max(param_shards, default=0)
     if device_budget == "auto":
@@ -373,7 +379,27 @@ def plan_offload(module: nn.Module, config: Any, *, world_size: int,
                          f"the same path for both")
     return OffloadPlan(device_budget_bytes=int(device_budget), host_budget_bytes=int(host),
                        nvme_path=next(iter(paths), None), sub_group_numel=sub,
-                       largest_unit_bytes=largest_unit, overlap=overlap)
+                       largest_unit_bytes=largest_unit, overlap=overlap,
+                       optimizer_readahead_bytes=readahead)
+
+
+def _optimizer_readahead_bytes(config: Any, opt_parts: list[int], param_shards: list[int],
+                               sub: int, host: int, overlap: bool) -> int:
+    """[Note: optimizer read-ahead] The host room the NVMe optimizer may pin: the budget less the
+    host-homed shards, two parameter shards in flight and one spare, in slots of the largest
+    staging extent (as :func:`_host_needs` counts them, so that arena holes always fit). At least
+    two sub-groups with overlap (the one stepped and the next one read), else one. Returned as
+    that many sub-groups' extents."""
+    if config.offload_optimizer.device != "nvme":
+        return 0
+    homed, _least, _comfortable = _host_needs(config, opt_parts, param_shards, sub)
+    opt_slot = _extent(12 * min(sub, max(opt_parts, default=0)))
+    param_nvme = config.offload_param.device == "nvme"
+    slot = max(opt_slot, _extent(max(param_shards, default=0)) if param_nvme else 0)
+    # Whole slots: sub-groups and parameter shards of different sizes fragment the arena, and
+    # counting finer let a parameter shard find no hole beside a full window.
+    slots = (host - homed) // slot - 2 * param_nvme - 1 if slot else 0
+    return max(slots, 2 if overlap else 1) * opt_slot  # the optimizer's window: that many
 
 
 def _auto_device_budget(device: torch.device, needed: int) -> int:

@@ -1,0 +1,208 @@
+"""The NVMe optimizer's read-ahead ([Note: optimizer read-ahead] in infinity/shard_optimizer.py):
+sub-group reads issued during backward and ahead in the step complete before the update reads
+them (reads are made slow so that a missing wait shows up as a wrong number), the step's order
+does not change the result, reads dropped without a step leave nothing pinned, and the host
+budget holds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import infinity
+from infinity.config import OptimizerConfig, SwapperConfig
+from infinity.shard_optimizer import OffloadedShardOptimizer
+from infinity.swapper import Swapper
+from infinity.tiers import StoreConfig, Tier, TieredStore
+
+from _engine_common import (assert_close_run, batches, engine_config, engine_train,
+                            reference_train, tiny_gpt)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+READ_DELAY_S = 0.01
+
+
+@pytest.fixture
+def slow_reads(monkeypatch):
+    """Every NVMe read block sleeps first (in the I/O thread); records the keys read and whether
+    the read was issued while a backward ran (``in_backward`` is set by the tests)."""
+    state = {"in_backward": False, "reads": []}
+    lock = threading.Lock()
+    move, swap_in = Swapper._move, Swapper.swap_in
+
+    def slow_move(self, op, file_offset, addr, length):
+        if op.kind != "out":
+            time.sleep(READ_DELAY_S)
+        return move(self, op, file_offset, addr, length)
+
+    def recording_swap_in(self, key, out):
+        with lock:
+            state["reads"].append((key, state["in_backward"]))
+        return swap_in(self, key, out)
+
+    monkeypatch.setattr(Swapper, "_move", slow_move)
+    monkeypatch.setattr(Swapper, "swap_in", recording_swap_in)
+    return state
+
+
+def _adamw_reference(masters, grads_per_step, config: OptimizerConfig):
+    """torch.optim.AdamW over the same flat fp32 tensors (the independent reference)."""
+    params = [torch.nn.Parameter(m.clone()) for m in masters]
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                            weight_decay=config.weight_decay)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def _store(tmp_path, host_budget_bytes: int):
+    swapper = Swapper(str(tmp_path / "swap"), SwapperConfig())
+    store = TieredStore("cpu", StoreConfig(device_budget_bytes=2 ** 20,
+                                           host_budget_bytes=host_budget_bytes), swapper=swapper)
+    return store, swapper
+
+
+@pytest.mark.parametrize("prefetch_order", [(), ("b", "a"), ("c", "b"), ("a", "b", "c")])
+def test_reads_ahead_complete_before_use_in_any_order(tmp_path, slow_reads, prefetch_order):
+    config = OptimizerConfig(lr=0.01, weight_decay=0.1)
+    sizes = {"a": 1000, "b": 2500, "c": 700}  # sub-groups of 512: 2 + 5 + 2
+    # A sub-group is 512 x 12 B (an 8 KiB extent); the arena holds 6 of the 9: reads are real.
+    store, swapper = _store(tmp_path, host_budget_bytes=6 * 8192)
+    try:
+        opt = OffloadedShardOptimizer(config, store, home=Tier.NVME, sub_group_numel=512,
+                                      readahead_bytes=4 * 8192)  # 4 sub-groups pinned at most
+        gen = torch.Generator().manual_seed(0)
+        masters = {k: torch.randn(n, generator=gen) for k, n in sizes.items()}
+        outs = {k: torch.zeros(n, dtype=torch.bfloat16) for k, n in sizes.items()}
+        for k in sizes:
+            opt.add(k, masters[k], outs[k])
+        assert opt.window_sub_groups == 4
+        grads_per_step = [[torch.randn(n, generator=gen) for n in sizes.values()]
+                          for _ in range(3)]
+        for grads in grads_per_step:
+            for key in prefetch_order:  # as backward would: the state is read before the step
+                opt.prefetch(key)
+            opt.step(dict(zip(sizes, grads)))
+        want = _adamw_reference(list(masters.values()), grads_per_step, config)
+        for (key, w) in zip(sizes, want):
+            torch.testing.assert_close(opt.master_values(key), w, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(outs[key], w.to(torch.bfloat16), rtol=0, atol=0)
+        assert store.stats()["host_peak_bytes"] <= store.stats()["host_budget_bytes"]
+    finally:
+        store.close()
+        swapper.close()
+
+
+def test_cancelled_reads_leave_nothing_pinned(tmp_path, slow_reads):
+    store, swapper = _store(tmp_path, host_budget_bytes=6 * 8192)
+    try:
+        opt = OffloadedShardOptimizer(OptimizerConfig(lr=0.01), store, home=Tier.NVME,
+                                      sub_group_numel=512, readahead_bytes=3 * 8192)
+        opt.add("a", torch.randn(2000), None)
+        store.flush()
+        for sk in store.keys():
+            store.evict(sk, Tier.HOST)  # the reads below really go to the swap files
+        opt.prefetch("a")
+        opt.cancel_prefetch()
+        for sk in store.keys():  # a pinned copy cannot be unregistered
+            store.unregister(sk)
+    finally:
+        store.close()
+        swapper.close()
+
+
+@pytest.mark.parametrize("host", ["auto", 10 * 4 * 4096 + 45056])
+def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, host):
+    """Slow NVMe reads, clipping by the global norm, gradient accumulation: the same run as
+    plain PyTorch + AdamW, with optimizer reads issued while backward runs."""
+    data = batches(4, 2)
+    ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype="bf16", clip=0.05)
+    path = str(tmp_path / "swap")
+    engine = infinity.initialize(tiny_gpt(), engine_config(
+        stage=3, dtype="bf16", gas=2, clip=0.05,
+        offload_optimizer={"device": "nvme", "nvme_path": path},
+        offload_param={"device": "cpu"}, memory={"host_budget_bytes": host},
+        zero={"sub_group_numel": 300}))
+    backward = engine.backward
+
+    def timed_backward(loss):
+        slow_reads["in_backward"] = True
+        try:
+            backward(loss)
+        finally:
+            slow_reads["in_backward"] = False
+
+    engine.backward = timed_backward
+    try:
+        engine.store.flush()
+        for sk in engine.store.keys():  # the first step reads from NVMe too
+            if sk.startswith("opt/"):
+                engine.store.evict(sk, Tier.HOST)
+        losses = engine_train(engine, data)
+        assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "bf16")
+        stats = engine.stats()
+        assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
+        in_backward = [k for k, bwd in slow_reads["reads"] if bwd and k.startswith("opt/")]
+        assert in_backward, "optimizer state is read while backward runs"
+    finally:
+        engine.close()
+
+
+def test_next_step_starts_with_the_sub_groups_still_cached(tmp_path, slow_reads):
+    """The arena holds 6 of the 9 sub-groups: a step in a fixed order would evict the ones the
+    previous step left cached before reaching them and read all 9 again; taking those first reads
+    fewer (counted at the swapper), with the same result as torch's AdamW."""
+    config = OptimizerConfig(lr=0.01)
+    sizes = {"a": 1000, "b": 2500, "c": 700}
+    store, swapper = _store(tmp_path, host_budget_bytes=6 * 8192)
+    try:
+        opt = OffloadedShardOptimizer(config, store, home=Tier.NVME, sub_group_numel=512)
+        gen = torch.Generator().manual_seed(1)
+        masters = [torch.randn(n, generator=gen) for n in sizes.values()]
+        for key, m in zip(sizes, masters):
+            opt.add(key, m, None)
+        grads_per_step = [[torch.randn(n, generator=gen) for n in sizes.values()]
+                          for _ in range(3)]
+        reads_per_step = []
+        for grads in grads_per_step:
+            before = len(slow_reads["reads"])
+            opt.step(dict(zip(sizes, grads)))
+            reads_per_step.append(len(slow_reads["reads"]) - before)
+        assert max(reads_per_step[1:]) < 9, reads_per_step
+        for key, want in zip(sizes, _adamw_reference(masters, grads_per_step, config)):
+            torch.testing.assert_close(opt.master_values(key), want, rtol=1e-6, atol=1e-6)
+    finally:
+        store.close()
+        swapper.close()
+
+
+def test_a_window_larger_than_the_room_reads_less_ahead_and_steps_right(tmp_path, slow_reads):
+    """Read-ahead is optional: a window the arena cannot hold (3 extents, 6 asked) stops reading
+    ahead where the room ends, in backward and in the step, instead of failing."""
+    config = OptimizerConfig(lr=0.01)
+    sizes = {"a": 1000, "b": 2500}
+    store, swapper = _store(tmp_path, host_budget_bytes=3 * 8192)
+    try:
+        opt = OffloadedShardOptimizer(config, store, home=Tier.NVME, sub_group_numel=512,
+                                      readahead_bytes=6 * 8192)
+        gen = torch.Generator().manual_seed(2)
+        masters = [torch.randn(n, generator=gen) for n in sizes.values()]
+        for key, m in zip(sizes, masters):
+            opt.add(key, m, None)
+        grads_per_step = [[torch.randn(n, generator=gen) for n in sizes.values()]
+                          for _ in range(2)]
+        for grads in grads_per_step:
+            opt.prefetch("b")
+            opt.prefetch("a")
+            opt.step(dict(zip(sizes, grads)))
+        for key, want in zip(sizes, _adamw_reference(masters, grads_per_step, config)):
+            torch.testing.assert_close(opt.master_values(key), want, rtol=1e-6, atol=1e-6)
+    finally:
+        store.close()
+        swapper.close()
