@@ -415,7 +415,7 @@ def _apply(engine: Any, reader: CheckpointReader) -> None:
             else:
                 low = _gather(reader, g.slots, lo, n, "param", engine.compute_dtype,
                               fallback="master")
-            with open_param_out(m.param_partition(g)) as out:
+            with open_param_out(m.param_partition(g), overwrite=True) as out:
                 out.copy_(low.to(out.device))
     if engine.store is not None:
         engine.store.flush()

@@ -144,7 +144,7 @@ class InMemoryShardOptimizer:
             grad = grads.get(key)
             if grad is None:
                 grad = torch.zeros_like(master)
-            with open_param_out(self._outs[key]) as out:
+            with open_param_out(self._outs[key], overwrite=True) as out:  # writes it all
                 fused_out = out if out is not None and out.dtype != torch.float32 else None
                 _adam_kernel(master.device)(
                     master, grad, self._exp_avg[key], self._exp_avg_sq[key],
@@ -169,13 +169,14 @@ def _check_numel(key: str, numel: int, *tensors: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def open_param_out(param_out) -> Iterator[torch.Tensor | None]:
+def open_param_out(param_out, *, overwrite: bool = False) -> Iterator[torch.Tensor | None]:
     """``param_out`` is a tensor, None, or a callable returning a context manager that yields the
-    tensor to write (a shard held by the tiered store: acquired, then marked dirty on exit)."""
+    tensor to write (a shard held by the tiered store: acquired, then marked dirty on exit).
+    ``overwrite``: the caller writes every element, so a stored shard is not read first."""
     if param_out is None or isinstance(param_out, torch.Tensor):
         yield param_out
     else:
-        with param_out() as tensor:
+        with param_out(overwrite=overwrite) as tensor:
             yield tensor
 
 
@@ -402,7 +403,8 @@ class OffloadedShardOptimizer:
                     if key != open_key:  # one key's parameter shard is open (pinned) at a time
                         if out_ctx is not None:
                             out_ctx.__exit__(None, None, None)
-                        open_key, out_ctx = key, open_param_out(self._outs[key])
+                        # Every sub-group of the key is stepped while it is open: all written.
+                        open_key, out_ctx = key, open_param_out(self._outs[key], overwrite=True)
                         out = out_ctx.__enter__()
                     self._update(buf, grads.get(key), out, lo, hi, grad_scale=grad_scale, lr=lr)
                     self.store.mark_dirty(shard_key, self._tier.HOST)
