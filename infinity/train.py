@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import time
 from typing import Any
 
 from infinity._common import format_bytes
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = "./infinity-data/train"
 
@@ -50,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-def _config(args: argparse.Namespace, numel: int) -> dict[str, Any]:
+def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     if args.config:
         with open(args.config, encoding="utf-8") as f:
             return json.load(f)
@@ -70,8 +73,19 @@ def _config(args: argparse.Namespace, numel: int) -> dict[str, Any]:
         config["offload_param"] = dict(off)
         config["offload_optimizer"] = dict(off)
     if args.offload == "nvme":
-        config["memory"] = {"host_budget_bytes": int(full_state_bytes(config, numel)
-                                                      * args.host_budget_fraction)}
+        from infinity.config import load_config
+        from infinity.units import least_host_budget_bytes
+
+        numel = sum(p.numel() for p in model.parameters())
+        wanted = int(full_state_bytes(config, numel) * args.host_budget_fraction)
+        # A small model's state can sit below the fixed NVMe staging the pipeline needs: raise
+        # the budget to the least that works rather than refuse the flag.
+        least = least_host_budget_bytes(model, load_config(config))
+        if wanted < least:
+            logger.warning("--host-budget-fraction %.2f gives %d bytes, below the %d the NVMe "
+                           "pipeline needs for this model; using %d", args.host_budget_fraction,
+                           wanted, least, least)
+        config["memory"] = {"host_budget_bytes": max(wanted, least)}
     return config
 
 
@@ -114,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     with infinity.init():  # built on meta; initialize materialises it unit by unit (same values)
         model = GPT(gpt_config)
     numel = sum(p.numel() for p in model.parameters())
-    raw_config = _config(args, numel)
+    raw_config = _config(args, model)
     engine = infinity.initialize(model, raw_config)
     config = engine.config
     unit_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)

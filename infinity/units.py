@@ -333,16 +333,11 @@ def _resolve_host_budget(config: Any, opt_parts: list[int], param_shards: list[i
         f"{least}, lower zero.sub_group_numel, or home more state on 'nvme'")
 
 
-def plan_offload(module: nn.Module, config: Any, *, world_size: int,
-                 device: torch.device) -> OffloadPlan | None:
-    """Budgets for the store when anything is offloaded (None otherwise). Explicit budgets that
-    cannot hold what must fit (the largest unit on the device, the HOST-homed shards, the NVMe
-    pipeline's staging) are a ``ValueError`` naming the field and the bytes needed."""
-    zero, opt_dev, param_dev = config.zero, config.offload_optimizer.device, \
-        config.offload_param.device
-    if opt_dev == "none" and param_dev == "none":
-        return None
-    dtype_bytes = config.precision.param_bytes
+def _offload_parts(module: nn.Module, config: Any, world_size: int
+                   ) -> tuple[list[int], list[int], list[int]]:
+    """(full bytes of each unit group, bytes of each offloadable parameter shard, elements of
+    each optimizer partition) of ``module`` under ``config`` at ``world_size``."""
+    zero, dtype_bytes = config.zero, config.precision.param_bytes
     plan = plan_units(module, unit_class_names=zero.unit_class_names,
                       unit_min_numel=zero.unit_min_numel,
                       persistence_threshold_numel=resolve_persistence_threshold(
@@ -359,6 +354,31 @@ def plan_offload(module: nn.Module, config: Any, *, world_size: int,
                 param_shards.append(shard * dtype_bytes)
             if rg:  # the optimizer's partition: the shard, or everything at stage 0
                 opt_parts.append(shard if zero.stage > 0 else shard * world_size)
+    return unit_bytes, param_shards, opt_parts
+
+
+def least_host_budget_bytes(module: nn.Module, config: Any, *, world_size: int = 1) -> int:
+    """The smallest ``memory.host_budget_bytes`` that :func:`plan_offload` accepts for
+    ``module`` under ``config`` (its sub-group size, or the smallest 'auto' one): what must live
+    in host memory plus the least NVMe staging. 0 when nothing is offloaded."""
+    if config.offload_optimizer.device == "none" and config.offload_param.device == "none":
+        return 0
+    _units, param_shards, opt_parts = _offload_parts(module, config, world_size)
+    sub = config.zero.sub_group_numel
+    sizes = [int(sub)] if sub != "auto" else _auto_candidates(_AUTO_LEAST_FLOOR_NUMEL)
+    return min(_host_needs(config, opt_parts, param_shards, s)[1] for s in sizes)
+
+
+def plan_offload(module: nn.Module, config: Any, *, world_size: int,
+                 device: torch.device) -> OffloadPlan | None:
+    """Budgets for the store when anything is offloaded (None otherwise). Explicit budgets that
+    cannot hold what must fit (the largest unit on the device, the HOST-homed shards, the NVMe
+    pipeline's staging) are a ``ValueError`` naming the field and the bytes needed."""
+    zero, opt_dev, param_dev = config.zero, config.offload_optimizer.device, \
+        config.offload_param.device
+    if opt_dev == "none" and param_dev == "none":
+        return None
+    unit_bytes, param_shards, opt_parts = _offload_parts(module, config, world_size)
     largest_unit = max(unit_bytes, default=0)
     host, sub, overlap = _resolve_host_budget(config, opt_parts, param_shards)
     readahead = _optimizer_readahead_bytes(config, opt_parts, param_shards, sub, host, overlap)

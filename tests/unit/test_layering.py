@@ -52,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": set(),  # plain-PyTorch reference models: import nothing of infinity
     "safetensors_io": set(),  # the file format, by byte range: imports nothing of infinity
     "bench": {"engine", "swapper", "cpu_adam", "estimate", "plan", "tiers", "stage3", "models"},
-    "train": {"engine", "bench", "estimate", "models"},
+    "train": {"engine", "bench", "estimate", "models", "units"},
     "cli": {"bench", "estimate_cli", "plan", "train", "consolidate"},
     "__init__": {"engine", "config", "_common", "lazy"},
     "__main__": {"cli"},

@@ -35,3 +35,16 @@ def test_main_job_trains_from_nvme_within_its_host_budget(tmp_path):
                                                                  rel=0.05)
     assert math.isfinite(summary["first_loss"]) and math.isfinite(summary["final_loss"])
     assert not swap.exists()
+
+
+def test_main_job_scales_down_to_a_model_smaller_than_the_nvme_staging(tmp_path):
+    """--model tiny: the fraction of its tiny state is below the least NVMe staging; the job
+    raises the budget to that least (one warning) instead of refusing."""
+    out = subprocess.run([sys.executable, "-m", "infinity", "train", "--model", "tiny",
+                          "--seq-len", "64", "--steps", "2", "--json", "--dir",
+                          str(tmp_path / "swap")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "below the" in out.stderr and "NVMe pipeline needs" in out.stderr
+    summary = json.loads(out.stdout[out.stdout.index("{"):])
+    host = summary["tiers"]["HOST"]
+    assert summary["steps"] == 2 and 0 < host["measured_peak_bytes"] <= host["budget_bytes"]

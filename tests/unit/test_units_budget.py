@@ -126,3 +126,24 @@ def test_explicit_sub_group_numel_is_kept(model, reference, sub):
         _plan(model, least - 1, sub)
     auto = _plan(model, "auto", sub)
     assert auto.sub_group_numel == sub and auto.overlap and auto.host_budget_bytes >= comfortable
+
+
+@pytest.mark.parametrize("sub_group", [2 ** 14, "auto"])
+@pytest.mark.parametrize("param_device", ["nvme", "cpu"])
+def test_least_host_budget_is_exactly_the_threshold_plan_offload_accepts(model, tmp_path,
+                                                                         sub_group, param_device):
+    from infinity.units import least_host_budget_bytes
+
+    def config(host):
+        return load_config({
+            "zero": {"stage": 3, "unit_class_names": ["Block"], "sub_group_numel": sub_group},
+            "precision": {"dtype": "bf16"},
+            "offload_param": {"device": param_device, "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "memory": {"host_budget_bytes": host}})
+
+    least = least_host_budget_bytes(model, config(1))
+    assert least > 0
+    assert plan_offload(model, config(least), world_size=1, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        plan_offload(model, config(least - 1), world_size=1, device=torch.device("cpu"))
