@@ -64,12 +64,16 @@ def _plain(model: GPT, spec: dict[str, Any]):
 
 
 def _cpu_device_budget(model: GPT, spec: dict[str, Any]) -> int:
-    """The host-budget fraction of the parameter bytes, but at least what a step needs on the
-    device: the largest unit gathered and two shards in flight (DESIGN: units are Blocks here)."""
+    """The host-budget fraction of the parameter bytes, but at least double buffering on the
+    device: the unit computing and the next one, each gathered with its shard copy beside it
+    (units are Blocks here). With room for only one unit ahead in flight (3 of the largest), a
+    prefetch waited for the unit computing to release: medium preset at fraction 0.3, hit rate
+    0.91 with 5 late fetches per 54; with this, 1.00 while still reading 99.6 % of the
+    parameter bytes from NVMe every step."""
     param_bytes = 2 if spec["dtype"] == "bf16" else 4
     parts = _unit_numels(model)
     total = sum(parts) * param_bytes
-    return max(int(total * spec["host_budget_fraction"]), 3 * max(parts) * param_bytes + 2 ** 20)
+    return max(int(total * spec["host_budget_fraction"]), 4 * max(parts) * param_bytes + 2 ** 20)
 
 
 def _unit_numels(model: GPT) -> list[int]:
