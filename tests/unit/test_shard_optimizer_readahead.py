@@ -154,6 +154,17 @@ def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, ho
         engine.close()
 
 
+def _add_random_keys(opt, sizes: dict[str, int], *, seed: int, steps: int):
+    """Random fp32 masters added under ``sizes``' keys (no parameter copy-out), and ``steps``
+    lists of random gradients in the same key order."""
+    gen = torch.Generator().manual_seed(seed)
+    masters = [torch.randn(n, generator=gen) for n in sizes.values()]
+    for key, m in zip(sizes, masters):
+        opt.add(key, m, None)
+    grads = [[torch.randn(n, generator=gen) for n in sizes.values()] for _ in range(steps)]
+    return masters, grads
+
+
 def test_next_step_starts_with_the_sub_groups_still_cached(tmp_path, slow_reads):
     """The arena holds 6 of the 9 sub-groups: a step in a fixed order would evict the ones the
     previous step left cached before reaching them and read all 9 again; taking those first reads
@@ -163,12 +174,7 @@ def test_next_step_starts_with_the_sub_groups_still_cached(tmp_path, slow_reads)
     store, swapper = _store(tmp_path, host_budget_bytes=6 * 8192)
     try:
         opt = OffloadedShardOptimizer(config, store, home=Tier.NVME, sub_group_numel=512)
-        gen = torch.Generator().manual_seed(1)
-        masters = [torch.randn(n, generator=gen) for n in sizes.values()]
-        for key, m in zip(sizes, masters):
-            opt.add(key, m, None)
-        grads_per_step = [[torch.randn(n, generator=gen) for n in sizes.values()]
-                          for _ in range(3)]
+        masters, grads_per_step = _add_random_keys(opt, sizes, seed=1, steps=3)
         reads_per_step = []
         for grads in grads_per_step:
             before = len(slow_reads["reads"])
@@ -191,12 +197,7 @@ def test_a_window_larger_than_the_room_reads_less_ahead_and_steps_right(tmp_path
     try:
         opt = OffloadedShardOptimizer(config, store, home=Tier.NVME, sub_group_numel=512,
                                       readahead_bytes=6 * 8192)
-        gen = torch.Generator().manual_seed(2)
-        masters = [torch.randn(n, generator=gen) for n in sizes.values()]
-        for key, m in zip(sizes, masters):
-            opt.add(key, m, None)
-        grads_per_step = [[torch.randn(n, generator=gen) for n in sizes.values()]
-                          for _ in range(2)]
+        masters, grads_per_step = _add_random_keys(opt, sizes, seed=2, steps=2)
         for grads in grads_per_step:
             opt.prefetch("b")
             opt.prefetch("a")
