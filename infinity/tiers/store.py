@@ -22,7 +22,8 @@ import torch
 from infinity.swapper import Swapper, aligned_empty
 from infinity.tiers._arena import HostArena
 from infinity.tiers._budget import _BudgetMixin
-from infinity.tiers._records import Counters, StoreConfig, TierHandle, _Shard, done_future
+from infinity.tiers._records import (Counters, StoreConfig, TierHandle, _Shard, done_future,
+                                     host_copy)
 from infinity.tiers.residency import Residency, Tier
 
 logger = logging.getLogger(__name__)
@@ -362,7 +363,7 @@ class TieredStore(_BudgetMixin):
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, ready) -> None:
         """Copy between HOST and DEVICE; CUDA: on the store's copy stream, complete on return."""
         if not self._cuda:
-            dst.copy_(src)
+            host_copy(dst, src)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(ready)

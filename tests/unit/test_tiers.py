@@ -7,6 +7,7 @@ fresh swap-in, never against the store's own bookkeeping alone.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import pytest
@@ -493,3 +494,42 @@ def test_cuda_round_trip_through_every_tier(tmp_path):
             assert same_bytes(read_swap_file(swapper, key, 40_000, store.arena.alignment_bytes)
                               .view(torch.float32), value * 2)
             assert same_bytes(store.fetch(key, Tier.DEVICE).wait(), value * 2)
+
+
+# -- copies on the store's threads ([Note: no OpenMP on copy threads]) ---------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_copy_copies_every_byte(dtype):
+    from infinity.tiers._records import host_copy
+
+    src = random_tensor(100_003, dtype, seed=3)
+    dst = torch.zeros_like(src)
+    host_copy(dst, src)
+    assert same_bytes(dst, src)
+    strided = random_tensor(2 * 5001, dtype, seed=4)[::2]  # not contiguous: torch's copy
+    out = torch.zeros(5001, dtype=dtype)
+    host_copy(out, strided)
+    assert same_bytes(out, strided.contiguous())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+                    reason="counts threads through /proc with an intra-op pool of 2+ threads")
+def test_store_moves_on_cpu_start_no_openmp_team(tmp_path):
+    """A big Tensor.copy_ on a copy thread would start an OpenMP team there (more threads than the
+    pool's): every later move must run on the pool's threads alone."""
+    numel = 4 << 20  # far above torch's parallel grain: copy_ would go parallel
+    with make_store(tmp_path, device_bytes=16 * numel, host_bytes=16 * numel) as (store, _):
+        store.register("warm", 1024, torch.float32, Tier.HOST)
+        for _ in range(2 * store.config.num_copy_threads):  # start every pool thread first
+            store.fetch("warm", Tier.DEVICE).wait()
+            store.evict("warm", Tier.DEVICE)
+        before = len(os.listdir("/proc/self/task"))
+        original = random_tensor(numel, torch.float32, seed=5)
+        store.register("big", numel, torch.float32, Tier.HOST, initial=original)
+        for _ in range(4):
+            assert same_bytes(store.fetch("big", Tier.DEVICE).wait(), original)
+            store.mark_dirty("big", Tier.DEVICE)
+            store.write_back("big").wait()
+            store.evict("big", Tier.DEVICE)
+        assert len(os.listdir("/proc/self/task")) == before
