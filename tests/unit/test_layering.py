@@ -37,7 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "shard_optimizer": {"cpu_adam", "tiers", "_dist"},
     "prefetch_bridge": {"prefetch", "tiers", "trace"},  # executor hops -> store fetches and gathers
     "stage3": {"tiers", "prefetch", "prefetch_bridge", "trace", "cpu_adam", "units", "shard_optimizer",
-               "_dist"},
+               "_dist", "_grad_ledger"},
+    "_grad_ledger": {"tiers"},  # stage3's gradient half (a mixin): staging, reduction, accumulation
     "engine": {"stage3", "shard_optimizer", "units", "checkpoint", "activations", "weights", "lazy"},
     "lazy": {"_common", "config"},  # records construction on meta; no engine, no tiers
     "weights": {"checkpoint", "safetensors_io", "shard_optimizer", "_common"},  # HF safetensors in
