@@ -13,8 +13,8 @@ and the measured per-tier peaks are held against the ledger of the same config:
   evictable cached copies, which are a policy, not a ledger term.
 
 Where gradients live is [Note: gradient placement] in infinity/estimate.py; the engine's side is
-``ParameterManager._accumulate_grad`` in infinity/stage3.py. The ledger is derived from the config
-alone (plus the largest unit's size), never from the engine's bookkeeping.
+``GradientLedger._accumulate_grad`` in infinity/_grad_ledger.py. The ledger is derived from the
+config alone (plus the largest unit's size), never from the engine's bookkeeping.
 """
 
 from __future__ import annotations
