@@ -101,32 +101,9 @@ def test_two_ranks_with_offload_match_plain_pytorch():
 
 def _sometimes_model():
     """Tiny GPT plus a block that runs only on every other forward (unused parameters)."""
-    import torch.nn.functional as F
-    from torch import nn
-    from _engine_common import TINY, tiny_gpt
+    from test_stage3 import SometimesGPT
 
-    class Sometimes(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gpt = tiny_gpt()
-            self.extra = type(self.gpt.blocks[0])(TINY)
-            self.calls = 0
-
-        def forward(self, idx, targets):
-            import torch
-
-            g, self.calls = self.gpt, self.calls + 1
-            x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1]))
-            for block in g.blocks:
-                x = block(x)
-            if self.calls % 2 == 0:
-                x = self.extra(x)
-            logits = g.lm_head(g.ln_f(x))
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-
-    import torch
-    torch.manual_seed(0)
-    return Sometimes()
+    return SometimesGPT()
 
 
 def _lora_like():

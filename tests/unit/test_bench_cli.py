@@ -127,6 +127,14 @@ def test_adam_plot_without_matplotlib_says_how(tmp_path, capsys, no_matplotlib):
     assert len(hint_lines) == 1 and str(png) in hint_lines[0]
 
 
+def _check_plot(record, png, err) -> None:
+    """--plot wrote a PNG (matplotlib installed) or nothing and the install hint (not)."""
+    if HAVE_MPL:
+        assert png.read_bytes()[:8] == PNG_MAGIC and record["plot"] == str(png)
+    else:
+        assert not png.exists() and record["plot"] is None and INSTALL_HINT in err
+
+
 def test_io_json_sweep_plot_and_saved_file(tmp_path, capsys):
     results, png = tmp_path / "results", tmp_path / "io.png"
     assert main(io_argv(tmp_path, "--json", "--results-dir", str(results), "--plot", str(png))) == 0
@@ -138,10 +146,7 @@ def test_io_json_sweep_plot_and_saved_file(tmp_path, capsys):
     grid = {(r["block_size_bytes"], r["queue_depth"]) for r in record["sweep"]}
     assert grid == {(b, q) for b in bench_io.SWEEP_BLOCK_BYTES for q in bench_io.SWEEP_QUEUE_DEPTHS}
     assert all(r["write_GBps"] > 0 and r["read_GBps"] > 0 for r in record["sweep"])
-    if HAVE_MPL:
-        assert png.read_bytes()[:8] == PNG_MAGIC and record["plot"] == str(png)
-    else:
-        assert not png.exists() and record["plot"] is None and INSTALL_HINT in err
+    _check_plot(record, png, err)
     assert len(list(results.glob("io-*.json"))) == 1
 
 
@@ -156,10 +161,7 @@ def test_step_json_timeline_plot(tmp_path, capsys):
     assert row["mode"] == "plain" and row["x_plain"] == 1.0
     assert len(raw["step_times_s"]) == 2
     assert row["step_s"] == pytest.approx(statistics.median(raw["step_times_s"]))
-    if HAVE_MPL:
-        assert png.read_bytes()[:8] == PNG_MAGIC and record["plot"] == str(png)
-    else:
-        assert not png.exists() and record["plot"] is None and INSTALL_HINT in err
+    _check_plot(record, png, err)
     assert len(list(results.glob("step-*.json"))) == 1
 
 
