@@ -93,15 +93,16 @@ class GradientLedger:
         self._note_peak()
 
     def _register_grad_accumulators(self) -> None:
-        """[Note: gradient placement]: one fp32 accumulator per trainable group over the
-        optimizer's partition, homed in the store's host arena (so ``memory.host_budget_bytes``
+        """[Note: gradient placement]: one accumulator per trainable group over the optimizer's
+        partition (fp32, or the compute dtype where nothing is summed in fp32:
+        ``grad_host_dtype``), homed in the store's host arena (so ``memory.host_budget_bytes``
         covers it), allocated once and never evicted (a HOST home copy stays put)."""
         from infinity.tiers import Tier
 
         for g in self.trainable_groups():
             key = f"grad/{g.key}"
             numel = g.padded_numel if self.stage == 0 else g.shard_numel
-            self.grad_store.register(key, numel, torch.float32, Tier.HOST)
+            self.grad_store.register(key, numel, self.grad_host_dtype, Tier.HOST)
             g.grad_host = self.grad_store.get(key, Tier.HOST)
 
     def _accumulate_grad(self, g: Any, part: torch.Tensor) -> None:
@@ -125,7 +126,8 @@ class GradientLedger:
             g.grad_acc.add_(part.to(g.grad_host.device))
 
     def grad_partitions(self) -> dict[str, torch.Tensor]:
-        """fp32 gradient per trainable group, over the optimizer's partition; absent when zero."""
+        """Gradient per trainable group over the optimizer's partition (fp32, or the host
+        accumulators' ``grad_host_dtype``); absent when zero."""
         if self.optimizer_offloaded and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # host copies have landed
         out = {}

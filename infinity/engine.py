@@ -42,6 +42,7 @@ from torch import nn
 from infinity.activations import apply_activation_checkpointing, select_modules
 from infinity._dist import Collectives, init_from_env_if_launched, is_distributed
 from infinity.config import InfinityConfig, PrecisionConfig, load_config
+from infinity.estimate import host_grad_dtype
 from infinity.lazy import materialise_placeholders, recording_of
 from infinity.shard_optimizer import (InMemoryShardOptimizer, OffloadedShardOptimizer, build_store,
                                       tier_of)
@@ -179,7 +180,8 @@ class InfinityEngine:
             grad_store=self.store if config.offload_optimizer.device != "none" else None,
             initial_values=initial_values,
             reduce_dtype=(self.compute_dtype if config.precision.reduce_dtype == "compute"
-                          else torch.float32))
+                          else torch.float32),
+            grad_host_dtype=_DTYPES[host_grad_dtype(config, self.collectives.world_size)])
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/activations.py).
         if self.collectives.world_size > 1:
@@ -198,6 +200,9 @@ class InfinityEngine:
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping at the last optimizer step."""
         self._step_time_s = 0.0
+        self.defer_optimizer_step = True
+        """NVMe optimizer: the updates of a step run in the next forward, each just before its
+        parameter shard is read ([Note: deferred optimizer step]); False runs them in step()."""
         logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
                     config.precision.dtype, self.device, self.collectives.world_size)
 
@@ -211,14 +216,26 @@ class InfinityEngine:
                 sub_group_numel=self.offload.sub_group_numel,
                 readahead_bytes=self.offload.optimizer_readahead_bytes)
             if config.offload_optimizer.device == "nvme":  # [Note: optimizer read-ahead]
-                self.manager.on_grad_ready = optimizer.prefetch
+                self.manager.on_grad_ready = self._on_grad_ready
+                self.store.before_read = optimizer.apply_before_read  # [Note: deferred optimizer step]
         offloaded = isinstance(optimizer, OffloadedShardOptimizer)
         for g in self.manager.trainable_groups():
             part = self.manager.param_partition(g)
-            optimizer.add(g.key, g.master, part if offloaded or g.master is not part else None)
             if offloaded:
+                optimizer.add(g.key, g.master, part, param_key=g.store_key)
                 g.master = None  # the store holds the master now; the parameters stay here
+            else:
+                optimizer.add(g.key, g.master, part if g.master is not part else None)
         return optimizer
+
+    @property
+    def _deferring(self) -> bool:
+        """The optimizer step is deferred into the next forward ([Note: deferred optimizer step])."""
+        return self.defer_optimizer_step and self.config.offload_optimizer.device == "nvme"
+
+    def _on_grad_ready(self, key: str) -> None:
+        if not self._deferring:  # deferred: the read-ahead runs in the next forward's order
+            self.optimizer.prefetch(key)
 
     # ------------------------------------------------------------------ the public calls
 
@@ -284,6 +301,9 @@ class InfinityEngine:
             raise ValueError("engine.backward: the loss does not require grad (was the forward "
                              "run under torch.no_grad(), or are all parameters frozen?)")
         scale = self.scaler.scale / self.gradient_accumulation_steps
+        self.optimizer.drain()  # the gradients are about to change: the last step must be done
+        if self._deferring:  # the state the next step updates first, read while backward runs
+            self.optimizer.read_ahead(self.manager.forward_keys())
         (loss * scale if scale != 1.0 else loss).backward()
         self.manager.finish_backward()
         self.manager.end_prefetch_step()  # before the optimizer step changes the parameters
@@ -324,9 +344,13 @@ class InfinityEngine:
         clip = self.config.gradient_clipping
         if clip > 0 and norm > clip:
             coef = clip / (norm + 1e-6)
-        self.optimizer.step(grads, grad_scale=inv_scale * coef)
-        if self.store is not None:
-            self.store.flush()  # every updated shard is back in its home tier before it is used
+        if self._deferring:
+            self.optimizer.step(grads, grad_scale=inv_scale * coef, defer=True,
+                                order=self.manager.forward_keys())
+        else:
+            self.optimizer.step(grads, grad_scale=inv_scale * coef)
+            if self.store is not None:
+                self.store.flush()  # every updated shard is back in its home tier
         self.manager.after_step()
 
     def _global_norm_sq(self, grads: Mapping[str, torch.Tensor]) -> tuple[float, bool]:
@@ -334,7 +358,7 @@ class InfinityEngine:
         (stage 0 partitions are replicated: each rank already holds every gradient once)."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in grads.values():  # fp32 norm per partition (no fp64 copy), summed in fp64
-            total += torch.linalg.vector_norm(g).double() ** 2
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
         if self.manager.stage > 0:
             self.collectives.all_reduce_sum(total, context="global gradient norm")
         value = float(total.item())
@@ -390,6 +414,7 @@ class InfinityEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full state dict (fp32 masters for trained parameters), keyed like
         ``model.state_dict()``; a collective: call it on every rank."""
+        self.optimizer.drain()  # a deferred step's updates land first
         if self.collectives.world_size > 1:
             self._broadcast_buffers()
         return self.manager.full_state_dict(master_of=self.optimizer.master_values)
@@ -398,6 +423,7 @@ class InfinityEngine:
         """Load model weights from a safetensors file, a directory, or a Hugging Face sharded
         index straight into the shards (each rank reads only its ranges; optimizer moments are
         left as they are); see :mod:`infinity.weights`. A collective: call it on every rank."""
+        self.optimizer.drain()  # a deferred step's updates land first
         from infinity.weights import load_weights
 
         return load_weights(self, path, strict=strict)
@@ -405,6 +431,7 @@ class InfinityEngine:
     def save_checkpoint(self, directory: str) -> str:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
         a collective: call it on every rank. Returns the new save's directory."""
+        self.optimizer.drain()  # a deferred step's updates land first
         from infinity.checkpoint import save_checkpoint
 
         return save_checkpoint(self, directory)
@@ -412,6 +439,7 @@ class InfinityEngine:
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
         size; everything is validated on every rank before any state changes."""
+        self.optimizer.drain()  # a deferred step's updates land first
         from infinity.checkpoint import load_checkpoint
 
         return load_checkpoint(self, directory)
@@ -419,7 +447,10 @@ class InfinityEngine:
     def close(self) -> None:
         """Stop the store's threads and delete swap files (also done when the engine is
         garbage-collected or the interpreter exits)."""
-        self._finalizer()
+        try:
+            self.optimizer.drain()  # write-backs still in flight end before the store closes
+        finally:
+            self._finalizer()
         self.store, self._swapper = None, None
 
 

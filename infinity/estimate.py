@@ -51,6 +51,13 @@ Where the accumulator lives:
   at the step would add 8 B to the step's 24 B of NVMe traffic (+33 % on the slowest link) and contend
   with the parameter reads of the backward, to save 4 B per parameter of host RAM per node (28 GB for
   7B parameters). ``infinity plan`` counts that RAM, so a host too small for it is refused, not hit.
+* Those host accumulators hold the compute dtype instead of fp32 when nothing is summed into them
+  in fp32 (:func:`host_grad_dtype`: one micro-batch per step, and one rank or a compute-dtype
+  reduction): the value each element receives is already a bf16/fp16 number (autograd's
+  ``param.grad``, or what came off the wire), so fp32 would hold the same value in twice the bytes.
+  Half the host RAM of the gradients (14 GB for 7B parameters), and room for the NVMe optimizer's
+  read-ahead. A parameter whose gradient arrives twice in one backward (reentrant checkpointing)
+  is then summed in the compute dtype, as autograd sums ``param.grad`` in plain PyTorch.
 
 [Note: fp32 master] With bf16/fp16 compute the fp32 master is a separate 4 B copy and part of K. With
 fp32 compute the parameter *is* the master where the optimizer steps it in place on the device
@@ -62,6 +69,7 @@ so K = 4 + 8 there.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -87,6 +95,21 @@ DEFAULT_PREFETCH_UNITS = 2
 
 ENGINE_GRAD_DTYPE = "fp32"
 """The dtype the engine reduces and accumulates gradients in (see [Note: gradient placement])."""
+
+
+def host_grad_dtype(config: InfinityConfig, world_size: int = 1) -> str:
+    """The dtype of the host gradient accumulators of an offloaded optimizer ([Note: gradient
+    placement], last point): the compute dtype when each element is written once per step with
+    a value that already is in that dtype, so holding it in fp32 would keep nothing more --
+    one micro-batch per step (``gradient_accumulation_steps`` 1) and either one rank or
+    gradients crossing ranks in the compute dtype (``precision.reduce_dtype`` 'compute'). fp32
+    otherwise: sums over micro-batches or over ranks in fp32 must not be rounded."""
+    dtype = config.precision.dtype
+    if dtype == "fp32" or config.gradient_accumulation_steps != 1:
+        return "fp32"
+    if world_size > 1 and config.precision.reduce_dtype != "compute":
+        return "fp32"
+    return dtype
 
 
 class Tier(str, enum.Enum):
@@ -167,16 +190,22 @@ class StateTerms:
         return cls(param_bytes=low, grad_bytes=grad, optimizer_bytes=master + moments)
 
     @classmethod
-    def from_config(cls, config: InfinityConfig, *, optimizer: str = "adam") -> "StateTerms":
+    def from_config(cls, config: InfinityConfig, *, optimizer: str = "adam",
+                    world_size: int = 1) -> "StateTerms":
         """Terms of an engine config: precision.dtype, optimizer.state_dtype and the offload tiers;
-        gradients in the engine's fp32 (see [Note: gradient placement])."""
+        gradients in the engine's fp32, and an offloaded optimizer's host accumulators in
+        :func:`host_grad_dtype` (see [Note: gradient placement])."""
         stage = config.zero.stage
         param_home = config.offload_param.device if stage == 3 else "none"
         separate = config.precision.dtype != "fp32" or "none" != config.offload_optimizer.device or (
             param_home != "none")  # [Note: fp32 master]
-        return cls.for_training(dtype=config.precision.dtype, optimizer=optimizer,
-                                state_dtype=config.optimizer.state_dtype, separate_master=separate,
-                                grad_dtype=ENGINE_GRAD_DTYPE)
+        terms = cls.for_training(dtype=config.precision.dtype, optimizer=optimizer,
+                                 state_dtype=config.optimizer.state_dtype,
+                                 separate_master=separate, grad_dtype=ENGINE_GRAD_DTYPE)
+        if config.offload_optimizer.device == "none":
+            return terms
+        return dataclasses.replace(
+            terms, offload_grad_bytes=float(DTYPE_BYTES[host_grad_dtype(config, world_size)]))
 
     def to_dict(self) -> dict[str, float]:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
@@ -351,7 +380,8 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
     if unit_numel and isinstance(z.prefetch_lookahead_bytes, int):
         prefetch_units = z.prefetch_lookahead_bytes // max(1, unit_numel * config.precision.param_bytes)
     return estimate_model_states(
-        numel, z.stage, world_size, StateTerms.from_config(config, optimizer=optimizer),
+        numel, z.stage, world_size,
+        StateTerms.from_config(config, optimizer=optimizer, world_size=world_size),
         offload_param=config.offload_param.device if z.stage == 3 else "none",
         offload_optimizer=config.offload_optimizer.device, gpus_per_node=gpus_per_node,
         sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units)

@@ -23,11 +23,12 @@ step for step so that parity tests against it are tight.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -133,6 +134,9 @@ class InMemoryShardOptimizer:
         self._exp_avg[key].copy_(exp_avg.reshape(-1))
         self._exp_avg_sq[key].copy_(exp_avg_sq.reshape(-1))
 
+    def drain(self) -> None:
+        """Nothing is ever deferred here (the interface of :meth:`OffloadedShardOptimizer.drain`)."""
+
     def step(self, grads: Mapping[str, torch.Tensor], *, grad_scale: float = 1.0,
              lr: float | None = None) -> None:
         """One step over every key; keys missing from ``grads`` are stepped with a zero gradient
@@ -208,6 +212,24 @@ class OffloadedShardOptimizer:
     budget the fp32 gradient accumulators leave room for three sub-groups and the step stays
     bound by the disk (~3 GB read + written per step); at 0.9 of it the cached sub-groups cut the
     step from 1.1 s to 0.7 s.
+
+    [Note: deferred optimizer step] With an NVME home the step is bound by the disk (12 B per
+    parameter read and written), and the window above holds only what the host budget leaves,
+    so most of it cannot move into backward. But a unit's new parameters are not needed until
+    the next forward reads its shard. ``step(defer=True)`` therefore computes nothing for keys
+    whose parameter shard the store holds: it records the step (step number, lr, the gradient
+    scale with the exact clip coefficient, the gradients) and starts the reads of the first
+    sub-groups in the next forward's order. The store calls :meth:`apply_before_read` before it
+    reads any shard (``TieredStore.before_read``); for the shard of a key still pending, the
+    update of that key (and of the keys before it in that order) runs right then, on the
+    caller's thread, while the reads for the next keys are issued, so the reads and the
+    write-backs of the step overlap the forward's compute. Keys without a stored shard (always
+    gathered, or parameters not offloaded) are read without the store, so they are updated in
+    ``step`` itself. :meth:`drain` runs whatever is left and waits for every write-back; the
+    engine calls it before the next backward (the gradients are about to be overwritten) and
+    before anything reads or replaces state (``full_state_dict``, checkpoints, weights). Every
+    update is the same arithmetic on the same bytes as in ``step(defer=False)``, so training is
+    bitwise the same (tests/unit/test_deferred_step.py).
     """
 
     def __init__(self, config: OptimizerConfig, store: Any, *, home: Any, sub_group_numel: int,
@@ -242,6 +264,14 @@ class OffloadedShardOptimizer:
         """A prefetch found the window full: later keys are read by the step (keeps a prefix)."""
         self.wait_s = 0.0
         """Seconds the step spent blocked on sub-group fetches (the pipeline's stall)."""
+        self._param_keys: dict[str, str] = {}
+        """Key -> store key of its parameter shard (see :meth:`add`)."""
+        self._run: _Run | None = None
+        """The step under way: deferred updates not yet run, write-backs not yet waited for."""
+        self._pending_params: dict[str, str] = {}
+        """Parameter store key -> key, for the keys the current deferred step has not updated."""
+        self._advancing = False
+        """Inside :meth:`_advance` (the store's read hook must not re-enter it)."""
 
     @property
     def window_sub_groups(self) -> int:
@@ -254,13 +284,18 @@ class OffloadedShardOptimizer:
         n = self._numel[key]
         return [(f"opt/{key}/{i}", lo, min(n, lo + self.sub_group_numel))
                 for i, lo in enumerate(range(0, n, self.sub_group_numel))]
-    def add(self, key: str, master: torch.Tensor, param_out: Any) -> None:
+    def add(self, key: str, master: torch.Tensor, param_out: Any, *,
+            param_key: str | None = None) -> None:
+        """``param_key``: the store key of the parameter shard ``param_out`` writes, when the
+        store holds it: a deferred step updates ``key`` before the store reads that shard."""
         if key in self._numel:
             raise ValueError(f"shard optimizer: key {key!r} added twice")
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError(f"shard optimizer: master for {key!r} must be a flat fp32 tensor")
         self._numel[key] = master.numel()
         self._outs[key] = param_out
+        if param_key is not None:
+            self._param_keys[key] = param_key
         for shard_key, lo, hi in self._sub_groups(key):
             n = hi - lo
             initial = torch.zeros(3 * n, dtype=torch.float32)
@@ -281,6 +316,7 @@ class OffloadedShardOptimizer:
                    exp_avg_sq: torch.Tensor) -> None:
         """Overwrite the master and moments of ``key`` sub-group by sub-group (each acquired on
         HOST, overwritten, marked dirty, written back to its home)."""
+        self.drain()  # a deferred step finishes first
         _check_numel(key, self._numel[key], master, exp_avg, exp_avg_sq)
         parts = [t.reshape(-1).to("cpu", torch.float32) for t in (master, exp_avg, exp_avg_sq)]
         handles = []
@@ -306,6 +342,7 @@ class OffloadedShardOptimizer:
         return {"exp_avg": self._read(key, 1), "exp_avg_sq": self._read(key, 2)}
 
     def _read(self, key: str, part: int) -> torch.Tensor:
+        self.drain()  # a deferred step finishes first
         out = torch.empty(self._numel[key], dtype=torch.float32)
         for shard_key, lo, hi in self._sub_groups(key):
             n = hi - lo
@@ -349,11 +386,20 @@ class OffloadedShardOptimizer:
                 continue
             self.store.release(shard_key, self._tier.HOST)
 
-    def _step_items(self) -> list[tuple[str, str, int, int]]:
+    def _step_items(self, order: Iterable[str] = ()) -> list[tuple[str, str, int, int]]:
         """Sub-groups in step order, one key's sub-groups together (its parameter shard is opened
-        once): keys whose reads were issued ahead first (backward order: they are a prefix of
-        it), then, NVME home, keys with a sub-group still cached in HOST from the previous step (a
-        read saved before LRU evicts them), then the rest (backward order, then add order)."""
+        once). With an ``order`` (a deferred step): :meth:`_run_order` of it. Otherwise: keys
+        whose reads were issued ahead first (backward order: they are a prefix of it), then, NVME
+        home, keys with a sub-group still cached in HOST from the previous step (a read saved
+        before LRU evicts them), then the rest (backward order, then add order)."""
+        if order:
+            keys = self._run_order(order)
+            if self.home is self._tier.NVME:
+                for pos, key in enumerate(keys):  # cached copies: evicted furthest-use first
+                    for sk, _lo, _hi in self._sub_groups(key):
+                        if self._cached_on_host(sk):
+                            self.store.set_next_use(sk, float(pos))
+            return [(key, sk, lo, hi) for key in keys for sk, lo, hi in self._sub_groups(key)]
         order = list(self._ready) + [k for k in self._numel if k not in self._ready]
         ahead = {sk.rsplit("/", 1)[0].removeprefix("opt/") for sk in self._ahead}
         head = [k for k in order if k in ahead]
@@ -367,6 +413,15 @@ class OffloadedShardOptimizer:
                     self.store.set_next_use(sk, 0.0)
         return [(key, sk, lo, hi) for key in head + rest for sk, lo, hi in self._sub_groups(key)]
 
+    def _run_order(self, order: Iterable[str]) -> list[str]:
+        """Every key once, for a deferred step and its read-ahead: first the keys updated at the
+        step itself (no stored parameter shard), then the deferred ones, each part in ``order``
+        and then add order. The read-ahead issued in this order is a prefix of the step's."""
+        keys = [k for k in dict.fromkeys(order) if k in self._numel]
+        keys += [k for k in self._numel if k not in set(keys)]
+        return ([k for k in keys if k not in self._param_keys]
+                + [k for k in keys if k in self._param_keys])
+
     def _cached_on_host(self, shard_key: str) -> bool:
         from infinity.tiers import Residency
 
@@ -374,28 +429,98 @@ class OffloadedShardOptimizer:
                                                                  Residency.WRITING)
 
     def step(self, grads: Mapping[str, torch.Tensor], *, grad_scale: float = 1.0,
-             lr: float | None = None) -> None:
+             lr: float | None = None, defer: bool = False,
+             order: Iterable[str] = ()) -> None:
+        """One Adam step over every key. ``defer`` (NVME home): [Note: deferred optimizer step]:
+        only the keys whose parameter partition is not a stored shard (nothing guards their reads)
+        are updated now; the others wait for :meth:`apply_before_read` (the store calls it when a
+        parameter shard is about to be read) or :meth:`drain`, in ``order`` (the keys in the order
+        the next forward reads them; keys not in it follow in add order). ``grads`` must stay
+        unchanged until then."""
+        self.drain()
         self.step_count += 1
-        lr = self.lr if lr is None else lr
-        items = self._step_items()
+        run = _Run(step=self.step_count, lr=self.lr if lr is None else lr, grad_scale=grad_scale,
+                   grads=grads, items=self._step_items(order if defer else ()))
         self._ready.clear()
         self._ahead_full = False
-        window = self.window_sub_groups if self.home is self._tier.NVME else 2
-        writebacks = []
-        open_key, out_ctx, out = None, None, None
-        cursor = 0  # the next item whose read is not issued yet
+        self._run = run
+        if not (defer and self.home is self._tier.NVME):
+            self.drain()
+            return
+        # Keys without a stored parameter shard come first in the run (_run_order): nothing
+        # guards their reads, so they are updated now.
+        immediate = sum(1 for item in run.items if item[0] not in self._param_keys)
+        self._advance(immediate)
+        self._pending_params = {self._param_keys[k]: k for k in self.pending_keys}
+        if self._run is not None:
+            self._top_up()
+
+    def apply_before_read(self, store_key: str) -> None:
+        """The store is about to read ``store_key``: if it is the parameter shard of a key whose
+        deferred update has not run, run it now (and every key before it in the step's order)."""
+        key = self._pending_params.get(store_key)
+        if key is None or self._run is None or self._advancing:
+            return
+        self._advance(self._run.last_index(key) + 1)
+
+    @property
+    def pending_keys(self) -> list[str]:
+        """Keys whose update of the current (deferred) step has not run yet, in order."""
+        run = self._run
+        if run is None:
+            return []
+        return list(dict.fromkeys(item[0] for item in run.items[run.done:]))
+
+    def drain(self) -> None:
+        """Finish the step: run every update still deferred and wait for every write-back (their
+        errors are raised here). Called before anything reads the state or the gradients change."""
+        run = self._run
+        if run is None:
+            return
         try:
-            for j, (key, shard_key, lo, hi) in enumerate(items):
-                while cursor < len(items) and (cursor <= j or len(self._ahead) < window):
-                    sk = items[cursor][1]  # reads of j+1.. overlap the update of j
-                    if sk not in self._ahead:
-                        try:
-                            self._ahead[sk] = self.store.acquire(sk, self._tier.HOST)
-                        except TierCapacityError:
-                            if cursor <= j:
-                                raise  # the sub-group stepped now: no room at all
-                            break  # a read ahead: try again after this update frees room
-                    cursor += 1
+            self._advance(len(run.items))
+        finally:
+            self._run = None
+            self._pending_params = {}
+            writebacks, run.writebacks = run.writebacks, []
+        for handle in writebacks:
+            handle.wait()
+
+    def read_ahead(self, order: Iterable[str]) -> None:
+        """Start reading sub-groups into HOST, in ``order``, while the read-ahead window has room
+        (NVME home; with a deferred step these are the ones the next forward updates first)."""
+        if self.home is not self._tier.NVME or self._run is not None:
+            return
+        for key in self._run_order(order):
+            self.prefetch(key)
+
+    def _top_up(self) -> None:
+        """Issue reads ahead of the next update, within the window."""
+        run = self._run
+        while run.cursor < len(run.items) and len(self._ahead) < run.window(self):
+            sk = run.items[run.cursor][1]
+            if sk not in self._ahead:
+                try:
+                    self._ahead[sk] = self.store.acquire(sk, self._tier.HOST)
+                except TierCapacityError:
+                    return  # a read ahead: try again after the next update frees room
+            run.cursor += 1
+
+    def _advance(self, upto: int) -> None:
+        """Update the run's items up to index ``upto`` (exclusive; a key boundary): reads of later
+        items overlap each update, the write-back of each is issued after it (not waited for)."""
+        run = self._run
+        if run is None or run.done >= upto:
+            return
+        self._advancing = True
+        open_key, out_ctx, out = None, None, None
+        try:
+            for j in range(run.done, upto):
+                key, shard_key, lo, hi = run.items[j]
+                if shard_key not in self._ahead:  # the item stepped now: no room is an error
+                    self._ahead[shard_key] = self.store.acquire(shard_key, self._tier.HOST)
+                    run.cursor = max(run.cursor, j + 1)
+                self._top_up()
                 t0 = time.perf_counter()
                 buf = self._ahead.pop(shard_key).wait()
                 self.wait_s += time.perf_counter() - t0
@@ -406,22 +531,37 @@ class OffloadedShardOptimizer:
                         # Every sub-group of the key is stepped while it is open: all written.
                         open_key, out_ctx = key, open_param_out(self._outs[key], overwrite=True)
                         out = out_ctx.__enter__()
-                    self._update(buf, grads.get(key), out, lo, hi, grad_scale=grad_scale, lr=lr)
+                    self._update(buf, run.grads.get(key), out, lo, hi, run)
                     self.store.mark_dirty(shard_key, self._tier.HOST)
                 finally:
                     self.store.release(shard_key, self._tier.HOST)
                     self.store.set_next_use(shard_key, None)  # stepped: no longer needed soon
+                run.done = j + 1
                 if self.home is self._tier.NVME:  # the write of j overlaps the update of j+1
-                    writebacks.append(self.store.write_back(shard_key))
-        finally:  # an error leaves the open shard unmarked (the store keeps its old bytes)
+                    run.writebacks.append(self.store.write_back(shard_key))
+        except BaseException:
+            # An error leaves the open shard unmarked (the store keeps its old bytes) and ends
+            # the step: the keys not updated keep their old state; drain() raises nothing more.
             if out_ctx is not None:
                 out_ctx.__exit__(*sys.exc_info())
+                out_ctx = None
             self._drop_ahead()
-        for handle in writebacks:
-            handle.wait()
+            self._run, self._pending_params = None, {}
+            raise
+        finally:
+            self._advancing = False
+            if out_ctx is not None:
+                out_ctx.__exit__(None, None, None)
+        if run.done == len(run.items):
+            self._drop_ahead()
+            self._pending_params = {}
+        else:
+            pending = set(self.pending_keys)
+            self._pending_params = {sk: k for sk, k in self._pending_params.items() if k in pending}
+            self._top_up()
 
     def _update(self, buf: torch.Tensor, grad: torch.Tensor | None, out: torch.Tensor | None,
-                lo: int, hi: int, *, grad_scale: float, lr: float) -> None:
+                lo: int, hi: int, run: "_Run") -> None:
         n = hi - lo
         master, exp_avg, exp_avg_sq = buf[:n], buf[n:2 * n], buf[2 * n:]
         if grad is None:
@@ -436,16 +576,41 @@ class OffloadedShardOptimizer:
             staging = out[lo:hi] if out.device.type == "cpu" else torch.empty(n, dtype=out.dtype)
         beta1, beta2 = self.config.betas
         _adam_kernel(master.device)(
-            master, g, exp_avg, exp_avg_sq, step=self.step_count, lr=lr, beta1=beta1,
+            master, g, exp_avg, exp_avg_sq, step=run.step, lr=run.lr, beta1=beta1,
             beta2=beta2, eps=float(self.config.eps), weight_decay=float(self.config.weight_decay),
             adamw_mode=self.config.adamw_mode, bias_correction=self.config.bias_correction,
-            grad_scale=grad_scale, out=staging)
+            grad_scale=run.grad_scale, out=staging)
         if out is None:
             return
         if not low:
             out[lo:hi].copy_(master)
         elif out.device.type != "cpu":  # staging was a CPU buffer: move the new values up
             out[lo:hi].copy_(staging)
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+    """One optimizer step of :class:`OffloadedShardOptimizer`, possibly deferred."""
+
+    step: int
+    """Adam's step number (bias correction) of this run."""
+    lr: float
+    grad_scale: float
+    grads: Mapping[str, torch.Tensor]
+    items: list[tuple[str, str, int, int]]
+    """(key, sub-group store key, lo, hi) in update order."""
+    done: int = 0
+    """Items updated so far (a prefix of ``items``)."""
+    cursor: int = 0
+    """Items whose read was issued so far (a prefix, >= ``done``)."""
+    writebacks: list[Any] = dataclasses.field(default_factory=list)
+    """Handles of the sub-group write-backs issued, waited for by ``drain``."""
+
+    def last_index(self, key: str) -> int:
+        return max(i for i, item in enumerate(self.items) if item[0] == key)
+
+    def window(self, opt: "OffloadedShardOptimizer") -> int:
+        return opt.window_sub_groups if opt.home is opt._tier.NVME else 2
 
 
 def build_store(device: torch.device, *, device_budget_bytes: int, host_budget_bytes: int,

@@ -208,7 +208,8 @@ class ParameterManager(GradientLedger):
                  device: torch.device, compute_dtype: torch.dtype, store: Any = None,
                  param_home: Any = None, prefetch: bool = True, grad_store: Any = None,
                  initial_values: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32,
+                 grad_host_dtype: torch.dtype = torch.float32):
         """``store``/``param_home``: the tiered store and the home tier (HOST or NVME) of the
         parameter shards of gathered-on-demand units (stage 3 parameter offload); None: the
         shards stay on the device. ``prefetch``: read the next unit's shard ahead (only when the
@@ -219,8 +220,10 @@ class ParameterManager(GradientLedger):
         infinity/estimate.py). ``initial_values(param)``: the values of a parameter whose storage
         holds none yet (built under ``infinity.init``: computed on demand, one at a time), or None
         to read the parameter itself. ``reduce_dtype``: what gradients cross ranks in (fp32, or
-        the compute dtype: precision.reduce_dtype)."""
+        the compute dtype: precision.reduce_dtype). ``grad_host_dtype``: the dtype of those host
+        accumulators (estimate.host_grad_dtype)."""
         check_not_wrapped(module)
+        self.grad_host_dtype = grad_host_dtype
         self._initial_values = initial_values
         self.reduce_dtype = reduce_dtype
         self.store = store
@@ -253,6 +256,9 @@ class ParameterManager(GradientLedger):
         """Trace-driven prefetch of offloaded parameter shards (see _build_fetcher); None: demand."""
         self._gather_phase = "forward-gather"
         """Phase named by gathers the fetcher issues (agreement checks and error context)."""
+        self._forward_order: dict[int, None] = {}
+        """Unit indices in the order the latest training forward first used them (the order in
+        which a deferred optimizer step updates them, see forward_keys)."""
         plan = plan_units(module, unit_class_names=zero.unit_class_names,
                           unit_min_numel=zero.unit_min_numel,
                           persistence_threshold_numel=resolve_persistence_threshold(
@@ -525,6 +531,8 @@ class ParameterManager(GradientLedger):
     def _make_pre_forward(self, units: list[Unit]):
         def pre_forward(module, args, kwargs):
             for u in units:
+                if torch.is_grad_enabled():
+                    self._forward_order.setdefault(u.index)
                 self._acquire(u, "forward-gather")
             if torch.is_grad_enabled() and any(u.has_frozen for u in units):
                 for t in _tensors_in((args, kwargs)):
@@ -612,6 +620,8 @@ class ParameterManager(GradientLedger):
         mode = torch.is_grad_enabled()
         trace = self.stage == 3 and mode not in self._traced_modes and any(
             not u.always_gathered for u in self.units)
+        if mode:
+            self._forward_order = {}
         if self._fetcher is not None:
             # Separate traces per phase: an evaluation forward must not replace the training trace.
             self.end_prefetch_step()
@@ -634,6 +644,14 @@ class ParameterManager(GradientLedger):
                 self.end_prefetch_step()  # no backward follows: the step ends with the forward
                 if self._fetcher is not None:
                     self._fetcher.warm_next_step()
+
+    def forward_keys(self) -> list[str]:
+        """Trainable group keys in the order the latest training forward first used their units,
+        then the others in unit order: the order the next forward reads the parameter shards."""
+        by_index = {u.index: u for u in self.units}
+        order = [i for i in self._forward_order if i in by_index]
+        order += [u.index for u in self.units if u.index not in self._forward_order]
+        return [g.key for i in order for g in by_index[i].groups if g.requires_grad]
 
     def end_prefetch_step(self) -> None:
         """End of a step (after finish_backward, after a no-grad forward, before a new forward):

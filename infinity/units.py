@@ -30,6 +30,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from infinity.config import DTYPE_BYTES
+from infinity.estimate import host_grad_dtype
+
 logger = logging.getLogger(__name__)
 
 AUTO_PERSISTENCE_THRESHOLD_NUMEL = 2 ** 14
@@ -265,7 +268,7 @@ def _extent(nbytes: int) -> int:
 
 
 def _host_needs(config: Any, opt_parts: list[int], param_shards: list[int],
-                sub: int) -> tuple[int, int, int]:
+                sub: int, world_size: int) -> tuple[int, int, int]:
     """(bytes of shards homed on the host, the least budget that works, a comfortable budget).
 
     The least: the host-homed shards, plus room for two optimizer sub-groups (the one stepped and
@@ -281,8 +284,9 @@ def _host_needs(config: Any, opt_parts: list[int], param_shards: list[int],
                _extent(max(param_shards, default=0)) if param_nvme else 0)
     homed = (sum(map(_extent, opt_shards)) if opt_dev == "cpu" else 0) + (
         sum(map(_extent, param_shards)) if param_dev == "cpu" else 0)
-    if opt_dev != "none":  # the fp32 gradient accumulators ([Note: gradient placement], estimate.py)
-        homed += sum(_extent(4 * part) for part in opt_parts)
+    if opt_dev != "none":  # the gradient accumulators ([Note: gradient placement], estimate.py)
+        item = DTYPE_BYTES[host_grad_dtype(config, world_size)]
+        homed += sum(_extent(item * part) for part in opt_parts)
     if not slot:
         return homed, homed, homed
     least = homed + slot * (2 * opt_nvme + param_nvme + 1)
@@ -296,8 +300,8 @@ def _auto_candidates(floor: int) -> list[int]:
             if AUTO_SUB_GROUP_NUMEL >> k >= floor]
 
 
-def _resolve_host_budget(config: Any, opt_parts: list[int], param_shards: list[int]
-                         ) -> tuple[int, int, bool]:
+def _resolve_host_budget(config: Any, opt_parts: list[int], param_shards: list[int],
+                         world_size: int) -> tuple[int, int, bool]:
     """(host budget bytes, sub-group numel, room to overlap).
 
     An explicit ``zero.sub_group_numel`` is kept, and overlap is on when the budget holds its
@@ -312,7 +316,7 @@ def _resolve_host_budget(config: Any, opt_parts: list[int], param_shards: list[i
     else:
         overlap_sizes = _auto_candidates(_AUTO_OVERLAP_FLOOR_NUMEL)
         least_sizes = _auto_candidates(_AUTO_LEAST_FLOOR_NUMEL)
-    needs = {sub: _host_needs(config, opt_parts, param_shards, sub)
+    needs = {sub: _host_needs(config, opt_parts, param_shards, sub, world_size)
              for sub in {*overlap_sizes, *least_sizes}}
     if host == "auto":
         comfortable = needs[overlap_sizes[0]][2]
@@ -366,7 +370,7 @@ def least_host_budget_bytes(module: nn.Module, config: Any, *, world_size: int =
     _units, param_shards, opt_parts = _offload_parts(module, config, world_size)
     sub = config.zero.sub_group_numel
     sizes = [int(sub)] if sub != "auto" else _auto_candidates(_AUTO_LEAST_FLOOR_NUMEL)
-    return min(_host_needs(config, opt_parts, param_shards, s)[1] for s in sizes)
+    return min(_host_needs(config, opt_parts, param_shards, s, world_size)[1] for s in sizes)
 
 
 def plan_offload(module: nn.Module, config: Any, *, world_size: int,
@@ -380,8 +384,9 @@ def plan_offload(module: nn.Module, config: Any, *, world_size: int,
         return None
     unit_bytes, param_shards, opt_parts = _offload_parts(module, config, world_size)
     largest_unit = max(unit_bytes, default=0)
-    host, sub, overlap = _resolve_host_budget(config, opt_parts, param_shards)
-    readahead = _optimizer_readahead_bytes(config, opt_parts, param_shards, sub, host, overlap)
+    host, sub, overlap = _resolve_host_budget(config, opt_parts, param_shards, world_size)
+    readahead = _optimizer_readahead_bytes(config, opt_parts, param_shards, sub, host, overlap,
+                                           world_size)
     device_budget = config.memory.device_budget_bytes
     device_needed = largest_unit + 2 * max(param_shards, default=0)
     if device_budget == "auto":
@@ -404,7 +409,7 @@ def plan_offload(module: nn.Module, config: Any, *, world_size: int,
 
 
 def _optimizer_readahead_bytes(config: Any, opt_parts: list[int], param_shards: list[int],
-                               sub: int, host: int, overlap: bool) -> int:
+                               sub: int, host: int, overlap: bool, world_size: int) -> int:
     """[Note: optimizer read-ahead] The host room the NVMe optimizer may pin: the budget less the
     host-homed shards, two parameter shards in flight and one spare, in slots of the largest
     staging extent (as :func:`_host_needs` counts them, so that arena holes always fit). At least
@@ -412,7 +417,7 @@ def _optimizer_readahead_bytes(config: Any, opt_parts: list[int], param_shards: 
     that many sub-groups' extents."""
     if config.offload_optimizer.device != "nvme":
         return 0
-    homed, _least, _comfortable = _host_needs(config, opt_parts, param_shards, sub)
+    homed, _least, _comfortable = _host_needs(config, opt_parts, param_shards, sub, world_size)
     opt_slot = _extent(12 * min(sub, max(opt_parts, default=0)))
     param_nvme = config.offload_param.device == "nvme"
     slot = max(opt_slot, _extent(max(param_shards, default=0)) if param_nvme else 0)

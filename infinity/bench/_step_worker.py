@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from infinity.config import DTYPE_BYTES, load_config
+from infinity.estimate import host_grad_dtype
 from infinity.models.gpt import GPT, PRESETS, synthetic_batch
 
 PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
@@ -108,11 +110,12 @@ def _params_config(model: GPT, spec: dict[str, Any], config: dict[str, Any]) -> 
     numels, item = _unit_numels(model), (2 if spec["dtype"] == "bf16" else 4)
     extent = lambda n: -(-n // 4096) * 4096  # noqa: E731
     # The optimizer's host-homed state: fp32 master + two moments (12 B, per sub-group) and the
-    # fp32 gradient accumulator (4 B) per element, in whole 4 KiB extents (per unit here; ours
-    # may split a unit into a few more parts: a few extents of margin).
+    # gradient accumulator (estimate.host_grad_dtype: bf16 here) per element, in whole 4 KiB
+    # extents (per unit here; ours may split a unit into a few more parts: a few extents of margin).
     sub = PARAMS_SUB_GROUP_NUMEL
+    grad_item = DTYPE_BYTES[host_grad_dtype(load_config(config))]
     homed = sum(extent(12 * min(sub, n - lo)) for n in numels for lo in range(0, n, sub))
-    homed += sum(extent(4 * n) + 2 * 4096 for n in numels) + 4 * 4096
+    homed += sum(extent(grad_item * n) + 2 * 4096 for n in numels) + 4 * 4096
     # Room for parameter shards: the fraction, but at least the store's comfortable NVMe staging
     # (three of the largest shard: one read, one prefetched, a spare; below it the engine turns the
     # prefetcher off), plus one optimizer sub-group of slack: at initialize the shards' HOST copies

@@ -57,6 +57,10 @@ class TieredStore(_BudgetMixin):
         self._pool = ThreadPoolExecutor(config.num_copy_threads, thread_name_prefix="infinity-tiers")
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._closed = False
+        self.before_read: Callable[[str], None] | None = None
+        """Called with the key, in the caller's thread and without the lock, before every fetch
+        or acquire that may read the shard's bytes (not ``overwrite``): a writer that owes the
+        shard newer bytes (a deferred optimizer step) writes them first. It may use the store."""
 
     # -- registration ----------------------------------------------------------------------------
 
@@ -185,6 +189,8 @@ class TieredStore(_BudgetMixin):
         if tier not in (Tier.DEVICE, Tier.HOST):
             raise ValueError(f"fetch({key!r}, {tier!r}): fetch to DEVICE or HOST; write_back "
                              "moves data to the home tier")
+        if self.before_read is not None and not overwrite:
+            self.before_read(key)
         with self._lock:
             self._check_open()
             shard = self._shard(key)

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import infinity
+from infinity.config import load_config
+from infinity.units import least_host_budget_bytes
 
 from _engine_common import (assert_close_run, batches, engine_config, engine_train,
                             reference_train, tiny_gpt)
@@ -167,9 +169,10 @@ def test_nvme_offload_keeps_host_memory_within_budget(tmp_path):
     from infinity.models.gpt import GPTConfig  # the _RSS_SCRIPT model
 
     n_model = GPTConfig(vocab_size=512, block_size=32, n_layer=6, n_head=4, n_embd=384).num_params
-    # 12 MiB of NVMe staging, plus the fp32 gradient accumulators the arena homes (4 B/param, a
-    # 4 KiB extent per group at most 16 groups; [Note: gradient placement] in infinity/estimate.py).
-    budget = 12 * 2 ** 20 + 4 * n_model + 16 * 4096
+    # 12 MiB of NVMe staging, plus the gradient accumulators the arena homes (bf16 here, one rank
+    # and one micro-batch: 2 B/param, a 4 KiB extent per group at most 16 groups; [Note: gradient
+    # placement] in infinity/estimate.py).
+    budget = 12 * 2 ** 20 + 2 * n_model + 16 * 4096
 
     def run(offload):
         out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, offload, str(tmp_path / "swap"),
@@ -180,7 +183,7 @@ def test_nvme_offload_keeps_host_memory_within_budget(tmp_path):
     nvme, cpu = run("nvme"), run("cpu")
     assert nvme["host_peak"] <= budget
     n = nvme["numel"]
-    # RSS above the model-built baseline: the host budget (with the fp32 gradient shards), the bf16
+    # RSS above the model-built baseline: the host budget (with the gradient shards), the bf16
     # parameter shards (2 B/param, the DEVICE tier is RAM here), the fp32 flat copies made while
     # initialising (4 B/param, transient), and a fixed overhead of 64 MiB (allocator caches, I/O
     # threads, activations); not the 12 B/param of Adam state.
@@ -250,11 +253,14 @@ def test_optimizer_step_does_not_read_the_parameter_shards_it_replaces(tmp_path,
             monkeypatch.setattr(so, "open_param_out",
                                 lambda p, overwrite=False: real(p, overwrite=False))
         config = _offload_config(tmp_path / str(read_first), stage=3, dtype="bf16", opt="cpu",
-                                 param="nvme", host_budget_bytes=440_000)
+                                 param="nvme")
         # Six blocks of 6.5 KB and a device budget of about three: shards leave the device (and,
         # with a host budget just above the optimizer's homed state, the host) between uses.
         config["memory"]["device_budget_bytes"] = 20_000
-        engine = infinity.initialize(tiny_gpt(config=six), config)
+        model = tiny_gpt(config=six)
+        config["memory"]["host_budget_bytes"] = least_host_budget_bytes(
+            model, load_config(config)) + 3 * 4096
+        engine = infinity.initialize(model, config)
         losses = engine_train(engine, batches(STEPS, 1, config=six))
         stats, state = engine.stats(), engine.full_state_dict()
         engine.close()

@@ -33,13 +33,14 @@ ALLOWED: dict[str, set[str]] = {
     "cpu_adam": {"_common", "config", "_cpu_adam_ext"},
     "_cpu_adam_ext": {"_common"},
     "_dist": {"_common", "config"},
-    "units": {"_common", "config", "_dist"},
+    "units": {"_common", "config", "_dist", "estimate"},  # the ledger's rules size the budgets
     "shard_optimizer": {"cpu_adam", "tiers", "_dist"},
     "prefetch_bridge": {"prefetch", "tiers", "trace"},  # executor hops -> store fetches and gathers
     "stage3": {"tiers", "prefetch", "prefetch_bridge", "trace", "cpu_adam", "units", "shard_optimizer",
                "_dist", "_grad_ledger"},
     "_grad_ledger": {"tiers"},  # stage3's gradient half (a mixin): staging, reduction, accumulation
-    "engine": {"stage3", "shard_optimizer", "units", "checkpoint", "activations", "weights", "lazy"},
+    "engine": {"stage3", "shard_optimizer", "units", "checkpoint", "activations", "weights", "lazy",
+               "estimate"},
     "lazy": {"_common", "config"},  # records construction on meta; no engine, no tiers
     "weights": {"checkpoint", "safetensors_io", "shard_optimizer", "_common"},  # HF safetensors in
     "activations": {"_common", "config"},  # which modules run checkpointed; no hooks of stage3

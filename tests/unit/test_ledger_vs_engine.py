@@ -152,5 +152,6 @@ def test_offloaded_optimizer_takes_gradients_off_the_device(tmp_path):
     params = numel * 2
     assert offloaded["bytes"]["DEVICE"]["peak"] <= params + unit_numel * (4 + 2)
     assert on_device["bytes"]["DEVICE"]["peak"] >= params + numel * 4  # the fp32 accumulator
-    # ... and the host holds it: fp32 gradient + 12 B of optimizer state per parameter.
-    assert offloaded["bytes"]["HOST"]["peak"] >= numel * (4 + 12)
+    # ... and the host holds it: 12 B of optimizer state per parameter and the gradient, in bf16
+    # here (one rank, one micro-batch: estimate.host_grad_dtype), not fp32.
+    assert numel * (2 + 12) <= offloaded["bytes"]["HOST"]["peak"] < numel * (4 + 12)

@@ -4,7 +4,8 @@ room to overlap (prefetch), for a GPT with parameters and optimizer state on NVM
 The reference staging is written here from the pipeline's description, not read from the code:
 fp32 [master | exp_avg | exp_avg_sq] sub-groups (12 bytes an element) and bf16 parameter shards
 (2 bytes an element) are staged in slots of the largest 4 KiB-aligned extent; the host also homes
-the fp32 gradient accumulators (4 bytes an element). Overlap needs six slots (the read of i+1,
+the gradient accumulators, bf16 here (2 bytes an element: one rank, one micro-batch, so nothing is
+summed in fp32). Overlap needs six slots (the read of i+1,
 the update of i, the write of i-1, two parameter shards, a spare); the least that works, four
 (two sub-groups, one parameter shard, a spare).
 """
@@ -53,7 +54,7 @@ def reference(model):
     """sub -> (homed bytes, least budget, budget with overlap), from the units' element counts."""
     numels = [sum(p.numel() for _, p in u.params) for u in plan_units(model, **UNITS).units]
     assert len(numels) >= 5 and sum(numels) == sum(p.numel() for p in model.parameters())
-    homed = sum(_extent(4 * n) for n in numels)
+    homed = sum(_extent(2 * n) for n in numels)  # bf16 gradient accumulators
     param_slot = _extent(2 * max(numels))
 
     def needs(sub):
