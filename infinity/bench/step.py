@@ -6,6 +6,8 @@ Every mode runs in its own fresh process (peak RSS is per process), one after an
 GPT model and synthetic tokens: plain PyTorch (the reference every ratio is taken against), ours at
 stage 3 without offload, with CPU offload, with parameters and optimizer on NVMe, and DeepSpeed
 ZeRO-3 with the same settings when ``--deepspeed-python`` points at an interpreter with DeepSpeed.
+Plain PyTorch builds the model eagerly; ours build it under ``infinity.init`` (the README's way:
+the fp32 model never exists in full), with bitwise the same initial values.
 
 The prefetcher alone (issue #5): ``--modes stage3-mem-params,stage3-nvme-params`` runs parameters
 on NVMe against the same configuration with the parameters in memory (see PARAMS_MODES), and
