@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="interpreter with DeepSpeed for the ds-* references (skipped if missing)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the modes this many times, every other round in reverse order; "
-                        "each mode reports its median round, x_params_in_memory the median of "
-                        "the per-round ratios")
+                        "each mode reports its median round, x_plain and x_params_in_memory the "
+                        "median of the per-round ratios")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="draw a per-step timeline (compute, I/O, stall) per mode "
@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     results = [_median_round(per_mode[m]) for m in modes]
     plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)
-    rows = [_row(r, plain, _params_ratio(per_mode, r["mode"])) for r in results]
+    rows = [_row(r, plain, _params_ratio(per_mode, r["mode"]), _paired_x(per_mode, r["mode"], "plain"))
+            for r in results]
     columns = list(dict.fromkeys(k for row in rows for k in row))  # later rows may add columns
     report = Report(name="step", title=f"infinity bench step: GPT {args.model}, {args.dtype}, "
                     f"batch {args.batch_size} x {args.seq_len}, median of {args.steps} steps"
@@ -120,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                     rows=rows, columns=columns, params={**_worker_args(args), "rounds": rounds},
                     extra={"raw": results} if rounds == 1 else {
                         "raw": results, "rounds_raw": [r for m in modes for r in per_mode[m]]},
-                    notes=["x_plain: step time / plain PyTorch step time (same run)",
+                    notes=["x_plain: step time / plain PyTorch step time (same run; with --rounds, "
+                           "the median of the per-round ratios)",
                            "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
                            "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
                            *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])
@@ -164,13 +166,25 @@ def _params_ratio(per_mode: dict[str, list[dict[str, Any]]], mode: str) -> dict[
             "ref": _median_round(per_mode[PARAMS_REF])}
 
 
-def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any] | None) -> dict[str, Any]:
+def _paired_x(per_mode: dict[str, list[dict[str, Any]]], mode: str, ref: str) -> float | None:
+    """Median over rounds of this mode's step time / ``ref``'s in the same round (None with one
+    round, or without ``ref``): a slow round slows both, so the pair's ratio is what is stable."""
+    pairs = [(r, b) for r, b in zip(per_mode.get(mode, []), per_mode.get(ref, []))
+             if "error" not in r and "error" not in b]
+    if len(pairs) < 2:
+        return None
+    return statistics.median(r["step_s"] / b["step_s"] for r, b in pairs)
+
+
+def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any] | None,
+         paired: float | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {"mode": r["mode"]}
     if "error" in r:
         row["note"] = r["error"][:120]
         return row
     row["step_s"] = r["step_s"]
-    row["x_plain"] = r["step_s"] / plain["step_s"] if plain else None
+    row["x_plain"] = paired if paired is not None else (
+        r["step_s"] / plain["step_s"] if plain else None)
     row["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
     row["rss_x_plain"] = r["peak_rss_bytes"] / plain["peak_rss_bytes"] if plain else None
     row["stall_frac"] = r.get("stall_fraction")

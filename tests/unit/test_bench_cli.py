@@ -272,3 +272,16 @@ def test_step_params_modes_ratio_and_same_training(tmp_path, capsys):
     assert nvme["param_read_s"] == pytest.approx(timed["param_nvme_bytes"] / timed["read_bytes_per_s"])
     assert nvme["read_lt_compute"] == (nvme["param_read_s"] < nvme["compute_s"])
     assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())
+
+
+def test_bench_step_x_plain_pairs_rounds():
+    """With --rounds, x_plain is the median of per-round ratios (each round's slowness hits both
+    modes), not the ratio of each mode's own median round."""
+    from infinity.bench.step import _paired_x
+
+    per_mode = {"plain": [{"step_s": 2.0}, {"step_s": 4.0}, {"step_s": 3.0}],
+                "stage3": [{"step_s": 3.0}, {"step_s": 4.0}, {"step_s": 3.3}],
+                "broken": [{"error": "x"}, {"step_s": 1.0}, {"error": "y"}]}
+    assert _paired_x(per_mode, "stage3", "plain") == pytest.approx(1.1)  # of 1.5, 1.0, 1.1
+    assert _paired_x(per_mode, "broken", "plain") is None  # one pair: no median to take
+    assert _paired_x({"stage3": per_mode["stage3"]}, "stage3", "plain") is None
