@@ -405,6 +405,10 @@ class InfinityEngine:
             "prefetch": self.manager.prefetch_stats(),
             "num_gathers": self.manager.num_gathers,
             "optimizer_step_s": self._step_time_s,
+            # [Note: deferred optimizer step]: updates run in the next forward, and the part of
+            # both spent waiting for sub-group reads.
+            "optimizer_deferred_s": getattr(self.optimizer, "deferred_s", 0.0),
+            "optimizer_read_wait_s": getattr(self.optimizer, "wait_s", 0.0),
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.scale,

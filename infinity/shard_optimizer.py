@@ -264,6 +264,8 @@ class OffloadedShardOptimizer:
         """A prefetch found the window full: later keys are read by the step (keeps a prefix)."""
         self.wait_s = 0.0
         """Seconds the step spent blocked on sub-group fetches (the pipeline's stall)."""
+        self.deferred_s = 0.0
+        """Seconds spent in updates of deferred steps, run before a shard read (in the forward)."""
         self._param_keys: dict[str, str] = {}
         """Key -> store key of its parameter shard (see :meth:`add`)."""
         self._run: _Run | None = None
@@ -461,7 +463,11 @@ class OffloadedShardOptimizer:
         key = self._pending_params.get(store_key)
         if key is None or self._run is None or self._advancing:
             return
-        self._advance(self._run.last_index(key) + 1)
+        t0 = time.perf_counter()
+        try:
+            self._advance(self._run.last_index(key) + 1)
+        finally:
+            self.deferred_s += time.perf_counter() - t0
 
     @property
     def pending_keys(self) -> list[str]:

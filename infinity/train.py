@@ -191,6 +191,7 @@ def _summary(engine: Any, ledger: Any, numel: int, losses: list[float], step_tim
         "tiers": tiers, "bytes_moved": s["bytes_moved"],
         "time": {"steps_s": step_total, "stall_s": stall,
                  "optimizer_step_s": s.get("optimizer_step_s", 0.0),
+                 "optimizer_deferred_s": s.get("optimizer_deferred_s", 0.0),
                  "stall_fraction": stall / max(step_total, 1e-9)},
         "stats": s,
     }
@@ -217,6 +218,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print(format_table([
         {"where the time went": "training steps (total)", "seconds": t["steps_s"]},
         {"where the time went": "  of which optimizer step", "seconds": t["optimizer_step_s"]},
+        {"where the time went": "  of which deferred updates (in the forward)",
+         "seconds": t["optimizer_deferred_s"]},
         {"where the time went": "  of which stalled on data", "seconds": t["stall_s"]},
     ]))
     print(f"stall fraction {t['stall_fraction']:.1%}")
