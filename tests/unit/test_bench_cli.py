@@ -285,3 +285,15 @@ def test_bench_step_x_plain_pairs_rounds():
     assert _paired_x(per_mode, "stage3", "plain") == pytest.approx(1.1)  # of 1.5, 1.0, 1.1
     assert _paired_x(per_mode, "broken", "plain") is None  # one pair: no median to take
     assert _paired_x({"stage3": per_mode["stage3"]}, "stage3", "plain") is None
+
+
+def test_adam_across_processes_reports_the_median_ratio(capsys):
+    """--processes N: each figure is measured in N fresh processes; every target ratio is the
+    median of the N per-process ratios, which the record keeps."""
+    assert main(adam_argv("--json", "--no-save", "--processes", "3")) == 0
+    out, _err = capsys.readouterr()
+    record = parse_single_json(out)
+    per = record["ratios_per_process"]
+    assert len(per) == 3 and record["params"]["processes"] == 3
+    for key, value in record["ratios"].items():
+        assert value == statistics.median(p[key] for p in per), key
