@@ -370,7 +370,7 @@ class InfinityEngine:
         DEVICE counts what the parameter manager holds (gathered units, shards, masters, gradient
         buffers: each storage once), the in-memory optimizer's moments and the store's DEVICE
         copies; its peak adds the parts' high-water marks (an upper bound). HOST is the store's
-        arena use (with an offloaded optimizer it holds the fp32 gradient accumulators too,
+        arena use (with an offloaded optimizer it holds the gradient accumulators too,
         [Note: gradient placement] in infinity/estimate.py); NVME the bytes of the shards whose
         home is a swap file.
         """

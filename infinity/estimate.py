@@ -98,16 +98,21 @@ ENGINE_GRAD_DTYPE = "fp32"
 
 
 def host_grad_dtype(config: InfinityConfig, world_size: int = 1) -> str:
-    """The dtype of the host gradient accumulators of an offloaded optimizer ([Note: gradient
-    placement], last point): the compute dtype when each element is written once per step with
-    a value that already is in that dtype, so holding it in fp32 would keep nothing more --
-    one micro-batch per step (``gradient_accumulation_steps`` 1) and either one rank or
-    gradients crossing ranks in the compute dtype (``precision.reduce_dtype`` 'compute'). fp32
-    otherwise: sums over micro-batches or over ranks in fp32 must not be rounded."""
-    dtype = config.precision.dtype
-    if dtype == "fp32" or config.gradient_accumulation_steps != 1:
+    """The dtype of the host gradient accumulators of an offloaded optimizer for an engine
+    config at ``world_size`` (:func:`host_grad_dtype_of`)."""
+    return host_grad_dtype_of(config.precision.dtype, config.gradient_accumulation_steps,
+                              world_size, config.precision.reduce_dtype)
+
+
+def host_grad_dtype_of(dtype: str, grad_accum: Any, world_size: int, reduce_dtype: str) -> str:
+    """[Note: gradient placement], last point: the compute dtype when each element is written
+    once per step with a value that already is in that dtype, so holding it in fp32 would keep
+    nothing more -- one micro-batch per step (``grad_accum`` 1) and either one rank or
+    gradients crossing ranks in the compute dtype (``reduce_dtype`` 'compute'). fp32 otherwise:
+    sums over micro-batches or over ranks in fp32 must not be rounded."""
+    if dtype == "fp32" or grad_accum != 1:
         return "fp32"
-    if world_size > 1 and config.precision.reduce_dtype != "compute":
+    if world_size > 1 and reduce_dtype != "compute":
         return "fp32"
     return dtype
 

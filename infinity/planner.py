@@ -34,6 +34,7 @@ Public API
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from infinity.estimate import (
     Tier,
     activation_bytes,
     estimate_model_states,
+    host_grad_dtype_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -189,11 +191,15 @@ def price(req: PlanRequest, hw: Hardware, *, stage: int, offload_param: str,
           offload_optimizer: str, micro_batch: int, checkpointing: bool) -> Candidate:
     """Memory per tier and time per step of one configuration (see [Note: time model])."""
     n, psi, s = hw.gpus, req.numel, req.shape.seq_len
+    ga = max(1, math.ceil(req.global_batch / (n * micro_batch)))
     terms = StateTerms.for_training(
         dtype=req.dtype, optimizer=req.optimizer,
         separate_master=req.dtype != "fp32" or offload_optimizer != "none" or (
             stage == 3 and offload_param != "none"),  # [Note: fp32 master] in infinity/estimate.py
         grad_dtype=ENGINE_GRAD_DTYPE)  # the engine's fp32 gradients: [Note: gradient placement]
+    if offload_optimizer != "none":  # the host accumulators, as the engine sizes them
+        terms = dataclasses.replace(terms, offload_grad_bytes=float(DTYPE_BYTES[
+            host_grad_dtype_of(req.dtype, ga, n, req.reduce_dtype)]))
     ledger = estimate_model_states(
         psi, stage, n, terms, offload_param=offload_param, offload_optimizer=offload_optimizer,
         gpus_per_node=hw.ranks_per_node, sub_group_numel=DEFAULT_SUB_GROUP_NUMEL,
@@ -201,7 +207,6 @@ def price(req: PlanRequest, hw: Hardware, *, stage: int, offload_param: str,
     acts = activation_bytes(req.shape, micro_batch=micro_batch, checkpointing=checkpointing,
                             dtype_bytes=int(terms.param_bytes))
     need, usable = _memory(ledger, acts, hw, req.headroom)
-    ga = max(1, math.ceil(req.global_batch / (n * micro_batch)))
     times, step_s = _step_time(req, hw, ledger, stage=stage, micro_batch=micro_batch,
                                checkpointing=checkpointing, ga=ga)
     return Candidate(stage=stage, offload_param=offload_param, offload_optimizer=offload_optimizer,

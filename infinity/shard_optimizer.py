@@ -209,7 +209,7 @@ class OffloadedShardOptimizer:
     marks them needed soonest for the store's eviction, so that its own reads do not evict them
     first (in a fixed order LRU drops exactly those before the step reaches them). Measured on
     the 2-core VM (135M GPT, `infinity bench step`): with half the training state's bytes as host
-    budget the fp32 gradient accumulators leave room for three sub-groups and the step stays
+    budget the (then fp32) gradient accumulators left room for three sub-groups and the step stayed
     bound by the disk (~3 GB read + written per step); at 0.9 of it the cached sub-groups cut the
     step from 1.1 s to 0.7 s.
 

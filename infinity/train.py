@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=DEFAULT_DIR, help=f"swap directory (default {DEFAULT_DIR})")
     parser.add_argument("--host-budget-fraction", type=float, default=0.4,
                         help="host budget as a fraction of the full training state (default 0.4: "
-                        "the fp32 gradient accumulators, 4 of its 18 B per parameter, live on the "
-                        "host, and the NVMe pipeline needs staging)")
+                        "the gradient accumulators live on the host, bf16 with one micro-batch "
+                        "per step and fp32 with accumulation, and the NVMe pipeline needs staging)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--config", help="a config file (native or DeepSpeed) instead of the flags")
     parser.add_argument("--seed", type=int, default=0)

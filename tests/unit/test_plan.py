@@ -206,3 +206,24 @@ def test_gradient_reduce_dtype_prices_the_bytes_the_engine_sends():
     buckets = math.ceil(psi * 4 / BUCKET_BYTES) - math.ceil(psi * 2 / BUCKET_BYTES)  # latency each
     assert times["fp32"] - times["compute"] == pytest.approx(
         2 * psi * (4 - 2) * ring / link + buckets * COLLECTIVE_LATENCY_S, rel=1e-6)
+
+
+@pytest.mark.parametrize("global_batch,want", [(4, 2), (16, 4)])
+def test_planner_prices_the_host_gradients_the_engine_holds(global_batch, want):
+    """[Note: gradient placement]: with the optimizer offloaded, one micro-batch per step on one
+    rank keeps bf16 host gradients (2 B/param), accumulation keeps fp32 (4 B); the planner's
+    ledger and the estimate of the config it writes agree with each other on that."""
+    from infinity.estimate import Tier, estimate_from_config
+    from infinity.planner import price
+
+    psi = 125e6
+    hw = hardware(gpus=1, device_gib=4, host_gib=64)
+    req = request(psi, global_batch=global_batch, micro_batches=(4,), checkpointing=(False,))
+    c = price(req, hw, stage=3, offload_param="none", offload_optimizer="cpu", micro_batch=4,
+              checkpointing=False)
+    assert c.grad_accum == global_batch // 4
+    assert c.ledger.states["grads"][Tier.HOST] == int(psi) * want
+    config = load_config({"zero": {"stage": 3}, "precision": {"dtype": "bf16"},
+                          "offload_optimizer": {"device": "cpu"},
+                          "gradient_accumulation_steps": c.grad_accum})
+    assert estimate_from_config(config, int(psi), 1).states["grads"][Tier.HOST] == int(psi) * want
