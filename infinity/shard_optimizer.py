@@ -420,7 +420,8 @@ class OffloadedShardOptimizer:
         step itself (no stored parameter shard), then the deferred ones, each part in ``order``
         and then add order. The read-ahead issued in this order is a prefix of the step's."""
         keys = [k for k in dict.fromkeys(order) if k in self._numel]
-        keys += [k for k in self._numel if k not in set(keys)]
+        listed = set(keys)
+        keys += [k for k in self._numel if k not in listed]
         return ([k for k in keys if k not in self._param_keys]
                 + [k for k in keys if k in self._param_keys])
 

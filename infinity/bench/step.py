@@ -158,20 +158,18 @@ def _params_ratio(per_mode: dict[str, list[dict[str, Any]]], mode: str) -> dict[
     in the same round (paired, so a slow round slows both), and the reference's median round."""
     if mode not in PARAMS_MODES or PARAMS_REF not in per_mode:
         return None
-    pairs = [(r, ref) for r, ref in zip(per_mode[mode], per_mode[PARAMS_REF])
-             if "error" not in r and "error" not in ref]
-    if not pairs:
-        return None
-    return {"x": statistics.median(r["step_s"] / ref["step_s"] for r, ref in pairs),
-            "ref": _median_round(per_mode[PARAMS_REF])}
+    x = _paired_x(per_mode, mode, PARAMS_REF, min_pairs=1)
+    return None if x is None else {"x": x, "ref": _median_round(per_mode[PARAMS_REF])}
 
 
-def _paired_x(per_mode: dict[str, list[dict[str, Any]]], mode: str, ref: str) -> float | None:
-    """Median over rounds of this mode's step time / ``ref``'s in the same round (None with one
-    round, or without ``ref``): a slow round slows both, so the pair's ratio is what is stable."""
+def _paired_x(per_mode: dict[str, list[dict[str, Any]]], mode: str, ref: str, *,
+              min_pairs: int = 2) -> float | None:
+    """Median over rounds of this mode's step time / ``ref``'s in the same round (None with
+    fewer than ``min_pairs`` rounds where both ran): a slow round slows both, so the pair's ratio
+    is what is stable."""
     pairs = [(r, b) for r, b in zip(per_mode.get(mode, []), per_mode.get(ref, []))
              if "error" not in r and "error" not in b]
-    if len(pairs) < 2:
+    if len(pairs) < min_pairs:
         return None
     return statistics.median(r["step_s"] / b["step_s"] for r, b in pairs)
 
