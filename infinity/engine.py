@@ -182,6 +182,8 @@ class InfinityEngine:
             reduce_dtype=(self.compute_dtype if config.precision.reduce_dtype == "compute"
                           else torch.float32),
             grad_host_dtype=_DTYPES[host_grad_dtype(config, self.collectives.world_size)])
+        self.manager.lazy_param_writeback = self.offload is not None and \
+            self.offload.device_holds_params
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/activations.py).
         if self.collectives.world_size > 1:
@@ -214,7 +216,8 @@ class InfinityEngine:
             optimizer = OffloadedShardOptimizer(
                 config.optimizer, self.store, home=tier_of(config.offload_optimizer.device),
                 sub_group_numel=self.offload.sub_group_numel,
-                readahead_bytes=self.offload.optimizer_readahead_bytes)
+                readahead_bytes=self.offload.optimizer_readahead_bytes,
+                host_resident_bytes=self.offload.optimizer_host_resident_bytes)
             if config.offload_optimizer.device == "nvme":  # [Note: optimizer read-ahead]
                 self.manager.on_grad_ready = self._on_grad_ready
                 self.store.before_read = optimizer.apply_before_read  # [Note: deferred optimizer step]
@@ -383,7 +386,8 @@ class InfinityEngine:
                        + store.get("device_peak_bytes", 0))
         nvme = 0
         if self.config.offload_optimizer.device == "nvme":
-            nvme += self.optimizer.state_bytes() + self.optimizer.master_bytes()
+            nvme += (self.optimizer.state_bytes() + self.optimizer.master_bytes()
+                     - self.optimizer.host_resident_bytes)  # [Note: host-resident sub-groups]
         if self.config.offload_param.device == "nvme":
             nvme += sum(g.shard_numel * self.compute_dtype.itemsize for u in self.manager.units
                         for g in u.groups if g.store_key is not None)
@@ -409,6 +413,8 @@ class InfinityEngine:
             # both spent waiting for sub-group reads.
             "optimizer_deferred_s": getattr(self.optimizer, "deferred_s", 0.0),
             "optimizer_read_wait_s": getattr(self.optimizer, "wait_s", 0.0),
+            # [Note: host-resident sub-groups]: optimizer state homed on HOST out of an NVMe home.
+            "optimizer_host_resident_bytes": getattr(self.optimizer, "host_resident_bytes", 0),
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.scale,

@@ -300,8 +300,13 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
                           *, offload_param: str = "none", offload_optimizer: str = "none",
                           gpus_per_node: int | None = None, sub_group_numel: int | None = None,
                           unit_numel: int | None = None,
-                          prefetch_units: int = DEFAULT_PREFETCH_UNITS) -> Ledger:
+                          prefetch_units: int = DEFAULT_PREFETCH_UNITS,
+                          optimizer_host_resident_bytes: int = 0) -> Ledger:
     """The per-rank ledger of ``numel`` parameters at ZeRO ``stage`` over ``world_size`` ranks.
+
+    ``optimizer_host_resident_bytes``: optimizer state the engine homes on HOST out of an NVMe
+    home when the host budget has room beyond its pipeline (``OffloadPlan`` of
+    :mod:`infinity.units`, [Note: host-resident sub-groups]): moved from the NVMe to the HOST row.
 
     ``unit_numel``: the largest unit's element count; when given, the working buffers of the
     gathered units and of a unit's gradient are added (see [Note: ledger placement]).
@@ -332,7 +337,11 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
         put("grads", Tier.DEVICE, (shard if stage >= 2 else numel) * terms.grad_bytes)
     else:
         put("grads", Tier.HOST, stepped * terms.optimizer_grad_bytes)
-    put("optimizer", opt_tier, stepped * terms.optimizer_bytes)
+    resident = min(max(0, int(optimizer_host_resident_bytes)), stepped * terms.optimizer_bytes) \
+        if opt_tier is Tier.NVME else 0
+    put("optimizer", opt_tier, stepped * terms.optimizer_bytes - resident)
+    if resident:
+        put("optimizer", Tier.HOST, resident)
 
     buffers: dict[Tier, dict[str, int]] = {}
     if opt_tier is Tier.NVME and stepped:
@@ -377,8 +386,10 @@ def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_
 
 def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
                          gpus_per_node: int | None = None, optimizer: str = "adam",
-                         unit_numel: int | None = None) -> Ledger:
-    """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size)."""
+                         unit_numel: int | None = None,
+                         optimizer_host_resident_bytes: int = 0) -> Ledger:
+    """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size);
+    ``optimizer_host_resident_bytes`` as in :func:`estimate_model_states` (the engine's plan)."""
     z = config.zero
     sub_group = z.sub_group_numel if isinstance(z.sub_group_numel, int) else None
     prefetch_units = DEFAULT_PREFETCH_UNITS
@@ -389,7 +400,8 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
         StateTerms.from_config(config, optimizer=optimizer, world_size=world_size),
         offload_param=config.offload_param.device if z.stage == 3 else "none",
         offload_optimizer=config.offload_optimizer.device, gpus_per_node=gpus_per_node,
-        sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units)
+        sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units,
+        optimizer_host_resident_bytes=optimizer_host_resident_bytes)
 
 
 def paper_bytes_per_device(numel: float, stage: int, world_size: int, k: float = 12.0,

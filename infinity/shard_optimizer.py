@@ -233,7 +233,7 @@ class OffloadedShardOptimizer:
     """
 
     def __init__(self, config: OptimizerConfig, store: Any, *, home: Any, sub_group_numel: int,
-                 readahead_bytes: int = 0):
+                 readahead_bytes: int = 0, host_resident_bytes: int = 0):
         from infinity.tiers import Tier
 
         if config.state_dtype != "fp32":
@@ -252,6 +252,13 @@ class OffloadedShardOptimizer:
         self.readahead_bytes = int(readahead_bytes)
         """Host bytes of sub-groups held pinned at once ([Note: optimizer read-ahead]); below two
         slots the step reads one sub-group ahead."""
+        self._resident_left = int(host_resident_bytes) if home is Tier.NVME else 0
+        """NVME home: host room left for sub-groups homed on HOST instead, in arena extents
+        ([Note: host-resident sub-groups] in infinity/units.py); :meth:`add` takes it in order."""
+        self._homes: dict[str, Any] = {}
+        """Store key of each sub-group -> its home tier."""
+        self.host_resident_bytes = 0
+        """Bytes of optimizer state homed on HOST although the optimizer's home is NVME."""
         self._tier = Tier
         self._numel: dict[str, int] = {}
         self._outs: dict[str, Any] = {}
@@ -302,7 +309,13 @@ class OffloadedShardOptimizer:
             n = hi - lo
             initial = torch.zeros(3 * n, dtype=torch.float32)
             initial[:n].copy_(master[lo:hi])
-            self.store.register(shard_key, 3 * n, torch.float32, self.home, initial=initial)
+            home, extent = self.home, -(-12 * n // 4096) * 4096
+            if extent <= self._resident_left:  # [Note: host-resident sub-groups]
+                home = self._tier.HOST
+                self._resident_left -= extent
+                self.host_resident_bytes += 12 * n
+            self.store.register(shard_key, 3 * n, torch.float32, home, initial=initial)
+            self._homes[shard_key] = home
             self._state_bytes += 8 * n
 
     def keys(self) -> list[str]:
@@ -331,7 +344,7 @@ class OffloadedShardOptimizer:
                 self.store.mark_dirty(shard_key, self._tier.HOST)
             finally:
                 self.store.release(shard_key, self._tier.HOST)
-            if self.home is self._tier.NVME:
+            if self._homes[shard_key] is self._tier.NVME:
                 handles.append(self.store.write_back(shard_key))
         for handle in handles:
             handle.wait()
@@ -364,6 +377,8 @@ class OffloadedShardOptimizer:
         if self._ahead_full:
             return  # what is read ahead stays a prefix of the step's order
         for shard_key, _lo, _hi in self._sub_groups(key):
+            if self._homes[shard_key] is not self._tier.NVME:
+                continue  # nothing to read: acquiring it later costs nothing
             if len(self._ahead) >= self.window_sub_groups:
                 self._ahead_full = True
                 return
@@ -506,7 +521,7 @@ class OffloadedShardOptimizer:
         run = self._run
         while run.cursor < len(run.items) and len(self._ahead) < run.window(self):
             sk = run.items[run.cursor][1]
-            if sk not in self._ahead:
+            if sk not in self._ahead and self._homes[sk] is self._tier.NVME:
                 try:
                     self._ahead[sk] = self.store.acquire(sk, self._tier.HOST)
                 except TierCapacityError:
@@ -544,7 +559,7 @@ class OffloadedShardOptimizer:
                     self.store.release(shard_key, self._tier.HOST)
                     self.store.set_next_use(shard_key, None)  # stepped: no longer needed soon
                 run.done = j + 1
-                if self.home is self._tier.NVME:  # the write of j overlaps the update of j+1
+                if self._homes[shard_key] is self._tier.NVME:  # its write overlaps the next update
                     run.writebacks.append(self.store.write_back(shard_key))
         except BaseException:
             # An error leaves the open shard unmarked (the store keeps its old bytes) and ends

@@ -200,6 +200,10 @@ class ParameterManager(GradientLedger):
     """Owns the units of one model: builds, shards, hooks, gathers, releases; reduces gradients
     through :class:`~infinity._grad_ledger.GradientLedger`."""
 
+    lazy_param_writeback = False
+    """The device tier holds every stored parameter shard (``OffloadPlan.device_holds_params``):
+    a shard the optimizer updated stays dirty on the device and goes home when the store evicts
+    it or flushes (checkpoints, weights, a non-deferred step), not after every step."""
     on_grad_ready: "Callable[[str], None] | None" = None
     """Called with a trainable group's key once its gradient of this backward is reduced and
     accumulated (the engine starts reading that group's NVMe optimizer state then; [Note:
@@ -369,7 +373,8 @@ class ParameterManager(GradientLedger):
             self.store.release(key, Tier.DEVICE)
             if not written:  # partly written: never let those bytes pass for the shard
                 self.store.evict(key, Tier.DEVICE)
-        self.store.write_back(key)  # async: the updated shard returns to its home
+        if not self.lazy_param_writeback:
+            self.store.write_back(key)  # async: the updated shard returns to its home
 
     def read_shard(self, group: FlatGroup) -> torch.Tensor:
         """A copy-free view (device) or a fresh copy (store) of this rank's parameter shard."""

@@ -132,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
     engine = infinity.initialize(model, raw_config)
     config = engine.config
     unit_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
-    ledger = estimate_from_config(config, numel, engine.stats()["world_size"], unit_numel=unit_numel)
+    stats = engine.stats()
+    ledger = estimate_from_config(config, numel, stats["world_size"], unit_numel=unit_numel,
+                                  optimizer_host_resident_bytes=stats["optimizer_host_resident_bytes"])
 
     micro_steps = args.steps * args.grad_accum
     bar = Progress(args.steps, desc="train")

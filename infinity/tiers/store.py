@@ -564,6 +564,11 @@ class TieredStore(_BudgetMixin):
         with self._lock:
             return self._shard(key).copies[tier].state
 
+    def home(self, key: str) -> Tier:
+        """The tier ``key`` was registered with as its home."""
+        with self._lock:
+            return self._shard(key).home
+
     def is_dirty(self, key: str) -> Tier | None:
         with self._lock:
             return self._shard(key).dirty

@@ -117,10 +117,18 @@ def test_cancelled_reads_leave_nothing_pinned(tmp_path, slow_reads):
         swapper.close()
 
 
-@pytest.mark.parametrize("host", ["auto", 10 * 4 * 4096 + 45056])
-def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, host):
+_HOMED = 16 * 4096
+"""The tiny GPT's host-homed bytes below (parameter shards and gradient accumulators, 4 KiB
+extents); the slot is one 4 KiB extent (300 fp32 elements x 3)."""
+
+
+@pytest.mark.parametrize("host, resident", [("auto", False), (_HOMED + 5 * 4096, False),
+                                            (_HOMED + 15 * 4096, True)])
+def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, host, resident):
     """Slow NVMe reads, clipping by the global norm, gradient accumulation: the same run as
-    plain PyTorch + AdamW, with optimizer reads issued while backward runs."""
+    plain PyTorch + AdamW, with optimizer reads issued while backward runs. The third budget
+    leaves room beyond the window (one spare + 4 slots): 10 sub-groups are homed on HOST
+    ([Note: host-resident sub-groups]) and never read from NVMe; the others still are."""
     data = batches(4, 2)
     ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype="bf16", clip=0.05)
     path = str(tmp_path / "swap")
@@ -142,7 +150,7 @@ def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, ho
     try:
         engine.store.flush()
         for sk in engine.store.keys():  # the first step reads from NVMe too
-            if sk.startswith("opt/"):
+            if sk.startswith("opt/") and engine.store.home(sk) is Tier.NVME:
                 engine.store.evict(sk, Tier.HOST)
         losses = engine_train(engine, data)
         assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "bf16")
@@ -150,6 +158,14 @@ def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, ho
         assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
         in_backward = [k for k, bwd in slow_reads["reads"] if bwd and k.startswith("opt/")]
         assert in_backward, "optimizer state is read while backward runs"
+        homes = {k: engine.store.home(k) for k in engine.store.keys() if k.startswith("opt/")}
+        on_host = {k for k, home in homes.items() if home is Tier.HOST}
+        assert len(on_host) == (10 if resident else 0) < len(homes)
+        opt = engine.optimizer
+        assert stats["optimizer_host_resident_bytes"] == sum(
+            12 * (hi - lo) for key in opt.keys() for sk, lo, hi in opt._sub_groups(key)
+            if sk in on_host)
+        assert not on_host & {k for k, _bwd in slow_reads["reads"]}
     finally:
         engine.close()
 
