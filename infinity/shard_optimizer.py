@@ -541,7 +541,10 @@ class OffloadedShardOptimizer:
                 key, shard_key, lo, hi = run.items[j]
                 if shard_key not in self._ahead:  # the item stepped now: no room is an error
                     self._ahead[shard_key] = self.store.acquire(shard_key, self._tier.HOST)
-                    run.cursor = max(run.cursor, j + 1)
+                # Reads ahead start after this item, also when it was read ahead in backward (a
+                # full window leaves the cursor behind): an updated item read again would pin a
+                # window slot, and bytes, for the rest of the step.
+                run.cursor = max(run.cursor, j + 1)
                 self._top_up()
                 t0 = time.perf_counter()
                 buf = self._ahead.pop(shard_key).wait()

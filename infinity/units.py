@@ -419,7 +419,7 @@ def plan_offload(module: nn.Module, config: Any, *, world_size: int,
                        optimizer_host_resident_bytes=resident, device_holds_params=holds_params)
 
 
-OPTIMIZER_WINDOW_SLOTS = 4
+OPTIMIZER_WINDOW_SLOTS = 3
 """Read-ahead slots the NVMe optimizer keeps before host room goes to host-resident sub-groups
 ([Note: host-resident sub-groups])."""
 
@@ -441,13 +441,13 @@ def _optimizer_host_room(config: Any, opt_parts: list[int], param_shards: list[i
     beyond OPTIMIZER_WINDOW_SLOTS slots the room of an explicit budget homes sub-groups on HOST,
     unless parameters stream from NVMe every step (the device cannot hold them all), which need
     that room to cache their shards. The optimizer takes them in add order, which is unit order:
-    the embedding first, whose update opens the forward with no compute to hide it. Measured on the 2-core VM (135M GPT,
-    bf16, host budget half the training state, device holding every parameter shard; seconds
-    over 3 deferred steps): nothing resident (window 11): 1.55 s of deferred updates, 1.14 s of
-    it waiting for reads; window 5 (155 MB resident): 1.3-1.6 s, 1.0-1.1 s; window 4 (233 MB):
-    0.58-0.71 s, 0.18-0.32 s; window 3 (310 MB): 2.0 s, 1.7 s. The optimum is narrow and its cause
-    is not understood yet (a guess: arena holes left by sub-groups of two sizes stop the reads
-    ahead early); re-measure when the sub-group size or the model changes.
+    the embedding first, whose update opens the forward with no compute to hide it. Three slots
+    are the pipeline's own (the one stepped, the next one read, the last one written). Measured
+    on the 2-core VM (135M GPT, bf16, host budget half the training state, the device holding
+    every parameter shard; seconds over 3 deferred steps, deferred updates / waiting for reads):
+    window 2: 0.60 / 0.27, 3: 0.68 / 0.30, 4: 0.70-0.72 / 0.17-0.29, 6: 1.13 / 0.69,
+    8: 1.15 / 0.57, 9 (nothing resident): 1.33 / 0.53. Each slot more in the window is a
+    sub-group less on HOST: ~100 MB more NVMe traffic per step.
     """
     if config.offload_optimizer.device != "nvme":
         return 0, 0

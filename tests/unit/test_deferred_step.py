@@ -6,6 +6,8 @@ the reference is the same engine with the step run in place, and plain PyTorch +
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -140,3 +142,36 @@ def test_checkpoint_load_is_not_overwritten_by_a_pending_update(tmp_path, slow_r
         engine.close()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def test_each_sub_group_is_acquired_once_per_step(tmp_path, slow_reads):
+    """The backward's read-ahead fills the window, so the step starts with its cursor behind
+    items already read; an update must move the cursor past itself, or the next read ahead takes
+    an item already updated again (a second acquire: a read when its copy was evicted, and a
+    window slot pinned until the step ends)."""
+    data = batches(STEPS, 1)
+    engine = _engine(tmp_path, "once", defer=True)
+    backward, acquire = engine.backward, engine.store.acquire
+    acquires: Counter = Counter()
+
+    def marked_backward(loss):
+        slow_reads["in_backward"] = True
+        try:
+            backward(loss)
+        finally:
+            slow_reads["in_backward"] = False
+
+    def counted_acquire(key, tier, **kwargs):
+        if key.startswith("opt/"):
+            acquires[key] += 1
+        return acquire(key, tier, **kwargs)
+
+    engine.backward, engine.store.acquire = marked_backward, counted_acquire
+    try:
+        engine_train(engine, data)
+        engine.optimizer.drain()
+        in_backward = [k for k, bwd in slow_reads["reads"] if bwd and k.startswith("opt/")]
+        assert in_backward, "the window is filled during backward"
+        assert acquires and set(acquires.values()) == {STEPS}, acquires.most_common(3)
+    finally:
+        engine.close()

@@ -122,12 +122,12 @@ _HOMED = 16 * 4096
 extents); the slot is one 4 KiB extent (300 fp32 elements x 3)."""
 
 
-@pytest.mark.parametrize("host, resident", [("auto", False), (_HOMED + 5 * 4096, False),
-                                            (_HOMED + 15 * 4096, True)])
+@pytest.mark.parametrize("host, resident", [("auto", False), (_HOMED + 4 * 4096, False),
+                                            (_HOMED + 14 * 4096, True)])
 def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, host, resident):
     """Slow NVMe reads, clipping by the global norm, gradient accumulation: the same run as
     plain PyTorch + AdamW, with optimizer reads issued while backward runs. The third budget
-    leaves room beyond the window (one spare + 4 slots): 10 sub-groups are homed on HOST
+    leaves room beyond the window (one spare + 3 slots): 10 sub-groups are homed on HOST
     ([Note: host-resident sub-groups]) and never read from NVMe; the others still are."""
     data = batches(4, 2)
     ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype="bf16", clip=0.05)
