@@ -201,9 +201,10 @@ class ParameterManager(GradientLedger):
     through :class:`~infinity._grad_ledger.GradientLedger`."""
 
     lazy_param_writeback = False
-    """The device tier holds every stored parameter shard (``OffloadPlan.device_holds_params``):
-    a shard the optimizer updated stays dirty on the device and goes home when the store evicts
-    it or flushes (checkpoints, weights, a non-deferred step), not after every step."""
+    """The device tier holds every stored parameter shard (``OffloadPlan.device_holds_params``)
+    and the optimizer is on NVMe (set by the engine): a shard the optimizer updated stays dirty
+    on the device and goes home when the store evicts it or flushes (checkpoints, weights, a
+    step run in place), not after every update."""
     on_grad_ready: "Callable[[str], None] | None" = None
     """Called with a trainable group's key once its gradient of this backward is reduced and
     accumulated (the engine starts reading that group's NVMe optimizer state then; [Note:

@@ -267,8 +267,8 @@ class OffloadPlan:
     no such surplus."""
     device_holds_params: bool = False
     """Parameters offloaded and the device budget holds every parameter shard at once: once
-    fetched they stay on the device, so updated shards are written back to their home lazily
-    (on eviction or flush) and the host needs no parameter staging in the step."""
+    fetched they stay on the device, so the host needs no parameter staging in the step, and
+    with the optimizer on NVMe updated shards go home lazily (on eviction or flush)."""
 
 
 def _extent(nbytes: int) -> int:

@@ -15,7 +15,7 @@ import infinity
 
 from _engine_common import (TINY, assert_close_run, batches, engine_config, engine_train,
                             reference_train, tiny_gpt)
-from test_shard_optimizer_readahead import slow_reads  # noqa: F401 - the fixture
+from test_shard_optimizer_readahead import mark_backward, slow_reads  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -151,22 +151,15 @@ def test_each_sub_group_is_acquired_once_per_step(tmp_path, slow_reads):
     window slot pinned until the step ends)."""
     data = batches(STEPS, 1)
     engine = _engine(tmp_path, "once", defer=True)
-    backward, acquire = engine.backward, engine.store.acquire
-    acquires: Counter = Counter()
-
-    def marked_backward(loss):
-        slow_reads["in_backward"] = True
-        try:
-            backward(loss)
-        finally:
-            slow_reads["in_backward"] = False
+    mark_backward(engine, slow_reads)
+    acquire, acquires = engine.store.acquire, Counter()
 
     def counted_acquire(key, tier, **kwargs):
         if key.startswith("opt/"):
             acquires[key] += 1
         return acquire(key, tier, **kwargs)
 
-    engine.backward, engine.store.acquire = marked_backward, counted_acquire
+    engine.store.acquire = counted_acquire
     try:
         engine_train(engine, data)
         engine.optimizer.drain()

@@ -142,3 +142,17 @@ def test_a_device_too_small_for_every_shard_writes_each_update_back(tmp_path):
         assert engine.stats()["bytes_moved"]["DEVICE->HOST"] > 0  # each update went home
     finally:
         engine.close()
+
+
+def test_a_step_run_in_place_keeps_writing_each_update_back(tmp_path):
+    """Optimizer in host memory: the step runs in place and flushes right after, so laziness
+    would only move the write-backs behind the last update; each shard goes home as updated."""
+    engine = infinity.initialize(tiny_gpt(), engine_config(
+        stage=3, dtype="bf16", offload_optimizer={"device": "cpu"},
+        offload_param={"device": "cpu"}))
+    try:
+        assert engine.offload.device_holds_params and not engine.manager.lazy_param_writeback
+        engine_train(engine, batches(2, 1))
+        assert engine.stats()["bytes_moved"]["DEVICE->HOST"] > 0
+    finally:
+        engine.close()

@@ -49,6 +49,20 @@ def slow_reads(monkeypatch):
     return state
 
 
+def mark_backward(engine, slow_reads) -> None:
+    """Make ``slow_reads`` tell the reads issued while ``engine.backward`` runs."""
+    backward = engine.backward
+
+    def marked_backward(loss):
+        slow_reads["in_backward"] = True
+        try:
+            backward(loss)
+        finally:
+            slow_reads["in_backward"] = False
+
+    engine.backward = marked_backward
+
+
 def _adamw_reference(masters, grads_per_step, config: OptimizerConfig):
     """torch.optim.AdamW over the same flat fp32 tensors (the independent reference)."""
     params = [torch.nn.Parameter(m.clone()) for m in masters]
@@ -137,16 +151,7 @@ def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, ho
         offload_optimizer={"device": "nvme", "nvme_path": path},
         offload_param={"device": "cpu"}, memory={"host_budget_bytes": host},
         zero={"sub_group_numel": 300}))
-    backward = engine.backward
-
-    def timed_backward(loss):
-        slow_reads["in_backward"] = True
-        try:
-            backward(loss)
-        finally:
-            slow_reads["in_backward"] = False
-
-    engine.backward = timed_backward
+    mark_backward(engine, slow_reads)
     try:
         engine.store.flush()
         for sk in engine.store.keys():  # the first step reads from NVMe too
