@@ -309,8 +309,11 @@ class OffloadedShardOptimizer:
             n = hi - lo
             initial = torch.zeros(3 * n, dtype=torch.float32)
             initial[:n].copy_(master[lo:hi])
-            home, extent = self.home, -(-12 * n // 4096) * 4096
-            if extent <= self._resident_left:  # [Note: host-resident sub-groups]
+            home = self.home
+            # The arena's own extent (its alignment may exceed the plan's 4 KiB), so that the
+            # resident sub-groups never take more host room than the plan left them.
+            extent = self.store.arena.extent_bytes(12 * n) if self._resident_left else 0
+            if 0 < extent <= self._resident_left:  # [Note: host-resident sub-groups]
                 home = self._tier.HOST
                 self._resident_left -= extent
                 self.host_resident_bytes += 12 * n
