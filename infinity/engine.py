@@ -182,10 +182,6 @@ class InfinityEngine:
             reduce_dtype=(self.compute_dtype if config.precision.reduce_dtype == "compute"
                           else torch.float32),
             grad_host_dtype=_DTYPES[host_grad_dtype(config, self.collectives.world_size)])
-        # Lazy only where a deferred step follows: a step run in place flushes every shard home
-        # right after it, and eager write-backs overlap the updates of the later keys there.
-        self.manager.lazy_param_writeback = self.offload is not None and \
-            self.offload.device_holds_params and config.offload_optimizer.device == "nvme"
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/activations.py).
         if self.collectives.world_size > 1:
@@ -349,6 +345,9 @@ class InfinityEngine:
         clip = self.config.gradient_clipping
         if clip > 0 and norm > clip:
             coef = clip / (norm + 1e-6)
+        # Lazy only for a deferred step: a step run in place flushes every shard home right
+        # after it, and there eager write-backs overlap the updates of the later keys.
+        self.manager.lazy_param_writeback = self._deferring and self.offload.device_holds_params
         if self._deferring:
             self.optimizer.step(grads, grad_scale=inv_scale * coef, defer=True,
                                 order=self.manager.forward_keys())

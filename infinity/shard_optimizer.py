@@ -317,6 +317,8 @@ class OffloadedShardOptimizer:
                 home = self._tier.HOST
                 self._resident_left -= extent
                 self.host_resident_bytes += 12 * n
+            else:  # a prefix only: no later, smaller sub-group lands between cached copies
+                self._resident_left = 0
             self.store.register(shard_key, 3 * n, torch.float32, home, initial=initial)
             self._homes[shard_key] = home
             self._state_bytes += 8 * n
@@ -568,13 +570,16 @@ class OffloadedShardOptimizer:
                 if self._homes[shard_key] is self._tier.NVME:  # its write overlaps the next update
                     run.writebacks.append(self.store.write_back(shard_key))
         except BaseException:
-            # An error leaves the open shard unmarked (the store keeps its old bytes) and ends
-            # the step: the keys not updated keep their old state; drain() raises nothing more.
-            if out_ctx is not None:
-                out_ctx.__exit__(*sys.exc_info())
-                out_ctx = None
-            self._drop_ahead()
-            self._run, self._pending_params = None, {}
+            # An error leaves the open shard unmarked (the store keeps its old bytes, or, written
+            # back lazily, the bytes so far) and ends the step: the keys not updated keep their
+            # old state; drain() raises nothing more. The window's pins go in any case.
+            try:
+                if out_ctx is not None:
+                    out_ctx.__exit__(*sys.exc_info())
+                    out_ctx = None
+            finally:
+                self._drop_ahead()
+                self._run, self._pending_params = None, {}
             raise
         finally:
             self._advancing = False

@@ -202,9 +202,9 @@ class ParameterManager(GradientLedger):
 
     lazy_param_writeback = False
     """The device tier holds every stored parameter shard (``OffloadPlan.device_holds_params``)
-    and the optimizer is on NVMe (set by the engine): a shard the optimizer updated stays dirty
-    on the device and goes home when the store evicts it or flushes (checkpoints, weights, a
-    step run in place), not after every update."""
+    and the optimizer step is deferred (set by the engine at each step): a shard the optimizer
+    updated stays dirty on the device and goes home when the store evicts it or flushes
+    (checkpoints, weights), not after every update."""
     on_grad_ready: "Callable[[str], None] | None" = None
     """Called with a trainable group's key once its gradient of this backward is reduced and
     accumulated (the engine starts reading that group's NVMe optimizer state then; [Note:
@@ -351,7 +351,8 @@ class ParameterManager(GradientLedger):
     def param_partition(self, group: FlatGroup) -> Any:
         """What the optimizer writes for ``group``: the parameter partition (stage 0: the whole
         buffer), or, when the store holds the shard, a callable opening it for writing (acquire on
-        the device, mark dirty, release, write back to its home tier)."""
+        the device, mark dirty, release, write back to its home tier unless
+        ``lazy_param_writeback``)."""
         if group.store_key is None:
             return group.full if self.stage == 0 else group.shard
         return lambda overwrite=False: self._open_stored_shard(group, overwrite=overwrite)
@@ -372,7 +373,10 @@ class ParameterManager(GradientLedger):
             written = True
         finally:
             self.store.release(key, Tier.DEVICE)
-            if not written:  # partly written: never let those bytes pass for the shard
+            # Partly written. A copy already dirty (lazy write-back) is the only current one: it
+            # stays, its updated parts matching their masters, and the error path writes nothing.
+            # Any other copy is dropped (not dirty: no write), so its bytes never pass for the shard.
+            if not written and self.store.is_dirty(key) is not Tier.DEVICE:
                 self.store.evict(key, Tier.DEVICE)
         if not self.lazy_param_writeback:
             self.store.write_back(key)  # async: the updated shard returns to its home

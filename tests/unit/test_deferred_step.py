@@ -53,17 +53,25 @@ def _record_pending(engine) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("gas", [1, 2])
-def test_deferred_step_trains_to_the_bits_of_the_step_run_in_place(tmp_path, slow_reads, gas):
+LEAST_HOST = 45056 + 4 * 8192
+"""The least host budget here (``least_host_budget_bytes``): the homed gradient accumulators,
+then two sub-groups, a shard and a spare in 8 KiB slots; nothing is left for host-resident
+sub-groups (the test asserts it)."""
+
+
+@pytest.mark.parametrize("gas, host", [(1, 120_000), (2, 120_000), (2, LEAST_HOST)])
+def test_deferred_step_trains_to_the_bits_of_the_step_run_in_place(tmp_path, slow_reads, gas,
+                                                                    host):
     data = batches(STEPS, gas)
     ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype="bf16", clip=0.05)
-    in_place = _engine(tmp_path, "in-place", defer=False, gas=gas)
+    in_place = _engine(tmp_path, "in-place", defer=False, gas=gas, host=host)
+    assert (in_place.offload.optimizer_host_resident_bytes == 0) == (host == LEAST_HOST)
     try:
         want_losses = engine_train(in_place, data)
         want_state = in_place.full_state_dict()
     finally:
         in_place.close()
-    deferred = _engine(tmp_path, "deferred", defer=True, gas=gas)
+    deferred = _engine(tmp_path, "deferred", defer=True, gas=gas, host=host)
     try:
         pending = _record_pending(deferred)
         losses = engine_train(deferred, data)
