@@ -255,8 +255,6 @@ class OffloadedShardOptimizer:
         self._resident_left = int(host_resident_bytes) if home is Tier.NVME else 0
         """NVME home: host room left for sub-groups homed on HOST instead, in arena extents
         ([Note: host-resident sub-groups] in infinity/units.py); :meth:`add` takes it in order."""
-        self._homes: dict[str, Any] = {}
-        """Store key of each sub-group -> its home tier."""
         self.host_resident_bytes = 0
         """Bytes of optimizer state homed on HOST although the optimizer's home is NVME."""
         self._tier = Tier
@@ -320,7 +318,6 @@ class OffloadedShardOptimizer:
             else:  # a prefix only: no later, smaller sub-group lands between cached copies
                 self._resident_left = 0
             self.store.register(shard_key, 3 * n, torch.float32, home, initial=initial)
-            self._homes[shard_key] = home
             self._state_bytes += 8 * n
 
     def keys(self) -> list[str]:
@@ -349,7 +346,7 @@ class OffloadedShardOptimizer:
                 self.store.mark_dirty(shard_key, self._tier.HOST)
             finally:
                 self.store.release(shard_key, self._tier.HOST)
-            if self._homes[shard_key] is self._tier.NVME:
+            if self._on_nvme(shard_key):
                 handles.append(self.store.write_back(shard_key))
         for handle in handles:
             handle.wait()
@@ -382,7 +379,7 @@ class OffloadedShardOptimizer:
         if self._ahead_full:
             return  # what is read ahead stays a prefix of the step's order
         for shard_key, _lo, _hi in self._sub_groups(key):
-            if self._homes[shard_key] is not self._tier.NVME:
+            if not self._on_nvme(shard_key):
                 continue  # nothing to read: acquiring it later costs nothing
             if len(self._ahead) >= self.window_sub_groups:
                 self._ahead_full = True
@@ -444,6 +441,10 @@ class OffloadedShardOptimizer:
         keys += [k for k in self._numel if k not in listed]
         return ([k for k in keys if k not in self._param_keys]
                 + [k for k in keys if k in self._param_keys])
+
+    def _on_nvme(self, shard_key: str) -> bool:
+        """The sub-group's home is a swap file (not host-resident: [Note: host-resident sub-groups])."""
+        return self.store.home(shard_key) is self._tier.NVME
 
     def _cached_on_host(self, shard_key: str) -> bool:
         from infinity.tiers import Residency
@@ -526,7 +527,7 @@ class OffloadedShardOptimizer:
         run = self._run
         while run.cursor < len(run.items) and len(self._ahead) < run.window(self):
             sk = run.items[run.cursor][1]
-            if sk not in self._ahead and self._homes[sk] is self._tier.NVME:
+            if sk not in self._ahead and self._on_nvme(sk):
                 try:
                     self._ahead[sk] = self.store.acquire(sk, self._tier.HOST)
                 except TierCapacityError:
@@ -567,7 +568,7 @@ class OffloadedShardOptimizer:
                     self.store.release(shard_key, self._tier.HOST)
                     self.store.set_next_use(shard_key, None)  # stepped: no longer needed soon
                 run.done = j + 1
-                if self._homes[shard_key] is self._tier.NVME:  # its write overlaps the next update
+                if self._on_nvme(shard_key):  # its write overlaps the next update
                     run.writebacks.append(self.store.write_back(shard_key))
         except BaseException:
             # An error leaves the open shard unmarked (the store keeps its old bytes, or, written

@@ -461,7 +461,7 @@ def _optimizer_host_room(config: Any, opt_parts: list[int], param_shards: list[i
     slots = (host - homed) // slot - staged - 1 if slot else 0
     # An 'auto' budget is the pipeline's need plus a margin: nothing to spare. Parameters read
     # from NVMe every step need the spare room as their host cache (it saves their reads).
-    spare = config.memory.host_budget_bytes != "auto" and not (param_nvme and not device_holds_params)
+    spare = config.memory.host_budget_bytes != "auto" and not staged
     resident = 0
     if slots > OPTIMIZER_WINDOW_SLOTS and spare:
         resident, slots = (slots - OPTIMIZER_WINDOW_SLOTS) * slot, OPTIMIZER_WINDOW_SLOTS
