@@ -17,7 +17,8 @@ Public API (everything else is private)::
     store.flush()                                # write back every dirty shard and wait
     store.evict(key, tier)                       # drop a non-home copy (dirty: written back first)
     store.unregister(key); store.close()         # (also a context manager)
-    store.state(key, tier) -> Residency; store.is_dirty(key) -> Tier | None; store.keys()
+    store.state(key, tier) -> Residency; store.is_dirty(key) -> Tier | None; store.home(key) -> Tier;
+    store.keys()
     store.set_next_use(key, distance); store.stats() -> dict; store.reset_peaks()
     store.arena  # the HostArena (extents(), holes(), alignment_bytes, extent_bytes(n))
 
