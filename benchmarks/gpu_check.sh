@@ -9,7 +9,7 @@
 #      no pip install is attempted (the GPU machine may be offline): without torch it says so, exit 2;
 #   2. prints torch/CUDA versions and the GPU; without CUDA it says so, exit 3;
 #   3. the GPU tests (tests/gpu, marker gpu) with pytest, or, where pytest is missing, the same
-#      checks through `python tests/gpu/test_engine_cuda.py`;
+#      checks through `python -m tests.gpu.test_engine_cuda`;
 #   4. a short step benchmark on the GPU: plain PyTorch vs the engine at stage 3 (no offload, CPU
 #      offload of the optimizer), GPT 'small' preset, median step time after warm-up and peak CUDA
 #      memory, as ratios to plain PyTorch in the same process.
@@ -56,8 +56,8 @@ if "$PY" -c "import pytest" >/dev/null 2>&1; then
   echo "== running: $PY -m pytest tests/gpu -m gpu -q"
   "$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider || status=1
 else
-  echo "== pytest is not importable: running the same checks with $PY tests/gpu/test_engine_cuda.py"
-  "$PY" tests/gpu/test_engine_cuda.py || status=1
+  echo "== pytest is not importable: running the same checks with $PY -m tests.gpu.test_engine_cuda"
+  "$PY" -m tests.gpu.test_engine_cuda || status=1
 fi
 
 echo "== step benchmark (GPT 'small', stage 3; medians of 10 steps after 3 warm-up steps)"

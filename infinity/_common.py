@@ -18,49 +18,6 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 
-class InfinityError(Exception):
-    """Base class of the errors this package raises on purpose."""
-
-
-class SwapIOError(InfinityError, OSError):
-    """A swap read or write did not move the bytes it should have.
-
-    Carries the path, the file offset, and the expected and actual byte counts so that the user can
-    tell a full disk from a truncated file from a file written for another tensor.
-    """
-
-    def __init__(self, message: str, *, path: str, offset: int = 0, expected_bytes: int = 0,
-                 actual_bytes: int = 0, errno_: int | None = None):
-        super().__init__(errno_ or 0, message)
-        self.message = message
-        self.path = path
-        self.offset = offset
-        self.expected_bytes = expected_bytes
-        self.actual_bytes = actual_bytes
-        self.errno = errno_
-
-    def __str__(self) -> str:
-        return (f"{self.message} (path={self.path!r}, offset={self.offset}, "
-                f"expected_bytes={self.expected_bytes}, actual_bytes={self.actual_bytes})")
-
-
-class TierCapacityError(InfinityError, RuntimeError):
-    """A tier's byte budget cannot hold a request even after evicting everything evictable."""
-
-    def __init__(self, message: str, *, tier: str, requested_bytes: int, used_bytes: int,
-                 budget_bytes: int):
-        super().__init__(message)
-        self.message = message
-        self.tier = tier
-        self.requested_bytes = requested_bytes
-        self.used_bytes = used_bytes
-        self.budget_bytes = budget_bytes
-
-    def __str__(self) -> str:
-        return (f"{self.message} (tier={self.tier}, requested_bytes={self.requested_bytes}, "
-                f"used_bytes={self.used_bytes}, budget_bytes={self.budget_bytes})")
-
-
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
-from infinity.config import DTYPE_BYTES, load_config
-from infinity.estimate import host_grad_dtype
+from infinity.config import load_config
+from infinity.io import Swapper, aligned_empty
 from infinity.models.gpt import GPT, PRESETS, synthetic_batch
+from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, extent_bytes
+from infinity.zero import host_needs_of, init, initialize
 
 PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
 """Parameters on NVMe against the same configuration with every parameter in memory (issue #5)."""
@@ -108,28 +110,23 @@ def _params_config(model: GPT, spec: dict[str, Any], config: dict[str, Any]) -> 
     os.makedirs(path, exist_ok=True)
     config["offload_param"] = {"device": "nvme", "nvme_path": path}
     numels, item = _unit_numels(model), (2 if spec["dtype"] == "bf16" else 4)
-    extent = lambda n: -(-n // 4096) * 4096  # noqa: E731
-    # The optimizer's host-homed state: fp32 master + two moments (12 B, per sub-group) and the
-    # gradient accumulator (estimate.host_grad_dtype: bf16 here) per element, in whole 4 KiB
-    # extents (per unit here; ours may split a unit into a few more parts: a few extents of margin).
-    sub = PARAMS_SUB_GROUP_NUMEL
-    grad_item = DTYPE_BYTES[host_grad_dtype(load_config(config))]
-    homed = sum(extent(12 * min(sub, n - lo)) for n in numels for lo in range(0, n, sub))
-    homed += sum(extent(grad_item * n) + 2 * 4096 for n in numels) + 4 * 4096
-    # Room for parameter shards: the fraction, but at least the store's comfortable NVMe staging
-    # (three of the largest shard: one read, one prefetched, a spare; below it the engine turns the
-    # prefetcher off), plus one optimizer sub-group of slack: at initialize the shards' HOST copies
-    # (kept while they are written to NVMe) interleave with the optimizer's extents in the
-    # arena, and a budget of exactly the sum can leave no hole for the last one (fragmentation).
-    room = max(int(sum(numels) * item * spec["host_budget_fraction"]), 3 * extent(max(numels) * item))
-    room += extent(12 * min(sub, max(numels)))
-    config["memory"]["host_budget_bytes"] = homed + room
+    # What the optimizer homes in host memory (fp32 master and moments per sub-group, the gradient
+    # accumulators) and the store's comfortable NVMe staging for the parameter shards (one read,
+    # one prefetched, a spare: below it the engine turns the prefetcher off), from the engine's
+    # own sizing.
+    needs = host_needs_of(model, load_config(config), PARAMS_SUB_GROUP_NUMEL)
+    # Room for parameter shards: the fraction, but at least that staging, plus one optimizer
+    # sub-group of slack: at initialize the shards' HOST copies (kept while they are written to
+    # NVMe) interleave with the optimizer's extents in the arena, and a budget of exactly the sum
+    # can leave no hole for the last one (fragmentation).
+    room = max(int(sum(numels) * item * spec["host_budget_fraction"]),
+               needs.comfortable_bytes - needs.homed_bytes)
+    room += extent_bytes(SUB_GROUP_BYTES_PER_NUMEL * min(PARAMS_SUB_GROUP_NUMEL, max(numels)))
+    config["memory"]["host_budget_bytes"] = needs.homed_bytes + room
     return room
 
 
 def _ours(model: GPT, spec: dict[str, Any]):
-    import infinity
-
     mode = spec["mode"]
     config: dict[str, Any] = {
         "zero": {"stage": 3, "unit_class_names": ["Block"]},
@@ -154,7 +151,7 @@ def _ours(model: GPT, spec: dict[str, Any]):
             config["memory"]["device_budget_bytes"] = _cpu_device_budget(model, spec)
     elif mode in PARAMS_MODES:
         spec["host_param_room_bytes"] = _params_config(model, spec, config)
-    engine = infinity.initialize(model, config)
+    engine = initialize(model, config)
 
     def step(x, y) -> float:
         loss = engine(x, y)
@@ -182,8 +179,6 @@ def _param_reads(after: dict[str, Any], before: dict[str, Any], steps: int,
     """NVMe parameter reads of the timed steps, and the time to read every parameter shard once
     at the swapper's read bandwidth, measured here on the same directory (one direct-I/O swap-in
     of that many bytes, best of two: the disk's best case, so the time is a lower bound)."""
-    from infinity.swapper import Swapper, aligned_empty
-
     read = (after.get("bytes_moved", {}).get("NVME->HOST", 0)
             - before.get("bytes_moved", {}).get("NVME->HOST", 0))
     param_bytes = int(after.get("bytes", {}).get("NVME", {}).get("current", 0))
@@ -216,9 +211,7 @@ def main() -> None:
     if spec["mode"] == "plain":
         model = GPT(cfg)
     else:  # as the README builds a model for the engine: on meta, materialised unit by unit
-        import infinity  # (bitwise the same values: final_loss matches plain's)
-
-        with infinity.init():
+        with init():  # (bitwise the same values: final_loss matches plain's)
             model = GPT(cfg)
     runner, stats, close = (_plain if spec["mode"] == "plain" else _ours)(model, spec)
     times, opt_times, loss, warm = [], [], float("nan"), {}

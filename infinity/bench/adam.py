@@ -11,7 +11,7 @@ this process: after one warm-up call each, ``--repeats`` rounds time one call of
 round, and each row is the median of its calls, so the figures are ratios against
 ``torch.optim.AdamW(fused=True)`` measured side by side. ``--hugepages`` puts every variant's
 buffers (ours and torch's alike) in ``cpu_adam.zeros_host`` memory: transparent huge pages, each
-buffer at its own offset (see [Note: state memory layout] in ``infinity/cpu_adam.py``); the
+buffer at its own offset (see [Note: state memory layout] in ``infinity/optim/cpu_adam.py``); the
 default is plain torch allocations, as a user's tensors would be.
 "GB/s" counts the bytes each variant must move (fp32 Adam: 28 per parameter; our bf16 copy-out
 adds 2; a separate ``.to(bfloat16)`` adds 6; bf16 moments take 20 instead of 28), so it shows how
@@ -32,10 +32,10 @@ from typing import Any, Callable
 
 import torch
 
-from infinity import cpu_adam
 from infinity.bench.plot import save_plot
-from infinity.bench.progress import Progress
+from infinity.bench.progress import progress
 from infinity.bench.report import Report, add_common_arguments, median_time_s
+from infinity.optim import cpu_adam
 
 DS_PYTHON = "/root/dsvenv/bin/python"
 _HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -150,18 +150,20 @@ def _round_robin(fns: list[tuple[str, Callable[[], None]]], *, repeats: int) -> 
     ([Note: settle between variants]) keeps one variant's aftermath out of the next one's time.
     """
     samples: dict[str, list[float]] = {name: [] for name, _ in fns}
-    bar = Progress(len(fns) * (repeats + 1), desc="bench adam")
+    bar = progress(len(fns) * (repeats + 1), desc="bench adam")
     try:
         for _, fn in fns:  # warm-up: page faults, kernel build, torch's lazy state
             fn()
-            bar.update(1, round=f"0/{repeats}")
+            bar.set_postfix(round=f"0/{repeats}", refresh=False)
+            bar.update(1)
         for round_ in range(1, repeats + 1):
             for name, fn in fns:
                 time.sleep(SETTLE_S)  # [Note: settle between variants]
                 t0 = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t0)
-                bar.update(1, round=f"{round_}/{repeats}")  # after t1: never timed
+                bar.set_postfix(round=f"{round_}/{repeats}", refresh=False)  # after t1: never timed
+                bar.update(1)
     finally:
         bar.close()
     return samples

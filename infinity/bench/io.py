@@ -4,7 +4,7 @@ Reproduce (the cores are shared, so take the lock):
     flock /tmp/infinity-bench.lock infinity bench io --size-bytes 2147483648 --repeats 3
     flock /tmp/infinity-bench.lock infinity bench io --sweep --plot io-sweep.png
 
-One tensor of ``--size-bytes`` is written and read back through :class:`infinity.swapper.Swapper`
+One tensor of ``--size-bytes`` is written and read back through :class:`infinity.io.Swapper`
 (both buffers allocated once and touched before timing). In the same run, the references run
 in the same rounds (round by round, so drift on a shared disk hits all alike): a raw direct-I/O probe
 moving the same buffers (16 MiB aligned blocks from several threads: the disk's practical limit),
@@ -34,10 +34,10 @@ import torch
 
 from infinity._common import GiB, MiB, format_bytes
 from infinity.bench.plot import save_plot
-from infinity.bench.progress import Progress
+from infinity.bench.progress import progress
 from infinity.bench.report import Report, add_common_arguments, format_table
 from infinity.config import SwapperConfig
-from infinity.swapper import Swapper, aligned_empty
+from infinity.io import Swapper, aligned_empty, memory_at
 
 DS_PYTHON = "/root/dsvenv/bin/python"
 DS_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "io_reference.py"
@@ -99,8 +99,6 @@ def _timed_swap(sw: Swapper, key: str, src: torch.Tensor, dst: torch.Tensor, wri
 def raw_probe(path: str, buf: torch.Tensor, *, write: bool, direct: bool,
               block_bytes: int = RAW_BLOCK_BYTES, num_threads: int = RAW_NUM_THREADS) -> float:
     """Seconds to move ``buf`` (from :func:`aligned_empty`) to/from ``path`` in aligned blocks."""
-    from infinity.swapper import _buffer  # the same zero-copy view the swapper uses
-
     nbytes = buf.numel() * buf.element_size()
     if direct:  # O_DIRECT needs whole pages; aligned_empty maps whole pages, so the tail is there
         nbytes = (nbytes + 4095) // 4096 * 4096
@@ -120,7 +118,7 @@ def raw_probe(path: str, buf: torch.Tensor, *, write: bool, direct: bool,
                         return
                     off = offsets.pop()
                 n = min(block_bytes, nbytes - off)
-                mem = _buffer(buf.data_ptr() + off, n)
+                mem = memory_at(buf.data_ptr() + off, n)
                 done = os.pwrite(fd, mem, off) if write else os.preadv(fd, [mem], off)
                 if done != n:
                     raise OSError(f"raw probe: short {'write' if write else 'read'} at {off}")
@@ -236,7 +234,7 @@ def _deepspeed(args, nbytes: int) -> tuple[_Engine | None, str]:
 
 def _measure(args, engines: list[_Engine]) -> None:
     """Rounds of write-then-read, every engine in each round, so drift on a shared disk hits all."""
-    bar = Progress((args.repeats + 1) * 2 * len(engines), desc="bench io")
+    bar = progress((args.repeats + 1) * 2 * len(engines), desc="bench io")
     try:
         for round_ in range(args.repeats + 1):  # round 0 is the warm-up
             for write in (True, False):
@@ -244,7 +242,9 @@ def _measure(args, engines: list[_Engine]) -> None:
                     gbps = engine.sample(write)
                     if round_:
                         engine.runs["write" if write else "read"].append(gbps)
-                    bar.update(1, round=f"{round_}/{args.repeats}", last=engine.name)
+                    bar.set_postfix(round=f"{round_}/{args.repeats}", last=engine.name,
+                                    refresh=False)
+                    bar.update(1)
     finally:
         bar.close()
 
@@ -261,7 +261,7 @@ def _sweep(args, src, dst) -> list[dict[str, Any]]:
     nbytes = min(src.numel(), 512 * MiB)
     a, b = src[:nbytes], dst[:nbytes]
     rows = []
-    bar = Progress(len(SWEEP_BLOCK_BYTES) * len(SWEEP_QUEUE_DEPTHS), desc="bench io sweep")
+    bar = progress(len(SWEEP_BLOCK_BYTES) * len(SWEEP_QUEUE_DEPTHS), desc="bench io sweep")
     for block in SWEEP_BLOCK_BYTES:
         for depth in SWEEP_QUEUE_DEPTHS:
             cfg = SwapperConfig(block_size_bytes=block, queue_depth=depth, num_io_threads=depth)
@@ -273,7 +273,8 @@ def _sweep(args, src, dst) -> list[dict[str, Any]]:
             rows.append({"block_size": format_bytes(block), "block_size_bytes": block,
                          "queue_depth": depth, "write_GBps": nbytes / w / 1e9,
                          "read_GBps": nbytes / r / 1e9})
-            bar.update(1, block=format_bytes(block), depth=depth)
+            bar.set_postfix(block=format_bytes(block), depth=depth, refresh=False)
+            bar.update(1)
     bar.close()
     return rows
 

@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 from infinity.bench.plot import save_plot
-from infinity.bench.progress import Progress
+from infinity.bench.progress import progress
 from infinity.bench.report import Report, add_common_arguments
 
 OURS_MODES = ("stage3", "stage3-cpu", "stage3-nvme")
@@ -101,14 +99,16 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     rounds = max(1, args.rounds)
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    bar = Progress(len(modes) * rounds, desc="bench step")
+    bar = progress(len(modes) * rounds, desc="bench step")
     for k in range(rounds):
         # Odd rounds run the modes backwards (ABBA): drift on shared cores hits every mode alike.
         for mode in (modes if k % 2 == 0 else modes[::-1]):
-            bar.update(0, running=mode)  # modes take minutes: say which one is running
+            bar.set_postfix(running=mode)  # modes take minutes: say which one is running
             result = _run_mode(mode, args)
             per_mode[mode].append({**result, "round": k} if rounds > 1 else result)
-            bar.update(1, done=mode, step_s=result.get("step_s", float("nan")))
+            bar.set_postfix(done=mode, step_s=result.get("step_s", float("nan")),
+                            refresh=False)
+            bar.update(1)
     bar.close()
     results = [_median_round(per_mode[m]) for m in modes]
     plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)

@@ -1,6 +1,16 @@
-"""The tiered store: keyed shards over DEVICE / HOST / NVME with byte budgets.
+"""The tiered store: keyed shards over DEVICE / HOST / NVME with byte budgets; and the offload
+budgets that size it for one model.
 
-Public API (everything else is private)::
+- :mod:`.store`: :class:`TieredStore` (moves, write-back, locking); :mod:`.residency`: the state
+  of one copy and its transition table; :mod:`._records`: per-shard records, handles, counters;
+  :mod:`._arena`: the one host arena; :mod:`._budgets`: :class:`~._budgets.TierBudgets`, the byte
+  counts per tier and eviction ([Note: eviction policy]), owned by the store.
+- :mod:`._offload_budgets`: pure arithmetic: :class:`StateSizes` (what the store will hold) and
+  :class:`OffloadRequest` (where state lives, the budgets asked for) in,
+  :class:`OffloadBudgets` out (:func:`resolve_offload_budgets`), or a ``ValueError`` naming the
+  field and the bytes needed.
+
+Public API of the store (everything else is private)::
 
     from infinity.tiers import TieredStore, StoreConfig, Tier, Residency, TierHandle
 
@@ -29,7 +39,7 @@ Rules the store keeps:
   NVME home is a swap file (``initial=None``: zeros, no file until the first write-back). Tensors the
   store hands out are 1-D views of its own memory: reshape them, do not keep them past an eviction.
 - Residency: each copy has a :class:`Residency` (ABSENT, INFLIGHT, RESIDENT, WRITING) changed only
-  through ``residency.TRANSITIONS``; an illegal change raises ``ResidencyError`` (a bug).
+  through ``residency.TRANSITIONS``; an illegal change raises ``IllegalTransitionError`` (a bug).
 - Fetch: a hit returns a completed handle; a copy already in flight is joined (one I/O for any number
   of concurrent fetches, counted 'late'); otherwise (a 'miss') memory is reserved in the caller's
   thread and the move runs on the swapper's / store's threads. NVME -> DEVICE stages through a HOST
@@ -74,9 +84,16 @@ of a never-written NVME shard moves nothing); ``fetch_hits``, ``fetch_late``, ``
 """
 
 from infinity.tiers._arena import Extent, HostArena
+from infinity.tiers._offload_budgets import (AUTO_SUB_GROUP_NUMEL, OPTIMIZER_WINDOW_SLOTS,
+                                             SUB_GROUP_BYTES_PER_NUMEL, HostNeeds, OffloadBudgets,
+                                             OffloadRequest, StateSizes, extent_bytes, host_needs,
+                                             least_host_bytes, resolve_offload_budgets)
 from infinity.tiers._records import STATS_KEYS, StoreConfig, TierHandle
-from infinity.tiers.residency import TRANSITIONS, Residency, ResidencyError, Tier, check_transition
+from infinity.tiers.residency import TRANSITIONS, Residency, Tier
 from infinity.tiers.store import TieredStore
 
-__all__ = ["STATS_KEYS", "TRANSITIONS", "Extent", "HostArena", "Residency", "ResidencyError",
-           "StoreConfig", "Tier", "TierHandle", "TieredStore", "check_transition"]
+__all__ = ["AUTO_SUB_GROUP_NUMEL", "OPTIMIZER_WINDOW_SLOTS", "STATS_KEYS",
+           "SUB_GROUP_BYTES_PER_NUMEL", "TRANSITIONS", "Extent", "HostArena", "HostNeeds",
+           "OffloadBudgets", "OffloadRequest", "Residency", "StateSizes", "StoreConfig", "Tier",
+           "TierHandle", "TieredStore", "extent_bytes", "host_needs", "least_host_bytes",
+           "resolve_offload_budgets"]

@@ -48,7 +48,7 @@ class Extent:
 class HostArena:
     """A fixed buffer and a coalescing free-list allocator over it. Thread-safe.
 
-    ``allocate_fn(numel, dtype)`` makes the buffer (``infinity.swapper.aligned_empty`` in the store;
+    ``allocate_fn(numel, dtype)`` makes the buffer (``infinity.io.aligned_empty`` in the store;
     tests pass their own). ``capacity_bytes`` is rounded DOWN to the alignment so that every extent
     is whole.
     """

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from infinity.tiers._arena import Extent
-from infinity.tiers.residency import Residency, Tier, check_transition
+from infinity.tiers.residency import TRANSITIONS, Residency, Tier
 
 if TYPE_CHECKING:
     from infinity.config import MemoryConfig
@@ -103,7 +103,7 @@ class _Shard:
 
     def set_state(self, tier: Tier, new: Residency) -> None:
         copy = self.copies[tier]
-        check_transition(self.key, tier, copy.state, new)
+        TRANSITIONS.check(self.key, copy.state, new, tier=tier)
         copy.state = new
 
     def settled(self) -> bool:

@@ -1,31 +1,17 @@
-"""Tiers, the residency state of one shard copy, and the one table of allowed transitions.
+"""The residency state of one shard copy, and the one table of its allowed transitions.
 
-Every state change of a copy goes through :func:`check_transition`; an illegal one is an internal
-error (:class:`ResidencyError`) that names the key, the tier and both states.
+Every state change of a copy goes through ``TRANSITIONS.check``; an illegal one is an internal
+error (:class:`~infinity.errors.IllegalTransitionError`) that names the key, the tier, both states
+and what is allowed. :class:`Tier` (where bytes live) is the package-wide enum of
+:mod:`infinity._tier`, re-exported here.
 """
 
 from __future__ import annotations
 
 import enum
 
-from infinity._common import InfinityError
-
-
-class Tier(enum.IntEnum):
-    """Where bytes live, fastest first (the integer order is the speed order).
-
-    DEVICE: compute-device memory (GPU; CPU memory on a machine without a GPU).
-    HOST: the store's host arena (pinned where CUDA exists, page-aligned always).
-    NVME: one swap file per shard under the swapper's directory.
-    """
-
-    DEVICE = 0
-    HOST = 1
-    NVME = 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
+from infinity._tier import Tier
+from infinity._transitions import TransitionTable
 
 
 class Residency(enum.Enum):
@@ -57,7 +43,7 @@ class Residency(enum.Enum):
 
 _A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING
 
-TRANSITIONS: dict[tuple[Residency, Residency], str] = {
+TRANSITIONS = TransitionTable("shard copy", {
     (_A, _I): "allocate and start moving bytes in (fetch, first write-back to NVMe)",
     (_A, _R): "allocate with known contents (register with initial data or zeros; an overwrite "
               "acquire, whose holder writes every byte before anyone reads)",
@@ -67,25 +53,7 @@ TRANSITIONS: dict[tuple[Residency, Residency], str] = {
     (_R, _W): "start copying the bytes out to a slower tier (write-back)",
     (_W, _R): "the copy out completed (or failed: the bytes here are still valid)",
     (_R, _A): "evict: free the bytes",
-}
-"""The only allowed (from, to) pairs, each with why it happens. Same-state "transitions" are illegal."""
+})
+"""The only allowed (from, to) pairs of a copy's residency, each with why it happens."""
 
-
-class ResidencyError(InfinityError, RuntimeError):
-    """An illegal residency transition: a bug in the store, never a user mistake."""
-
-    def __init__(self, key: str, tier: Tier, old: Residency, new: Residency):
-        allowed = sorted(n.name for (o, n) in TRANSITIONS if o is old)
-        super().__init__(f"internal error: shard {key!r} copy on {tier.name}: illegal residency "
-                         f"transition {old.name} -> {new.name} (from {old.name} only "
-                         f"{', '.join(allowed) or 'nothing'} is allowed); please report this")
-        self.key = key
-        self.tier = tier
-        self.old = old
-        self.new = new
-
-
-def check_transition(key: str, tier: Tier, old: Residency, new: Residency) -> None:
-    """Raise :class:`ResidencyError` unless ``old -> new`` is in :data:`TRANSITIONS`."""
-    if (old, new) not in TRANSITIONS:
-        raise ResidencyError(key, tier, old, new)
+__all__ = ["TRANSITIONS", "Residency", "Tier"]

@@ -5,7 +5,7 @@ See the package docstring (:mod:`infinity.tiers`) for the public API and the rul
 [Note: store locking] One lock (``self._lock``, with the condition ``self._cond``) guards every record
 and the budgets. Allocation happens only in the calling thread, under the lock, when a move is
 issued; it may wait on ``self._cond`` (which releases the lock) for a write-back it started to free a
-dirty victim, so every caller re-checks the world after ``_reserve`` returns. Moves complete on the
+dirty victim, so every caller re-checks the world after ``budgets.reserve`` returns. Moves complete on the
 store's copy threads, which never allocate and never block on another move of this store (chained
 moves use ``add_done_callback``), so a completion can always make progress.
 """
@@ -19,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from infinity.swapper import Swapper, aligned_empty
+from infinity.io import Swapper, aligned_empty
 from infinity.tiers._arena import HostArena
-from infinity.tiers._budget import _BudgetMixin
+from infinity.tiers._budgets import NextUse, TierBudgets
 from infinity.tiers._records import (Counters, StoreConfig, TierHandle, _Shard, done_future,
                                      host_copy)
 from infinity.tiers.residency import Residency, Tier
@@ -29,10 +29,9 @@ from infinity.tiers.residency import Residency, Tier
 logger = logging.getLogger(__name__)
 
 _A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING
-NextUse = Callable[[str], "float | None"]
 
 
-class TieredStore(_BudgetMixin):
+class TieredStore:
     """Keyed shards over DEVICE / HOST / NVME with byte budgets. Thread-safe. See :mod:`infinity.tiers`."""
 
     def __init__(self, device: torch.device | str, config: StoreConfig, *,
@@ -41,19 +40,20 @@ class TieredStore(_BudgetMixin):
         self.config = config
         self.swapper = swapper
         """Owned by the caller (closing the store does not close it); needed for NVME shards."""
-        self._next_use_fn = next_use
         self._cuda = self.device.type == "cuda"
         alignment = max(4096, getattr(swapper, "alignment_bytes", 4096))
         self.arena = HostArena(config.host_budget_bytes, alignment_bytes=alignment,
                                allocate_fn=aligned_empty)
-        self._budget = {Tier.DEVICE: config.device_budget_bytes, Tier.HOST: self.arena.capacity_bytes}
-        self._used = {Tier.DEVICE: 0, Tier.HOST: 0}
-        self._peak = {Tier.DEVICE: 0, Tier.HOST: 0}
         self._shards: dict[str, _Shard] = {}
         self._lock = threading.Lock()  # [Note: store locking]
         self._cond = threading.Condition(self._lock)
         self._clock = 0  # LRU clock, bumped by every touch
         self.counters = Counters()
+        self.budgets = TierBudgets(device=self.device, device_budget_bytes=config.device_budget_bytes,
+                                   arena=self.arena, shards=self._shards, cond=self._cond,
+                                   counters=self.counters, next_use=next_use,
+                                   wait_writeback=self._wait_writeback)
+        """Bytes per tier and eviction ([Note: eviction policy] in ``_budgets.py``)."""
         self._pool = ThreadPoolExecutor(config.num_copy_threads, thread_name_prefix="infinity-tiers")
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._closed = False
@@ -81,11 +81,11 @@ class TieredStore(_BudgetMixin):
                 self._shards[key] = shard
                 return
             tier = Tier.HOST if home is Tier.NVME else home
-            alloc = self._reserve(tier, shard, for_key=key)
+            alloc = self.budgets.reserve(tier, shard, for_key=key)
             if key in self._shards:  # registered by another thread while we waited for memory
-                self._free(alloc)
+                self.budgets.free(alloc)
                 raise ValueError(f"register({key!r}): key is already registered; unregister it first")
-            self._attach(shard, alloc)
+            self.budgets.attach(shard, alloc)
             copy = shard.copies[tier]
             if initial is None:
                 copy.tensor.zero_()
@@ -126,7 +126,7 @@ class TieredStore(_BudgetMixin):
                                  "them first")
             for tier in (Tier.DEVICE, Tier.HOST):
                 if shard.copies[tier].state is _R:
-                    self._drop(shard, tier)
+                    self.budgets.drop(shard, tier)
             had_file = shard.has_swap_file
             if shard.copies[Tier.NVME].state is _R:
                 shard.set_state(Tier.NVME, _A)
@@ -229,14 +229,14 @@ class TieredStore(_BudgetMixin):
             if source is None:  # DEVICE from NVME: stage in HOST first, then come back
                 started = self._fetch_locked(shard, Tier.HOST, False)[0]
                 continue
-            alloc = self._reserve(tier, shard, for_key=shard.key)
+            alloc = self.budgets.reserve(tier, shard, for_key=shard.key)
             if self._shards.get(shard.key) is not shard:
-                self._free(alloc)
+                self.budgets.free(alloc)
                 raise KeyError(f"fetch({shard.key!r}): unregistered while waiting for memory")
             if copy.state is not _A or self._source(shard, tier) != source:
-                self._free(alloc)  # someone else moved things while we waited: look again
+                self.budgets.free(alloc)  # someone else moved things while we waited: look again
                 continue
-            self._attach(shard, alloc)
+            self.budgets.attach(shard, alloc)
             shard.set_state(tier, _I)
             copy.future = started = Future()
             self._start_move(shard, source, tier)
@@ -247,14 +247,14 @@ class TieredStore(_BudgetMixin):
         the copy changed while waiting for memory (the caller looks again). Other copies stay as
         they are: until :meth:`mark_dirty` the shard's valid bytes are its home's."""
         copy = shard.copies[tier]
-        alloc = self._reserve(tier, shard, for_key=shard.key)
+        alloc = self.budgets.reserve(tier, shard, for_key=shard.key)
         if self._shards.get(shard.key) is not shard:
-            self._free(alloc)
+            self.budgets.free(alloc)
             raise KeyError(f"acquire({shard.key!r}): unregistered while waiting for memory")
         if copy.state is not _A:
-            self._free(alloc)  # fetched by someone else while we waited for memory
+            self.budgets.free(alloc)  # fetched by someone else while we waited for memory
             return None
-        self._attach(shard, alloc)
+        self.budgets.attach(shard, alloc)
         shard.set_state(tier, _R)
         copy.last_use = self._tick()
         copy.pins += int(pin)
@@ -330,7 +330,7 @@ class TieredStore(_BudgetMixin):
         else:
             shard.set_state(dst, _A)
             copy.pins = 0  # the acquires that pinned it fail with this error
-            self._release_bytes(shard, dst)
+            self.budgets.release_bytes(shard, dst)
             logger.warning("fetch of %r into %s failed: %s", shard.key, dst.name, error)
             future.set_exception(error)
         self._cond.notify_all()
@@ -396,7 +396,7 @@ class TieredStore(_BudgetMixin):
                 raise ValueError(f"mark_dirty({key!r}, {tier.name}): the copy on {pinned} is "
                                  "acquired and would go stale while in use; release it first")
             for t in others:
-                self._drop(shard, t)
+                self.budgets.drop(shard, t)
             shard.dirty = None if tier is shard.home else tier
             shard.writeback_error = None
 
@@ -432,12 +432,12 @@ class TieredStore(_BudgetMixin):
                 continue
             staged = src is Tier.DEVICE and shard.home is Tier.NVME
             if staged and shard.copies[Tier.HOST].state is _A:
-                alloc = self._reserve(Tier.HOST, shard, for_key=shard.key)
+                alloc = self.budgets.reserve(Tier.HOST, shard, for_key=shard.key)
                 if self._shards.get(shard.key) is not shard or shard.dirty is not src or \
                         shard.copies[Tier.HOST].state is not _A or shard.writeback is not None:
-                    self._free(alloc)
+                    self.budgets.free(alloc)
                     continue
-                self._attach(shard, alloc)
+                self.budgets.attach(shard, alloc)
                 shard.set_state(Tier.HOST, _I)
             elif staged:  # an existing HOST copy already holds the dirty bytes ([Note: dirty copy])
                 staged, src = False, Tier.HOST
@@ -485,7 +485,7 @@ class TieredStore(_BudgetMixin):
                 if host.state is _I:  # the DEVICE -> HOST copy failed: drop the staging extent
                     shard.set_state(Tier.HOST, _A)
                     host.busy = 0
-                    self._release_bytes(shard, Tier.HOST)
+                    self.budgets.release_bytes(shard, Tier.HOST)
                 else:
                     shard.set_state(Tier.HOST, _R)
             shard.set_state(src, _R)
@@ -533,7 +533,7 @@ class TieredStore(_BudgetMixin):
                 if shard.dirty is tier:
                     self._wait_writeback(shard)
                     continue
-                self._drop(shard, tier)
+                self.budgets.drop(shard, tier)
                 self.counters.evictions[tier] += 1
                 return
 
@@ -586,16 +586,16 @@ class TieredStore(_BudgetMixin):
         out = self.counters.snapshot()
         with self._lock:
             for tier in (Tier.DEVICE, Tier.HOST):
-                out[f"{tier.label}_used_bytes"] = self._used[tier]
-                out[f"{tier.label}_peak_bytes"] = self._peak[tier]
-                out[f"{tier.label}_budget_bytes"] = self._budget[tier]
+                out[f"{tier.label}_used_bytes"] = self.budgets.used[tier]
+                out[f"{tier.label}_peak_bytes"] = self.budgets.peak[tier]
+                out[f"{tier.label}_budget_bytes"] = self.budgets.budget[tier]
             out["num_shards"] = len(self._shards)
         out["host_largest_free_bytes"] = self.arena.largest_free_bytes()
         return out
 
     def reset_peaks(self) -> None:
         with self._lock:
-            self._peak = dict(self._used)
+            self.budgets.peak = dict(self.budgets.used)
 
     def close(self) -> None:
         """Wait for moves in flight, drop every copy (no write-back: call flush() first to keep
@@ -609,7 +609,7 @@ class TieredStore(_BudgetMixin):
             self._closed = True
             keys = [k for k, s in self._shards.items() if s.has_swap_file]
             self._shards.clear()
-            self._used = {Tier.DEVICE: 0, Tier.HOST: 0}
+            self.budgets.used = {Tier.DEVICE: 0, Tier.HOST: 0}
         self._pool.shutdown(wait=True)
         for key in keys:
             try:

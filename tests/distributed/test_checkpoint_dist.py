@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # _engine_common
-
-from _launch import launch  # noqa: E402
+from tests._support.engine import rank_config
+from tests._support.launch import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -31,12 +28,6 @@ CASES = [  # name, stage, dtype, gradient accumulation steps, offload (optimizer
 STEPS, SAVE_AT = 6, 3
 
 
-def _config(root: str, name: str, stage: int, dtype: str, gas: int, offload: str, rank: int):
-    from _engine_common import rank_config
-
-    return rank_config(root, name, rank, stage=stage, dtype=dtype, offload=offload, gas=gas)
-
-
 def _state(engine) -> dict:
     return {k: v.detach().cpu().clone() for k, v in engine.full_state_dict().items()}
 
@@ -48,9 +39,8 @@ def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
 
     import infinity
     from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from _engine_common import batches, engine_train, tiny_gpt
-
-    from infinity.safetensors_io import SafetensorsFile
+    from infinity.io import SafetensorsFile
+    from tests._support.engine import batches, engine_train, tiny_gpt
 
     read_bytes = {"n": 0}
     real_read_into = SafetensorsFile.read_into
@@ -63,7 +53,7 @@ def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
     SafetensorsFile.read_into = counting_read_into
     out = {}
     for name, stage, dtype, gas, offload in CASES:
-        cfg = _config(root, name, stage, dtype, gas, offload, rank)
+        cfg = rank_config(root, name, rank, stage=stage, dtype=dtype, offload=offload, gas=gas)
         data = batches(STEPS, gas)
         # Save with 2 ranks (the process at 1 rank loads it afterwards) and keep going.
         engine = infinity.initialize(tiny_gpt(), cfg)
@@ -88,8 +78,7 @@ def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
         shutil.copytree(os.path.join(root, name, "two"), os.path.join(root, "broken"))
         os.remove(os.path.join(root, "broken", f"step-{SAVE_AT}", "u0002-r00001.safetensors"))
     torch.distributed.barrier()
-    engine = infinity.initialize(tiny_gpt(seed=9), _config(root, name, stage, dtype, gas, offload,
-                                                           rank))
+    engine = infinity.initialize(tiny_gpt(seed=9), rank_config(root, name, rank, stage=stage, dtype=dtype, offload=offload, gas=gas))
     before = _state(engine)
     try:
         load_checkpoint(engine, os.path.join(root, "broken"))
@@ -104,9 +93,9 @@ def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
 def _single(root, name, stage, dtype, gas, offload) -> dict:
     import infinity
     from infinity.checkpoint import save_checkpoint
-    from _engine_common import batches, engine_train, tiny_gpt
+    from tests._support.engine import batches, engine_train, tiny_gpt
 
-    engine = infinity.initialize(tiny_gpt(), _config(root, name, stage, dtype, gas, offload, 0))
+    engine = infinity.initialize(tiny_gpt(), rank_config(root, name, 0, stage=stage, dtype=dtype, offload=offload, gas=gas))
     data = batches(STEPS, gas)
     engine_train(engine, data[:SAVE_AT])
     save_checkpoint(engine, os.path.join(root, name, "one"))
@@ -119,13 +108,12 @@ def test_checkpoints_move_between_world_sizes(tmp_path):
     import shutil
 
     import torch
+    from safetensors.torch import load_file
 
     import infinity
-    from infinity.checkpoint import load_checkpoint
-    from infinity.consolidate import consolidate
-    from safetensors.torch import load_file
-    from _engine_common import TOL, assert_close_run, batches, engine_train, reference_train, \
-        tiny_gpt
+    from infinity.checkpoint import consolidate, load_checkpoint
+    from tests._support.engine import (TOL, assert_close_run, batches, engine_train,
+                                       reference_train, tiny_gpt)
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -136,7 +124,7 @@ def test_checkpoints_move_between_world_sizes(tmp_path):
     finally:
         torch.set_num_threads(old)
     for name, stage, dtype, gas, offload in CASES:
-        cfg = _config(root, name, stage, dtype, gas, offload, 0)
+        cfg = rank_config(root, name, 0, stage=stage, dtype=dtype, offload=offload, gas=gas)
         data = batches(STEPS, gas)
         two = results[0][name]
         for rank in (0, 1):  # both ranks see the same model

@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # _engine_common
-
-from _launch import launch  # noqa: E402
+from tests._support.engine import lora_like
+from tests._support.launch import launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -28,7 +27,7 @@ STEPS = 10
 
 def worker_parity(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
-    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
 
     out = {}
     for name, stage, dtype, gas, clip in CONFIGS:
@@ -41,7 +40,7 @@ def worker_parity(rank: int, world_size: int, out_dir: str) -> dict:
 
 
 def test_two_ranks_match_plain_pytorch_on_the_global_batch():
-    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
 
     results = launch(__file__, "worker_parity", timeout_s=240)
     for name, stage, dtype, gas, clip in CONFIGS:
@@ -68,7 +67,7 @@ OFFLOAD_CONFIGS = [  # (name, stage, dtype, gas, clip, optimizer offload, parame
 
 def worker_offload(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
-    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
 
     out = {}
     for name, stage, dtype, gas, clip, opt, param, host in OFFLOAD_CONFIGS:
@@ -85,7 +84,7 @@ def worker_offload(rank: int, world_size: int, out_dir: str) -> dict:
 
 
 def test_two_ranks_with_offload_match_plain_pytorch():
-    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
 
     results = launch(__file__, "worker_offload", timeout_s=240)
     for name, stage, dtype, gas, clip, opt, param, host in OFFLOAD_CONFIGS:
@@ -101,28 +100,18 @@ def test_two_ranks_with_offload_match_plain_pytorch():
 
 def _sometimes_model():
     """Tiny GPT plus a block that runs only on every other forward (unused parameters)."""
-    from test_stage3 import SometimesGPT
+    from tests._support.models import SometimesGPT
 
     return SometimesGPT()
 
 
-def _lora_like():
-    from _engine_common import tiny_gpt
-
-    model = tiny_gpt()
-    for name, p in model.named_parameters():
-        if "blocks" in name and name.endswith("weight") and "ln" not in name:
-            p.requires_grad_(False)
-    return model
-
-
 EDGE_CASES = [("unused-s2", _sometimes_model, 2), ("unused-s3", _sometimes_model, 3),
-              ("frozen-s3", _lora_like, 3)]
+              ("frozen-s3", lora_like, 3)]
 
 
 def worker_edge_cases(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
-    from _engine_common import batches, engine_config, engine_train
+    from tests._support.engine import batches, engine_config, engine_train
 
     out = {}
     for name, make, stage in EDGE_CASES:
@@ -133,7 +122,7 @@ def worker_edge_cases(rank: int, world_size: int, out_dir: str) -> dict:
 
 
 def test_two_ranks_unused_and_frozen_parameters():
-    from _engine_common import assert_close_run, batches, reference_train
+    from tests._support.engine import assert_close_run, batches, reference_train
 
     results = launch(__file__, "worker_edge_cases", timeout_s=180)
     for name, make, _stage in EDGE_CASES:
@@ -145,7 +134,7 @@ def test_two_ranks_unused_and_frozen_parameters():
 
 def worker_memory(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
-    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
 
     engine = infinity.initialize(tiny_gpt(), engine_config(stage=3, persistence_threshold_numel=0))
     engine_train(engine, batches(2, 1), rank=rank, world_size=world_size)
@@ -154,7 +143,7 @@ def worker_memory(rank: int, world_size: int, out_dir: str) -> dict:
 
 def test_stage3_resident_model_state_halves_with_two_ranks():
     import infinity
-    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
 
     one = infinity.initialize(tiny_gpt(), engine_config(stage=3, persistence_threshold_numel=0))
     engine_train(one, batches(2, 1))
@@ -170,8 +159,8 @@ def test_stage3_resident_model_state_halves_with_two_ranks():
 
 def worker_diverge(rank: int, world_size: int, out_dir: str, at_micro_step: int) -> str:
     import infinity
-    from infinity._dist import CollectiveError
-    from _engine_common import batches, engine_config, tiny_gpt
+    from infinity.zero import CollectiveError
+    from tests._support.engine import batches, engine_config, tiny_gpt
 
     model = tiny_gpt()
     calls = {"n": 0}
@@ -213,7 +202,7 @@ _TORCHRUN_SCRIPT = """
 import json, os, sys, torch
 torch.set_num_threads(1)
 import infinity
-from _engine_common import batches, engine_config, engine_train, tiny_gpt
+from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
 engine = infinity.initialize(tiny_gpt(), engine_config(stage=3))   # no init_process_group here
 rank = torch.distributed.get_rank()
 losses = engine_train(engine, batches(4, 1), rank=rank, world_size=engine.stats()["world_size"])
@@ -229,11 +218,10 @@ def test_torchrun_without_init_process_group_uses_the_launcher_environment(tmp_p
     """Under torchrun the engine creates the default process group itself (gloo on CPU)."""
     import os
     import subprocess
-    import sys
 
     import torch
 
-    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
 
     script = tmp_path / "train.py"
     script.write_text(_TORCHRUN_SCRIPT)
@@ -258,14 +246,14 @@ def test_torchrun_without_init_process_group_uses_the_launcher_environment(tmp_p
 
 
 def _batchnorm_net():
-    from test_stage3 import BatchNormNet
+    from tests._support.models import BatchNormNet
 
     return BatchNormNet()
 
 
 def worker_buffers(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
-    from _engine_common import batches, engine_config, engine_train
+    from tests._support.engine import batches, engine_config, engine_train
 
     engine = infinity.initialize(_batchnorm_net(), engine_config(stage=3,
                                                                  unit_class_names=("Linear",)))
@@ -279,7 +267,7 @@ def _ddp_reference(model, data):
     buffers are kept (BatchNorm statistics of its half)."""
     import torch
 
-    from _engine_common import BETAS, EPS, LR, WD
+    from tests._support.engine import BETAS, EPS, LR, WD
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     losses = []
@@ -307,7 +295,7 @@ def _ddp_reference(model, data):
 def test_two_ranks_keep_rank0_buffers_like_ddp():
     """BatchNorm running statistics: each training forward starts from rank 0's buffers, so both
     ranks end with the same values, those of DistributedDataParallel (emulated in plain PyTorch)."""
-    from _engine_common import assert_close_run, batches
+    from tests._support.engine import assert_close_run, batches
 
     results = launch(__file__, "worker_buffers", timeout_s=120)
     ref_losses, ref_state = _ddp_reference(_batchnorm_net(), batches(4, 1))
@@ -322,7 +310,7 @@ REDUCE_CASES = [("s2-bf16", 2), ("s3-bf16", 3), ("s1-bf16", 1)]
 
 def worker_reduce_dtype(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
-    from _engine_common import batches, engine_config, engine_train, tiny_gpt
+    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
 
     out = {}
     for name, stage in REDUCE_CASES:
@@ -344,7 +332,7 @@ def test_gradients_cross_ranks_in_the_compute_dtype_when_asked():
     """precision.reduce_dtype 'compute' (DeepSpeed's communication_data_type = bf16): each
     gradient reduction sends bf16, exactly half the fp32 bytes, and training still matches plain
     PyTorch within the bf16 tolerance."""
-    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
 
     results = launch(__file__, "worker_reduce_dtype", timeout_s=240)
     for name, _stage in REDUCE_CASES:

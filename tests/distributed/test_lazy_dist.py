@@ -6,14 +6,9 @@ PyTorch from it. One spawn runs every case.
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # _engine_common
-
-from _launch import launch  # noqa: E402
+from tests._support.launch import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -27,7 +22,7 @@ def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
 
     import infinity
     from infinity.models.gpt import GPT
-    from _engine_common import TINY, batches, engine_train, rank_config
+    from tests._support.engine import TINY, batches, engine_train, rank_config
 
     out = {}
     for name, stage, dtype, offload in CASES:
@@ -47,7 +42,7 @@ def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
 def test_lazy_model_on_two_ranks_equals_rank0_eager_model(tmp_path):
     import torch
 
-    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
 
     results = launch(__file__, "worker", world_size=2, timeout_s=240,
                      args={"root": str(tmp_path)})

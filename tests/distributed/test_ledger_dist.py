@@ -1,20 +1,15 @@
 """The memory ledger against the engine's accounting on 2 ranks (gloo): what each rank holds per
 tier matches the ledger at N = 2, and at stage 3 the resident model states are half of N = 1.
 
-The per-tier assertions are those of tests/unit/test_ledger_vs_engine.py (named slack, the
+The per-tier assertions are those of tests/engine/test_ledger_vs_engine.py (named slack, the
 planned host budget); the 2 ranks are spawned once and loop over the configurations.
 """
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))
-
-from _launch import launch  # noqa: E402
+from tests._support.launch import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -25,7 +20,7 @@ NUM_GROUPS_BOUND = 16
 
 
 def worker_ledger(rank: int, world_size: int, out_dir: str) -> dict:
-    from test_ledger_vs_engine import train_and_measure
+    from tests.engine.test_ledger_vs_engine import train_and_measure
 
     out = {}
     for stage, offload in CONFIGS:
@@ -44,9 +39,9 @@ def _resident_states(stats: dict) -> int:
 
 
 def test_per_rank_bytes_match_the_ledger_at_two_ranks(tmp_path):
-    from test_ledger_vs_engine import SLACK_FRACTION, check_against_ledger, train_and_measure
-
-    from infinity.estimate import Tier
+    from infinity.ledger import Tier
+    from tests.engine.test_ledger_vs_engine import (SLACK_FRACTION, check_against_ledger,
+                                                    train_and_measure)
 
     results = launch(__file__, "worker_ledger", timeout_s=240)
     for stage, offload in CONFIGS:
@@ -82,11 +77,11 @@ def test_per_rank_bytes_match_the_ledger_at_two_ranks(tmp_path):
 
 def _ledger_at(stage: int, offload: str, tmp_path, *, world_size: int):
     import torch
-    from test_ledger_vs_engine import MODEL, _config, _largest_unit_numel
 
     from infinity.config import load_config
-    from infinity.estimate import estimate_from_config
+    from infinity.ledger import estimate_from_config
     from infinity.models.gpt import GPT
+    from tests.engine.test_ledger_vs_engine import MODEL, _config, _largest_unit_numel
 
     with torch.device("meta"):
         model = GPT(MODEL)

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # _engine_common
-
-from _launch import launch  # noqa: E402
+from tests._support.engine import rank_config
+from tests._support.launch import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -28,16 +26,10 @@ CASES = [  # name, stage, dtype, offload (optimizer and parameters)
 STEPS = 2
 
 
-def _config(root: str, name: str, stage: int, dtype: str, offload: str, rank: int):
-    from _engine_common import rank_config
-
-    return rank_config(root, name, rank, stage=stage, dtype=dtype, offload=offload)
-
-
 def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
     import infinity
-    from infinity.safetensors_io import SafetensorsFile
-    from _engine_common import batches, engine_train, tiny_gpt
+    from infinity.io import SafetensorsFile
+    from tests._support.engine import batches, engine_train, tiny_gpt
 
     read = {"n": 0}
     real_read_into = SafetensorsFile.read_into
@@ -49,8 +41,8 @@ def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
     SafetensorsFile.read_into = counting_read_into
     out = {}
     for name, stage, dtype, offload in CASES:
-        engine = infinity.initialize(tiny_gpt(seed=1), _config(root, name, stage, dtype, offload,
-                                                               rank))
+        engine = infinity.initialize(tiny_gpt(seed=1), rank_config(root, name, rank, stage=stage, dtype=dtype,
+                                                                 offload=offload))
         read["n"] = 0
         result = engine.load_weights(os.path.join(root, "weights"))
         bytes_read = read["n"]
@@ -83,7 +75,7 @@ def test_each_rank_reads_its_half_and_trains_like_pytorch(tmp_path):
     pytest.importorskip("safetensors")
     import torch
 
-    from _engine_common import assert_close_run, batches, reference_train, tiny_gpt
+    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
 
     source = tiny_gpt(seed=0)
     saved = {k: v.detach().clone() for k, v in source.state_dict().items()}

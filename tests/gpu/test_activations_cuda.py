@@ -8,18 +8,14 @@ an independent measurement), and training still matches plain PyTorch.
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # _engine_common
-
-import infinity  # noqa: E402
-from infinity.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from _engine_common import (assert_close_run, batches, engine_config, engine_train,  # noqa: E402
-                            reference_train, tiny_gpt)
+import infinity
+from infinity.models.gpt import GPT, GPTConfig, synthetic_batch
+from tests._support import engine as support
+from tests._support.engine import (assert_close_run, batches, engine_config, engine_train,
+                                   reference_train, tiny_gpt)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -54,9 +50,8 @@ def test_offload_frees_the_block_inputs_from_the_device():
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_parity_on_cuda(offload, monkeypatch):
-    import _engine_common
 
-    monkeypatch.setitem(_engine_common.TOL, "fp32", dict(loss=1e-5, param=1e-4))  # see test_engine_cuda
+    monkeypatch.setitem(support.TOL, "fp32", dict(loss=1e-5, param=1e-4))  # see test_engine_cuda
     torch.backends.cuda.matmul.allow_tf32 = False
     data = batches(5, 1)
     ref_losses, ref_state = reference_train(tiny_gpt(), data, device=CUDA)

@@ -3,23 +3,21 @@
 Parity with plain PyTorch on the GPU, stage 3 and stage 1, fp32 and bf16, with and without CPU
 offload of the optimizer (host copies through pinned memory on the store's copy stream), and the
 device placement of everything the engine holds. Runnable without pytest too:
-``python tests/gpu/test_engine_cuda.py`` (what gpu_check.sh falls back to).
+``python -m tests.gpu.test_engine_cuda`` from the repository root (what gpu_check.sh falls
+back to).
 """
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))  # _engine_common
-
-import infinity  # noqa: E402
-import _engine_common  # noqa: E402
-from _engine_common import (assert_close_run, batches, engine_config, engine_train,  # noqa: E402
-                            reference_train, tiny_gpt)
+import infinity
+from tests._support import engine as support
+from tests._support.engine import (assert_close_run, batches, engine_config, engine_train,
+                                   reference_train, tiny_gpt)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -31,10 +29,10 @@ def _cuda_tolerance(monkeypatch):
     arbitrary offsets of flat buffers, so the reference (separate tensors) may run other kernels
     with other rounding; Adam turns such last-bit differences of near-zero gradients into steps
     of up to ~lr * 1e-4. Element-wise 1e-4 instead of the CPU's 2e-5 (where kernels match)."""
-    monkeypatch.setitem(_engine_common.TOL, "fp32", dict(loss=1e-5, param=1e-4))
+    monkeypatch.setitem(support.TOL, "fp32", dict(loss=1e-5, param=1e-4))
 
 
-def _parity_cuda(stage: int, dtype: str, gas: int = 2, **cfg) -> "infinity.engine.InfinityEngine":
+def _parity_cuda(stage: int, dtype: str, gas: int = 2, **cfg) -> "infinity.zero.InfinityEngine":
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity needs true fp32 matmuls
     torch.backends.cudnn.allow_tf32 = False
     data = batches(8, gas)
@@ -110,7 +108,7 @@ def _main() -> int:
     if not torch.cuda.is_available():
         print("CUDA is not available: nothing to run")
         return 3
-    _engine_common.TOL["fp32"] = dict(loss=1e-5, param=1e-4)  # see _cuda_tolerance
+    support.TOL["fp32"] = dict(loss=1e-5, param=1e-4)  # see _cuda_tolerance
     failures = 0
     cases = [(f"parity stage {s} {d}", lambda s=s, d=d: test_parity_on_cuda(s, d))
              for s in (1, 3) for d in ("fp32", "bf16")]

@@ -7,16 +7,9 @@ import warnings
 
 import pytest
 
-from infinity._ds_config import config_from_deepspeed, config_to_deepspeed
-from infinity.config import (
-    AUTO,
-    InfinityConfig,
-    OffloadConfig,
-    SwapperConfig,
-    ZeroConfig,
-    config_from_native,
-    load_config,
-)
+from infinity.config import (AUTO, InfinityConfig, OffloadConfig, SwapperConfig, ZeroConfig,
+                             config_from_deepspeed, config_from_native, config_to_deepspeed,
+                             load_config)
 
 DS_EXAMPLE = {
     "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/p"},

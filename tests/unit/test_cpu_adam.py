@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from infinity import _common, _cpu_adam_ext
-from infinity import cpu_adam
-from infinity.cpu_adam import CPUAdam, adam_step_flat, grad_norm_sq
+from infinity import _common
+from infinity.optim import _cpu_adam_ext, cpu_adam
+from infinity.optim.cpu_adam import CPUAdam, adam_step_flat, grad_norm_sq
 
 BACKENDS = ["native", "scalar", "torch"]
 
@@ -180,8 +180,15 @@ def test_results_do_not_depend_on_thread_count():
 
 
 def test_empty_tensors_are_a_no_op():
+    """Zero elements: nothing is read or written, also through empty views of real buffers."""
     e = torch.empty(0)
-    adam_step_flat(e, e, e, e, step=1, **flat_hp())
+    assert adam_step_flat(e, e, e, e, step=1, **flat_hp()) is None
+    assert e.numel() == 0
+    p, g, m, v = (torch.full((8,), x) for x in (1.0, 2.0, 3.0, 4.0))
+    out = torch.full((8,), 5.0, dtype=torch.bfloat16)
+    adam_step_flat(p[3:3], g[3:3], m[3:3], v[3:3], step=1, out=out[3:3], **flat_hp())
+    for t, x in ((p, 1.0), (g, 2.0), (m, 3.0), (v, 4.0), (out, 5.0)):
+        assert torch.equal(t, torch.full((8,), x, dtype=t.dtype))
 
 
 # ------------------------------------------------------------------------------------------ bf16 states

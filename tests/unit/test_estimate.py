@@ -7,18 +7,11 @@ import json
 import pytest
 
 from infinity import cli
-from infinity.config import InfinityConfig, OffloadConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from infinity.estimate import (
-    GB,
-    ModelShape,
-    StateTerms,
-    Tier,
-    activation_bytes,
-    estimate_from_config,
-    estimate_model_states,
-    paper_bytes_per_device,
-)
-from infinity.estimate_cli import load_model_shape, shape_from_hf_config
+from infinity.cli._estimate import load_model_shape, shape_from_hf_config
+from infinity.config import (InfinityConfig, OffloadConfig, OptimizerConfig, PrecisionConfig,
+                             ZeroConfig)
+from infinity.ledger import (GB, ModelShape, StateTerms, Tier, activation_bytes,
+                             estimate_from_config, estimate_model_states, paper_bytes_per_device)
 
 TiB = 2**40
 
@@ -101,7 +94,7 @@ def test_tier_split_zero_infinity_all_nvme():
                                    gpus_per_node=8, sub_group_numel=10**8)
     assert ledger.state_bytes(Tier.DEVICE) == 0
     # Parameters and optimizer state on NVMe; the gradient shard accumulates in host memory
-    # ([Note: gradient placement] in infinity/estimate.py).
+    # ([Note: gradient placement] in infinity/ledger/_estimate.py).
     assert ledger.state_bytes(Tier.NVME) == (2 + 12) * psi // n
     assert ledger.state_bytes(Tier.HOST) == 2 * psi // n
     # Host: staging for three sub-groups of 1e8 elements of K bytes (the gradient is read in place).
@@ -118,7 +111,7 @@ def test_param_offload_below_stage_3_is_rejected():
 
 
 # The engine reduces and accumulates gradients in fp32: g = 4 B for every engine config
-# ([Note: gradient placement] in infinity/estimate.py); the paper's g = 2 B is StateTerms().
+# ([Note: gradient placement] in infinity/ledger/_estimate.py); the paper's g = 2 B is StateTerms().
 @pytest.mark.parametrize("dtype,state,offload,expected", [
     ("bf16", "fp32", "none", (2, 4, 12)),   # the paper's mixed-precision Adam, fp32 gradients
     ("fp16", "fp32", "cpu", (2, 4, 12)),

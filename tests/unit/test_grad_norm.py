@@ -1,4 +1,4 @@
-"""The global gradient norm's sum of squares (infinity.engine._sum_of_squares) against fp64.
+"""The global gradient norm's sum of squares (infinity.zero._grad_norm.sum_of_squares) against fp64.
 
 Large low-precision gradients are where an fp32 reduction drifts: torch's fp32 vector norm of a
 39M-element bf16 tensor read 0.5 % low on CPU, which moves every clip coefficient by as much."""
@@ -10,22 +10,27 @@ import math
 import pytest
 import torch
 
-from infinity.engine import _sum_of_squares
+from infinity.zero._grad_norm import sum_of_squares
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_sum_of_squares_of_a_large_gradient_matches_fp64(dtype):
     g = (torch.randn(2 ** 23 + 12345, generator=torch.Generator().manual_seed(0)) * 0.01).to(dtype)
     want = float(g.double().square().sum())
-    got = _sum_of_squares(g)
+    got = sum_of_squares(g)
     assert got.dtype == torch.float64 and got.dim() == 0
     assert float(got) == pytest.approx(want, rel=1e-5)
 
 
 def test_sum_of_squares_keeps_shape_and_non_finite_values():
     g = torch.ones(3, 5, dtype=torch.bfloat16)
-    assert float(_sum_of_squares(g)) == 15.0
+    assert float(sum_of_squares(g)) == 15.0
     g[1, 2] = float("inf")
-    assert math.isinf(float(_sum_of_squares(g)))
+    assert math.isinf(float(sum_of_squares(g)))
     g[1, 2] = float("nan")
-    assert math.isnan(float(_sum_of_squares(g)))
+    assert math.isnan(float(sum_of_squares(g)))
+
+
+def test_sum_of_squares_of_finite_values_whose_fp32_squares_overflow():
+    g = torch.full((4,), 3e38)  # fp32 squares would be inf: the sum is accumulated in fp64
+    assert float(sum_of_squares(g)) == pytest.approx(4 * 9e76, rel=1e-6)

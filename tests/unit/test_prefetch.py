@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from infinity.prefetch import (Bandwidths, FetchAction, Level, PlanRequest, PrefetchConfig, PrefetchExecutor,
-                               Trace, TraceEntry, UnitSpec, plan)
+from infinity.prefetch import (Bandwidths, FetchAction, FetchQuery, Level, PrefetchConfig,
+                               PrefetchExecutor, Trace, TraceEntry, UnitSizes, plan_fetches)
 
 G = Level.GATHERED
 
@@ -39,9 +39,9 @@ def test_lookahead_issues_exactly_when_deferring_would_be_late(position, delta_s
     units[position] = "X"
     t = mk_trace([(u, gathered_bytes // 2, gathered_bytes, Level.DEVICE) for u in units])
     levels = {u: G for u in units if u != "X"}
-    req = PlanRequest(trace=t, cursor=0, time_to_cursor_s=time_to_cursor_s, next_plan_in_s=next_plan_in_s,
+    req = FetchQuery(trace=t, cursor=0, time_to_cursor_s=time_to_cursor_s, next_plan_in_s=next_plan_in_s,
                       levels=levels, inflight={}, bandwidth=bw(gather=1000.0), plans_at_post=False)
-    got = plan(req)
+    got = plan_fetches(req)
     if delta_s > 0:  # deferring to the next plan point would finish late: issue now
         assert got == [FetchAction(unit="X", src=Level.DEVICE, dst=G, nbytes=gathered_bytes,
                                    position=position, needed_in_s=pytest.approx(deadline_s))]
@@ -59,9 +59,9 @@ def test_lookahead_multi_hop_from_nvme_sums_the_hops():
     b = bw(nvme=100.0, h2d=200.0, gather=400.0)
 
     def planned(cursor, time_to_cursor_s, next_plan_in_s):
-        req = PlanRequest(trace=t, cursor=cursor, time_to_cursor_s=time_to_cursor_s,
+        req = FetchQuery(trace=t, cursor=cursor, time_to_cursor_s=time_to_cursor_s,
                           next_plan_in_s=next_plan_in_s, levels=levels, inflight={}, bandwidth=b)
-        return [a.unit for a in plan(req)]
+        return [a.unit for a in plan_fetches(req)]
 
     # Plan points fall every 0.5 s (pre- and post-hooks); a later hop starts at the first point
     # after the previous one landed. Deferring X to the next point (0.5 s from now) lands:
@@ -75,19 +75,19 @@ def test_lookahead_multi_hop_from_nvme_sums_the_hops():
 
 def test_nothing_beyond_the_trace_end_and_gathered_units_skipped():
     t = mk_trace([("a", 10, 20, Level.HOST), ("b", 10, 20, Level.HOST)])
-    req = PlanRequest(trace=t, cursor=2, time_to_cursor_s=0.0, next_plan_in_s=0.0, levels={}, inflight={},
+    req = FetchQuery(trace=t, cursor=2, time_to_cursor_s=0.0, next_plan_in_s=0.0, levels={}, inflight={},
                       bandwidth=bw())
-    assert plan(req) == []
+    assert plan_fetches(req) == []
 
 
 # ---- planner: budgets ----------------------------------------------------------------------------
 def test_budget_never_exceeded_and_demand_first():
     units = [f"u{i}" for i in range(10)]
     t = mk_trace([(u, 100, 400, Level.HOST) for u in units], compute_s=0.01)  # all needed almost now
-    req = PlanRequest(trace=t, cursor=0, time_to_cursor_s=0.0, next_plan_in_s=0.005, levels={}, inflight={},
+    req = FetchQuery(trace=t, cursor=0, time_to_cursor_s=0.0, next_plan_in_s=0.005, levels={}, inflight={},
                       bandwidth=bw(h2d=1000.0), inflight_free_bytes={Level.DEVICE: 250},
                       free_bytes={Level.DEVICE: 10_000, Level.GATHERED: 10_000})
-    got = plan(req)
+    got = plan_fetches(req)
     assert got[0].demand and got[0].unit == "u0"
     prefetch_bytes = sum(a.nbytes for a in got if not a.demand and a.dst is Level.DEVICE)
     assert prefetch_bytes <= 250 - 100  # the demand hop is charged first
@@ -99,9 +99,9 @@ def test_free_bytes_of_later_rungs_are_reserved_and_lookahead_cap():
     t = mk_trace([(u, 100, 400, Level.HOST) for u in units], compute_s=0.01)
     base = dict(trace=t, cursor=0, time_to_cursor_s=0.5, next_plan_in_s=0.005, levels={}, inflight={},
                 bandwidth=bw(h2d=100.0))
-    got = plan(PlanRequest(**base, free_bytes={Level.DEVICE: 10_000, Level.GATHERED: 900}))
+    got = plan_fetches(FetchQuery(**base, free_bytes={Level.DEVICE: 10_000, Level.GATHERED: 900}))
     assert [a.unit for a in got] == ["u0", "u1"]  # 2 x 400 gathered bytes fit 900, a third would not
-    got = plan(PlanRequest(**base, lookahead_bytes=350))
+    got = plan_fetches(FetchQuery(**base, lookahead_bytes=350))
     assert sum(a.nbytes for a in got) <= 350 and [a.unit for a in got] == ["u0", "u1", "u2"]
 
 
@@ -132,9 +132,9 @@ def test_prefetch_never_displaces_a_copy_used_sooner(free, evictable):
     t = mk_trace([(u, 100, 400, Level.NVME) for u in units], compute_s=0.01)  # every read is late
     base = dict(trace=t, cursor=0, time_to_cursor_s=0.01, next_plan_in_s=0.005, levels={}, inflight={},
                 bandwidth=bw(nvme=100.0))
-    unlimited = plan(PlanRequest(**base))
+    unlimited = plan_fetches(FetchQuery(**base))
     assert [a.unit for a in unlimited] == units  # without budgets every read starts now
-    got = plan(PlanRequest(**base, free_bytes={Level.HOST: free}, evictable={Level.HOST: evictable}))
+    got = plan_fetches(FetchQuery(**base, free_bytes={Level.HOST: free}, evictable={Level.HOST: evictable}))
     expected = _belady_reference(free, evictable, range(6), 100)
     assert [a.position for a in got] == expected
     assert all(a.src is Level.NVME and a.dst is Level.HOST for a in got)
@@ -143,9 +143,9 @@ def test_prefetch_never_displaces_a_copy_used_sooner(free, evictable):
 def test_all_gathers_planned_in_trace_order():
     # u1 is on the device already (gather only), u0 still on the host: u1's gather must wait for u0's.
     t = mk_trace([("u0", 100, 200, Level.HOST), ("u1", 100, 200, Level.DEVICE)], compute_s=0.01)
-    req = PlanRequest(trace=t, cursor=0, time_to_cursor_s=0.5, next_plan_in_s=0.005, levels={},
+    req = FetchQuery(trace=t, cursor=0, time_to_cursor_s=0.5, next_plan_in_s=0.005, levels={},
                       inflight={}, bandwidth=bw(h2d=100.0, gather=100.0))
-    assert [(a.unit, a.dst) for a in plan(req)] == [("u0", Level.DEVICE)]
+    assert [(a.unit, a.dst) for a in plan_fetches(req)] == [("u0", Level.DEVICE)]
 
 
 # ---- executor in simulated time ------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_sim_prefetch_hides_transfers_and_fetches_no_earlier_than_needed():
     ex = PrefetchExecutor(issue=store.issue, config=cfg, clock=clock)
     units = [f"l{i}" for i in range(6)]
     for u in units:  # NVMe homed: 100 B at 500 B/s (0.2 s), 100 B at 1000 (0.1 s), 400 B at 2000 (0.2 s)
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
     seq = units + units[::-1]
     run_sim_step(ex, store, clock, seq, 1.0)
     first = ex.stats()
@@ -283,7 +283,7 @@ def moe_sequence(routing):
 def test_changing_control_flow_never_raises_and_hit_rate_recovers():
     ex, levels = make_instant_executor()
     for u in ["embed"] + [f"attn{i}" for i in range(4)] + [f"expert{i}.{e}" for i in range(4) for e in range(4)]:
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     rng = random.Random(0)
     rates = []
     for pattern in range(6):
@@ -301,7 +301,7 @@ def test_activation_checkpoint_recompute_pattern():
     ex, levels = make_instant_executor()
     units = [f"l{i}" for i in range(4)]
     for u in units:
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     plain = units + units[::-1]
     recompute = units + [u for u in units[::-1] for _ in (0, 1)]  # forward re-run inside backward
     assert run_instant_step(ex, levels, plain) < 1.0  # first step: no trace
@@ -315,7 +315,7 @@ def test_eval_phase_between_train_steps_does_not_clobber_train_trace():
     ex, levels = make_instant_executor()
     units = [f"l{i}" for i in range(5)]
     for u in units:
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     train = units + units[::-1]
     run_instant_step(ex, levels, train)
     run_instant_step(ex, levels, train)
@@ -375,7 +375,7 @@ def test_need_waits_for_inflight_prefetch_and_bounds_hold():
     ex = PrefetchExecutor(issue=store.issue, config=cfg)
     units = [f"l{i}" for i in range(6)]
     for u in units:
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
     plain = units + units[::-1]
     changed = ["l0", "l2", "l1", "l3", "l5", "l5", "l3", "l1", "l2", "l0"]  # l4 skipped, order changed
     for seq in (plain, plain, changed, plain):
@@ -404,7 +404,7 @@ def test_generate_loop_between_train_steps():
     ex, levels = make_instant_executor()
     units = [f"l{i}" for i in range(5)]
     for u in units:
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     train = units + units[::-1]
     run_instant_step(ex, levels, train)
     run_instant_step(ex, levels, train)
@@ -428,7 +428,7 @@ def test_no_prefetch_past_the_end_of_the_step():
 
     ex = PrefetchExecutor(issue=issue, locate=lambda u: levels.get(u, Level.HOST))
     for u in ("a", "b", "c"):
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     seq = ["a", "b", "c", "c", "b", "a"]  # the last unit has a known successor (a -> b)
     for _ in range(3):
         run_instant_step(ex, levels, seq)
@@ -448,7 +448,7 @@ def test_no_prefetch_past_the_end_of_the_step():
 def test_evicted_unused_prefetch_bytes_counted():
     ex, levels = make_instant_executor()
     for u in ("a", "b", "c"):
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     run_instant_step(ex, levels, ["a", "b", "c"])
     ex.begin_step("train")  # prefetches "a" (needed first)
     assert levels["a"] is G
@@ -460,7 +460,7 @@ def test_evicted_unused_prefetch_bytes_counted():
 def test_next_use_distance_and_lru_fallback():
     ex, levels = make_instant_executor()
     for u in ("a", "b", "c"):
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     ex.begin_step("train")
     assert ex.next_use_distance("a") is None  # no trace yet: the store falls back to LRU
     ex.end_step()
@@ -475,7 +475,7 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="prefetch.host_inflight_budget_bytes"):
         PrefetchConfig(host_inflight_budget_bytes=-1)
     with pytest.raises(ValueError, match="home"):
-        UnitSpec(unit="x", shard_bytes=1, gathered_bytes=1, home="GATHERED")
+        UnitSizes(unit="x", shard_bytes=1, gathered_bytes=1, home="GATHERED")
 
 
 def test_sim_multi_hop_from_nvme_after_full_eviction():
@@ -490,7 +490,7 @@ def test_sim_multi_hop_from_nvme_after_full_eviction():
                           locate=lambda u: store.level.get(u, Level.NVME))
     units = [f"l{i}" for i in range(6)]
     for u in units:
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
     seq = units + units[::-1]
 
     def step():
@@ -531,10 +531,10 @@ def test_random_plans_respect_every_budget():
         room = {lvl: rng.choice([None, rng.randint(0, 300)]) for lvl in (Level.HOST, Level.DEVICE, G)}
         free = {lvl: rng.choice([None, rng.randint(0, 600)]) for lvl in (Level.HOST, Level.DEVICE, G)}
         look = rng.choice([None, rng.randint(0, 400)])
-        req = PlanRequest(trace=t, cursor=rng.randint(0, n), time_to_cursor_s=rng.choice([0.0, 0.05]),
+        req = FetchQuery(trace=t, cursor=rng.randint(0, n), time_to_cursor_s=rng.choice([0.0, 0.05]),
                           next_plan_in_s=0.05, levels=levels, inflight={}, bandwidth=bw(100.0, 200.0, 400.0),
                           inflight_free_bytes=room, free_bytes=free, lookahead_bytes=look)
-        got = plan(req)
+        got = plan_fetches(req)
         assert len({a.unit for a in got}) == len(got)
         assert all(a.demand for a in got[:sum(a.demand for a in got)])  # demand hops come first
         pre = [a for a in got if not a.demand]
@@ -558,7 +558,7 @@ def test_fuzzed_hook_sequences_never_raise():
                                        lookahead_bytes=600)
     units = [f"u{i}" for i in range(10)]
     for u in units:
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
     base = units[:6] + units[:6][::-1]
     for step in range(40):
         ex.begin_step(rng.choice(["train", "train", "eval"]))
@@ -604,7 +604,7 @@ def test_bandwidth_ema_from_handle_timings():
                           config=PrefetchConfig(host_to_device_bytes_per_s=100.0, all_gather_bytes_per_s=800.0,
                                                 bandwidth_ema_weight=0.5),
                           locate=lambda u: levels.get(u, Level.HOST))
-    ex.register_unit(UnitSpec(unit="a", shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+    ex.register_unit(UnitSizes(unit="a", shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     ex.begin_step("train")
     ex.pre_hook("a")  # demand: HOST->DEVICE 100 B and all-gather 400 B, each measured at 0.5 s
     assert ex.bandwidth.get(Level.HOST, Level.DEVICE) == pytest.approx(0.5 * 100.0 + 0.5 * 200.0)
@@ -631,7 +631,7 @@ def test_store_reporting_evictions_from_inside_wait_is_safe():
     holder["ex"] = ex
     units = [f"u{i}" for i in range(6)]
     for u in units + ["z"]:
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     for _ in range(3):
         run_instant_step(ex, levels, units + units[::-1])
     assert ex.stats()["needs"] == 36
@@ -647,7 +647,7 @@ def test_store_reporting_evictions_from_inside_wait_is_safe():
 def test_keep_gathered_reuse_distance_and_budget(limit, free_bytes, expected):
     ex, levels = make_instant_executor(max_reuse_distance_bytes=limit)
     for u in ("a", "b", "c"):
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     seq = ["a", "b", "a", "c"]
     run_instant_step(ex, levels, seq)
     ex.begin_step("train")
@@ -671,7 +671,7 @@ def run_rank(cfg_kwargs, bps_scale, compute_s, sequences, device_homed=False):
     homes = {}
     for i, u in enumerate(sorted({u for seq in sequences for u in seq})):
         homes[u] = Level.DEVICE if device_homed else Level.NVME if i % 2 else Level.HOST
-        ex.register_unit(UnitSpec(unit=u, shard_bytes=100, gathered_bytes=400, home=homes[u]))
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=homes[u]))
     for seq in sequences:
         ex.begin_step("train")
         for u in seq:

@@ -8,13 +8,8 @@ import os
 import pytest
 import torch
 
-from infinity.safetensors_io import (
-    INDEX_NAME,
-    SafetensorsCheckpoint,
-    SafetensorsError,
-    SafetensorsFile,
-    write_safetensors,
-)
+from infinity.io import (INDEX_NAME, SafetensorsCheckpoint, SafetensorsError, SafetensorsFile,
+                         write_safetensors)
 
 st = pytest.importorskip("safetensors.torch")
 

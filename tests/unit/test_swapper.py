@@ -16,33 +16,12 @@ import pytest
 import torch
 
 from infinity.config import SwapperConfig
-from infinity.swapper import Swapper, aligned_empty, aligned_view
+from infinity.io import Swapper, aligned_empty, aligned_view
+from tests._support.tensors import random_bytes, same_bytes
 
 DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.float64]
 NUMELS = [1, 7, 4095, 4097, 2**20 + 3]
 SMALL = SwapperConfig(block_size_bytes=64 * 1024, queue_depth=8, num_io_threads=4)
-
-
-def random_tensor(numel: int, dtype: torch.dtype, *, gen: torch.Generator | None = None,
-                  aligned: bool = True, misalign: int = 0) -> torch.Tensor:
-    """Random bytes viewed as ``dtype`` (any bit pattern, NaNs included: compare bytes)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize  # int32 draws viewed as bytes: ~100x faster than uint8 draws
-    raw = torch.randint(-2**31, 2**31 - 1, ((nbytes + 3) // 4,), dtype=torch.int32,
-                        generator=gen).view(torch.uint8)[:nbytes]
-    if aligned:
-        out = aligned_empty(numel, dtype)
-    else:  # an address that is not a multiple of 4096: forces the staging path
-        base = torch.empty(numel + misalign + 4096 // itemsize, dtype=dtype)
-        skip = ((-base.data_ptr()) % 4096) // itemsize + misalign
-        out = base[skip:skip + numel]
-    out.view(torch.uint8).copy_(raw)
-    return out
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +40,10 @@ def test_direct_io_used_on_disk(swapper):
 def test_round_trip_sizes_and_dtypes(swapper, numel, dtype):
     gen = torch.Generator().manual_seed(numel)
     for aligned in (True, False):
-        src = random_tensor(numel, dtype, gen=gen, aligned=aligned, misalign=1)
+        src = random_bytes(numel, dtype, gen=gen, aligned=aligned, misalign=1)
         key = f"rt/{numel}/{dtype}/{aligned}"
         swapper.swap_out(key, src).wait()
-        out = random_tensor(numel, dtype, gen=gen, aligned=not aligned, misalign=3)
+        out = random_bytes(numel, dtype, gen=gen, aligned=not aligned, misalign=3)
         swapper.swap_in(key, out).wait()
         assert same_bytes(out, src), (numel, dtype, aligned)
 
@@ -79,16 +58,23 @@ def test_shapes_round_trip(swapper):
 
 
 def test_empty_tensor(swapper):
+    """Zero bytes: a file with a valid header and no payload, read back only as what was written."""
     src = torch.empty(0, dtype=torch.float16)
     swapper.swap_out("empty", src).wait()
+    assert "empty" in swapper.keys()
+    with open(swapper.path_of("empty"), "rb") as f:
+        data = f.read()
+    assert data[:8] == b"INFSWAP\x01" and len(data) == swapper.header_bytes
     out = torch.empty(0, dtype=torch.float16)
     swapper.swap_in("empty", out).wait()
+    with pytest.raises(ValueError, match="float16"):
+        swapper.swap_in("empty", torch.empty(0, dtype=torch.float32)).wait()
 
 
 @pytest.mark.slow
 def test_large_round_trip(swapper):
     nbytes = 256 * 2**20 if os.environ.get("INFINITY_SLOW") == "1" else 32 * 2**20 + 12345
-    src = random_tensor(nbytes, torch.uint8)
+    src = random_bytes(nbytes, torch.uint8)
     swapper.swap_out("large", src).wait()
     out = aligned_empty(nbytes, torch.uint8)
     swapper.swap_in("large", out).wait()
@@ -97,7 +83,7 @@ def test_large_round_trip(swapper):
 
 def test_bytes_on_disk_match(swapper):
     """Read the file ourselves: a header block, then the payload verbatim, padded to alignment."""
-    src = random_tensor(10_001, torch.float32)  # 40004 bytes: not a multiple of 4096
+    src = random_bytes(10_001, torch.float32)  # 40004 bytes: not a multiple of 4096
     swapper.swap_out("disk", src).wait()
     path = swapper.path_of("disk")
     with open(path, "rb") as f:
@@ -110,9 +96,9 @@ def test_bytes_on_disk_match(swapper):
 
 
 def test_overwrite_bumps_generation_and_reads_latest(swapper):
-    first = random_tensor(5000, torch.int64)
+    first = random_bytes(5000, torch.int64)
     swapper.swap_out("ow", first).wait()
-    second = random_tensor(33, torch.bfloat16)  # another size and dtype under the same key
+    second = random_bytes(33, torch.bfloat16)  # another size and dtype under the same key
     swapper.swap_out("ow", second).wait()
     out = torch.empty(33, dtype=torch.bfloat16)
     swapper.swap_in("ow", out).wait()
@@ -129,7 +115,7 @@ def test_overwrite_bumps_generation_and_reads_latest(swapper):
 def test_swap_in_issued_before_swap_out_finishes_sees_new_bytes(tmp_path):
     """Operations on one key run in issue order, even when nobody waits in between."""
     with Swapper(tmp_path, SwapperConfig(block_size_bytes=4096, queue_depth=2, num_io_threads=2)) as sw:
-        old, new = random_tensor(300_000, torch.uint8), random_tensor(300_000, torch.uint8)
+        old, new = random_bytes(300_000, torch.uint8), random_bytes(300_000, torch.uint8)
         sw.swap_out("k", old).wait()
         h_out = sw.swap_out("k", new)
         out = aligned_empty(300_000, torch.uint8)
@@ -142,7 +128,7 @@ def test_swap_in_issued_before_swap_out_finishes_sees_new_bytes(tmp_path):
 def test_hundreds_in_flight(tmp_path):
     gen = torch.Generator().manual_seed(7)
     with Swapper(tmp_path, SMALL) as sw:
-        srcs = {f"t{i}": random_tensor(1 + (i * 7919) % 40_000, DTYPES[i % len(DTYPES)], gen=gen,
+        srcs = {f"t{i}": random_bytes(1 + (i * 7919) % 40_000, DTYPES[i % len(DTYPES)], gen=gen,
                                        aligned=i % 2 == 0, misalign=1) for i in range(300)}
         handles = [sw.swap_out(k, t) for k, t in srcs.items()]
         for h in handles:
@@ -161,7 +147,7 @@ def test_many_threads_issue_concurrently(tmp_path):
         def client(i: int) -> None:
             try:
                 for j in range(20):
-                    src = random_tensor(1000 + 97 * j, torch.float32)
+                    src = random_bytes(1000 + 97 * j, torch.float32)
                     sw.swap_out(f"c{i}/{j}", src).wait()
                     out = torch.empty_like(src)
                     sw.swap_in(f"c{i}/{j}", out).wait()
@@ -237,7 +223,7 @@ def test_odd_keys_stay_inside(swapper):
 
 
 def test_async_face(swapper):
-    src = random_tensor(12345, torch.float16)
+    src = random_bytes(12345, torch.float16)
     out = torch.empty_like(src)
 
     async def main() -> None:
@@ -272,7 +258,7 @@ def test_arena_extents_round_trip_without_touching_neighbours(swapper):
         view = aligned_view(arena, offset, numel, dtype, alignment_bytes=align)
         extents.append((offset, view))
         offset += (view.numel() * view.element_size() + align - 1) // align * align
-    srcs = [random_tensor(v.numel(), v.dtype) for _, v in extents]
+    srcs = [random_bytes(v.numel(), v.dtype) for _, v in extents]
     for i, src in enumerate(srcs):
         swapper.swap_out(f"arena{i}", src).wait()
     handles = [swapper.swap_in(f"arena{i}", v) for i, (_, v) in enumerate(extents)]
@@ -303,7 +289,7 @@ def test_slow_disk_needs_the_wait(tmp_path, monkeypatch):
         return real(fd, buf, offset)
 
     with Swapper(tmp_path, SwapperConfig(block_size_bytes=4096, queue_depth=4, num_io_threads=4)) as sw:
-        old, new = random_tensor(64 * 1024, torch.uint8), random_tensor(64 * 1024, torch.uint8)
+        old, new = random_bytes(64 * 1024, torch.uint8), random_bytes(64 * 1024, torch.uint8)
         sw.swap_out("k", old).wait()
         monkeypatch.setattr(os, "pwrite", slow_pwrite)
         h_out = sw.swap_out("k", new)

@@ -17,11 +17,11 @@ import warnings
 import pytest
 import torch
 
-from infinity._common import SwapIOError, reset_warnings_for_tests
+from infinity._common import reset_warnings_for_tests
 from infinity.config import SwapperConfig
-from infinity.swapper import Swapper, aligned_empty
-
-from test_swapper import random_tensor, same_bytes  # noqa: E402 - shared helpers
+from infinity.errors import SwapIOError
+from infinity.io import Swapper, aligned_empty
+from tests._support.tensors import random_bytes, same_bytes
 
 CFG = SwapperConfig(block_size_bytes=64 * 1024, queue_depth=4, num_io_threads=2)
 
@@ -48,7 +48,7 @@ def tmpfs(path, options: str):
 
 
 def swapped(sw: Swapper, key: str, numel: int = 100_000, dtype=torch.float32) -> torch.Tensor:
-    src = random_tensor(numel, dtype)
+    src = random_bytes(numel, dtype)
     sw.swap_out(key, src).wait()
     return src
 
@@ -136,7 +136,7 @@ def test_file_of_another_shape_or_generation_is_rejected(sw):
     # A stale file of the same key (older generation) is refused too.
     sw.swap_out("a", a).wait()
     shutil.copyfile(sw.path_of("a"), sw.path_of("a") + ".old")
-    newer = random_tensor(5000, torch.float32)
+    newer = random_bytes(5000, torch.float32)
     sw.swap_out("a", newer).wait()
     os.replace(sw.path_of("a") + ".old", sw.path_of("a"))
     with pytest.raises(SwapIOError, match="generation"):
@@ -156,7 +156,7 @@ def test_short_write_leaves_no_valid_file(sw, monkeypatch):
 
     monkeypatch.setattr(os, "pwrite", short_pwrite)
     with pytest.raises(SwapIOError, match="short write") as info:
-        sw.swap_out("k", random_tensor(100_000, torch.float32)).wait()
+        sw.swap_out("k", random_bytes(100_000, torch.float32)).wait()
     assert info.value.path == sw.path_of("k")
     assert info.value.actual_bytes == info.value.expected_bytes - 512
     assert info.value.offset > sw.header_bytes
@@ -178,7 +178,7 @@ def test_enospc_during_payload(sw, monkeypatch):
         return real(fd, buf, offset)
 
     monkeypatch.setattr(os, "pwrite", full_disk)
-    src = random_tensor(1_000_000, torch.uint8)
+    src = random_bytes(1_000_000, torch.uint8)
     with pytest.raises(SwapIOError, match="disk full") as info:
         sw.swap_out("k", src).wait()
     assert info.value.errno == errno.ENOSPC and info.value.path == sw.path_of("k")
@@ -200,7 +200,7 @@ def test_header_write_failure_leaves_no_file(sw, monkeypatch):
         return real(fd, buf, offset)
 
     monkeypatch.setattr(os, "pwrite", fail_second_header)
-    src = random_tensor(5000, torch.float32)
+    src = random_bytes(5000, torch.float32)
     with pytest.raises(SwapIOError):
         sw.swap_out("k", src).wait()
     monkeypatch.setattr(os, "pwrite", real)
@@ -230,7 +230,7 @@ def test_real_full_disk(tmp_path):
     with tmpfs(tmp_path / "small", "size=1M"):
         with Swapper(tmp_path / "small", CFG) as s:
             small = swapped(s, "small", 1000)
-            big = random_tensor(2 * 2**20, torch.uint8)
+            big = random_bytes(2 * 2**20, torch.uint8)
             with pytest.raises(SwapIOError) as info:
                 s.swap_out("big", big).wait()
             assert info.value.errno == errno.ENOSPC and "disk full" in str(info.value)
@@ -311,7 +311,7 @@ def test_buffered_mode_round_trip(tmp_path):
     with Swapper(tmp_path, SwapperConfig(direct_io="off", block_size_bytes=4096)) as s:
         assert not s.direct_io
         for numel in (1, 7, 4095, 4097, 2**16 + 3):
-            src = random_tensor(numel, torch.float64, aligned=False, misalign=1)
+            src = random_bytes(numel, torch.float64, aligned=False, misalign=1)
             s.swap_out("k", src).wait()
             out = aligned_empty(numel, torch.float64)
             s.swap_in("k", out).wait()

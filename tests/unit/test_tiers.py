@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from _tiers_helpers import KB4, make_store, random_tensor, read_swap_file, same_bytes
-from infinity._common import SwapIOError, TierCapacityError
 from infinity.config import MemoryConfig
-from infinity.tiers import (TRANSITIONS, Residency, ResidencyError, StoreConfig, Tier,
-                            check_transition)
+from infinity.errors import IllegalTransitionError, SwapIOError, TierCapacityError
+from infinity.tiers import TRANSITIONS, Residency, StoreConfig, Tier
 from infinity.tiers._records import _Shard
+from tests._support.store import KB4, make_store, read_swap_file
+from tests._support.tensors import random_values, same_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 
@@ -31,7 +31,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 def test_round_trip_every_path(tmp_path, home, dtype):
     numel = 3001  # not a multiple of the alignment in any dtype
     with make_store(tmp_path) as (store, swapper):
-        original = random_tensor(numel, dtype, seed=1)
+        original = random_values(numel, dtype, seed=1)
         store.register("s", numel, dtype, home, initial=original.clone())
         for tier in (Tier.DEVICE, Tier.HOST, Tier.DEVICE):
             got = store.fetch("s", tier).wait()
@@ -42,7 +42,7 @@ def test_round_trip_every_path(tmp_path, home, dtype):
         # Modify a non-home copy, write it back, drop it: the home copy has the new bytes.
         tier = Tier.DEVICE if home is not Tier.DEVICE else Tier.HOST
         copy = store.fetch("s", tier).wait()
-        update = random_tensor(numel, dtype, seed=2)
+        update = random_values(numel, dtype, seed=2)
         copy.copy_(update)
         store.mark_dirty("s", tier)
         store.write_back("s").wait()
@@ -66,7 +66,7 @@ def test_register_without_initial_is_zeros(tmp_path):
 def test_register_copies_initial(tmp_path):
     """The caller may reuse its tensor right after register (even while the swap-out runs)."""
     with make_store(tmp_path) as (store, _):
-        data = random_tensor(5000, torch.float32, seed=3)
+        data = random_values(5000, torch.float32, seed=3)
         keep = data.clone()
         store.register("a", 5000, torch.float32, Tier.NVME, initial=data)
         data.fill_(7.0)
@@ -80,9 +80,9 @@ def test_register_copies_initial(tmp_path):
 def test_dirty_host_copy_of_nvme_shard_survives_eviction(tmp_path):
     numel = 2500
     with make_store(tmp_path) as (store, swapper):
-        store.register("w", numel, torch.float32, Tier.NVME, initial=random_tensor(numel, torch.float32, 0))
+        store.register("w", numel, torch.float32, Tier.NVME, initial=random_values(numel, torch.float32, 0))
         host = store.acquire("w", Tier.HOST).wait()
-        modified = random_tensor(numel, torch.float32, seed=9)
+        modified = random_values(numel, torch.float32, seed=9)
         host.copy_(modified)
         store.mark_dirty("w", Tier.HOST)
         store.release("w", Tier.HOST)
@@ -101,11 +101,11 @@ def test_overwrite_acquire_reads_nothing_and_the_written_bytes_reach_nvme(tmp_pa
     numel = 2500
     with make_store(tmp_path) as (store, swapper):
         store.register("w", numel, torch.float32, Tier.NVME,
-                       initial=random_tensor(numel, torch.float32, 0))
+                       initial=random_values(numel, torch.float32, 0))
         store.flush()
         store.evict("w", Tier.HOST)
         before = store.stats()
-        new = random_tensor(numel, torch.float32, seed=5)
+        new = random_values(numel, torch.float32, seed=5)
         dev = store.acquire("w", Tier.DEVICE, overwrite=True).wait()
         dev.copy_(new)
         store.mark_dirty("w", Tier.DEVICE)
@@ -127,10 +127,10 @@ def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path):
     device copy, so the next read sees the shard's previous bytes, never the half-written ones."""
     from types import SimpleNamespace
 
-    from infinity.stage3 import ParameterManager
+    from infinity.zero._param_manager import ParameterManager
 
     numel = 2500
-    old = random_tensor(numel, torch.float32, 0)
+    old = random_values(numel, torch.float32, 0)
     with make_store(tmp_path) as (store, _):
         store.register("w", numel, torch.float32, Tier.NVME, initial=old)
         store.flush()
@@ -152,7 +152,7 @@ def test_budget_eviction_writes_back_dirty_device_copy(tmp_path):
         for key in "ab":
             store.register(key, numel, torch.float32, Tier.NVME)
         dev = store.fetch("a", Tier.DEVICE).wait()
-        new = random_tensor(numel, torch.float32, seed=4)
+        new = random_values(numel, torch.float32, seed=4)
         dev.copy_(new)
         store.mark_dirty("a", Tier.DEVICE)
         del dev
@@ -197,7 +197,7 @@ def test_flush_writes_every_dirty_shard(tmp_path):
         for i in range(4):
             store.register(f"f{i}", 300, torch.float32, Tier.NVME)
             t = store.fetch(f"f{i}", Tier.HOST).wait()
-            expect[f"f{i}"] = random_tensor(300, torch.float32, seed=i)
+            expect[f"f{i}"] = random_values(300, torch.float32, seed=i)
             t.copy_(expect[f"f{i}"])
             store.mark_dirty(f"f{i}", Tier.HOST)
         store.flush()
@@ -351,14 +351,16 @@ def test_transition_table_rejects_illegal_transitions():
     states = list(Residency)
     for old, new in itertools.product(states, states):
         if (old, new) in TRANSITIONS:
-            check_transition("k", Tier.HOST, old, new)
+            TRANSITIONS.check("k", old, new, tier=Tier.HOST)
         else:
-            with pytest.raises(ResidencyError) as info:
-                check_transition("key-7", Tier.DEVICE, old, new)
+            with pytest.raises(IllegalTransitionError) as info:
+                TRANSITIONS.check("key-7", old, new, tier=Tier.DEVICE)
             msg = str(info.value)
             assert "key-7" in msg and f"{old.name} -> {new.name}" in msg and "DEVICE" in msg
+            allowed = [n.name for (o, n) in TRANSITIONS.edges if o is old]
+            assert all(name in msg for name in allowed)
     shard = _Shard("s", 10, torch.float32, Tier.NVME)
-    with pytest.raises(ResidencyError):
+    with pytest.raises(IllegalTransitionError):
         shard.set_state(Tier.HOST, Residency.WRITING)  # ABSENT -> WRITING: nothing to write
     assert (Residency.RESIDENT, Residency.RESIDENT) not in TRANSITIONS
 
@@ -396,7 +398,7 @@ def _slow_reads(monkeypatch, swapper, delay_s: float):
 def test_a_missing_wait_would_show_stale_data(tmp_path, monkeypatch):
     numel = 4096
     with make_store(tmp_path) as (store, swapper):
-        data = random_tensor(numel, torch.float32, seed=5)
+        data = random_values(numel, torch.float32, seed=5)
         store.register("slow", numel, torch.float32, Tier.NVME, initial=data)
         store.flush()
         store.evict("slow", Tier.HOST)
@@ -474,13 +476,13 @@ def test_refused_swap_in_fails_through_the_handle(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_round_trip_through_every_tier(tmp_path):
-    from infinity.swapper import Swapper
+    from infinity.io import Swapper
     from infinity.tiers import TieredStore
 
     with Swapper(tmp_path / "swap") as swapper, TieredStore(
             "cuda", StoreConfig(device_budget_bytes=3 * 40_000, host_budget_bytes=1 << 20),
             swapper=swapper) as store:
-        data = {k: random_tensor(10_000, torch.float32, seed=i) for i, k in enumerate("abcd")}
+        data = {k: random_values(10_000, torch.float32, seed=i) for i, k in enumerate("abcd")}
         for key, value in data.items():
             store.register(key, 10_000, torch.float32, Tier.NVME, initial=value)
         for key, value in data.items():  # the 4th evicts the 1st from the device
@@ -503,11 +505,11 @@ def test_cuda_round_trip_through_every_tier(tmp_path):
 def test_host_copy_copies_every_byte(dtype):
     from infinity.tiers._records import host_copy
 
-    src = random_tensor(100_003, dtype, seed=3)
+    src = random_values(100_003, dtype, seed=3)
     dst = torch.zeros_like(src)
     host_copy(dst, src)
     assert same_bytes(dst, src)
-    strided = random_tensor(2 * 5001, dtype, seed=4)[::2]  # not contiguous: torch's copy
+    strided = random_values(2 * 5001, dtype, seed=4)[::2]  # not contiguous: torch's copy
     out = torch.zeros(5001, dtype=dtype)
     host_copy(out, strided)
     assert same_bytes(out, strided.contiguous())
@@ -525,7 +527,7 @@ def test_store_moves_on_cpu_start_no_openmp_team(tmp_path):
             store.fetch("warm", Tier.DEVICE).wait()
             store.evict("warm", Tier.DEVICE)
         before = len(os.listdir("/proc/self/task"))
-        original = random_tensor(numel, torch.float32, seed=5)
+        original = random_values(numel, torch.float32, seed=5)
         store.register("big", numel, torch.float32, Tier.HOST, initial=original)
         for _ in range(4):
             assert same_bytes(store.fetch("big", Tier.DEVICE).wait(), original)

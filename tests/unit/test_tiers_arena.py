@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import infinity.tiers.store as store_mod
-from _tiers_helpers import KB4, make_store, random_tensor, same_bytes
-from infinity.swapper import aligned_empty
+from infinity.io import aligned_empty
 from infinity.tiers import HostArena, Tier
+from tests._support.store import KB4, make_store
+from tests._support.tensors import random_values, same_bytes
 
 
 def _check_layout(arena: HostArena) -> None:
@@ -107,7 +108,7 @@ def test_store_host_memory_is_one_arena(tmp_path, monkeypatch):
         expect = {}
         for i, numel in enumerate((1, 1000, 1024, 1025, 3000, 7)):
             key = f"k{i}"
-            expect[key] = random_tensor(numel, torch.float32, seed=i)
+            expect[key] = random_values(numel, torch.float32, seed=i)
             store.register(key, numel, torch.float32, Tier.NVME, initial=expect[key])
             store.fetch(key, Tier.DEVICE).wait()
         store.flush()

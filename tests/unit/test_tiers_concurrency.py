@@ -11,10 +11,11 @@ import weakref
 import pytest
 import torch
 
-import infinity.tiers._budget as budget_mod
-from _tiers_helpers import KB4, make_store, random_tensor, read_swap_file, same_bytes
-from infinity._common import TierCapacityError
+import infinity.tiers._budgets as budget_mod
+from infinity.errors import TierCapacityError
 from infinity.tiers import Residency, Tier
+from tests._support.store import KB4, make_store, read_swap_file
+from tests._support.tensors import random_values, same_bytes
 
 SLOW = os.environ.get("INFINITY_SLOW") == "1"
 
@@ -57,7 +58,7 @@ def _run_threads(num_threads: int, body) -> None:
 def test_concurrent_fetches_of_one_key_do_one_read(tmp_path, monkeypatch):
     numel, rounds, num_threads = 50_000, 8, 12
     with make_store(tmp_path, device_bytes=1 << 20, host_bytes=1 << 20) as (store, swapper):
-        data = random_tensor(numel, torch.float32, seed=0)
+        data = random_values(numel, torch.float32, seed=0)
         store.register("k", numel, torch.float32, Tier.NVME, initial=data)
         store.flush()
         counts = _count_swap_ins(monkeypatch, swapper)
@@ -83,8 +84,8 @@ def test_concurrent_fetches_of_one_key_do_one_read(tmp_path, monkeypatch):
 def test_concurrent_fetches_and_writes_of_different_keys(tmp_path):
     num_threads, ops = 8, (200 if SLOW else 60)
     numel = 3000  # 12000 B: 3 extents
-    shared = {f"r{i}": random_tensor(numel, torch.float32, seed=100 + i) for i in range(10)}
-    own = {f"w{t}_{i}": random_tensor(numel, torch.float32, seed=200 + 10 * t + i)
+    shared = {f"r{i}": random_values(numel, torch.float32, seed=100 + i) for i in range(10)}
+    own = {f"w{t}_{i}": random_values(numel, torch.float32, seed=200 + 10 * t + i)
            for t in range(num_threads) for i in range(3)}
     # Each thread pins at most one copy and has at most one move in flight (+ its HOST staging).
     with make_store(tmp_path, device_bytes=num_threads * 2 * numel * 4,
@@ -176,7 +177,7 @@ class _Model:
             # much that an unpinned 3-extent copy finds no hole.
             host_homes = sum(h is Tier.HOST for h in self.homes.values())
             home = rng.choice([Tier.NVME, Tier.HOST]) if 2 < len(keys) and host_homes < 2 else Tier.NVME
-            initial = random_tensor(numel, torch.float32, seed=step) if rng.random() < 0.8 else None
+            initial = random_values(numel, torch.float32, seed=step) if rng.random() < 0.8 else None
             store.register(key, numel, torch.float32, home, initial=initial)
             self.expected[key] = initial if initial is not None else torch.zeros(numel)
             self.homes[key] = home

@@ -14,7 +14,7 @@ import textwrap
 _SCRIPT = textwrap.dedent("""
     import sys, time, weakref
     import torch
-    from infinity.swapper import Swapper
+    from infinity.io import Swapper
     from infinity.tiers import StoreConfig, Tier, TieredStore
 
     swapper = Swapper(sys.argv[1])

@@ -12,9 +12,10 @@ import time
 import pytest
 import torch
 
-from _tiers_helpers import KB4, make_store, random_tensor, read_swap_file, same_bytes
-from infinity._common import TierCapacityError
+from infinity.errors import TierCapacityError
 from infinity.tiers import Residency, Tier
+from tests._support.store import KB4, make_store, read_swap_file
+from tests._support.tensors import random_values, same_bytes
 
 
 def _slow_io(monkeypatch, swapper, kind: str, seconds: float = 0.1) -> None:
@@ -40,7 +41,7 @@ def test_writebacks_wait_for_host_staging_in_flight(tmp_path, monkeypatch):
         expected = {}
         for i, key in enumerate(keys):
             store.fetch(key, Tier.DEVICE).wait()
-            expected[key] = random_tensor(numel, torch.float32, seed=i)
+            expected[key] = random_values(numel, torch.float32, seed=i)
             store.get(key, Tier.DEVICE).copy_(expected[key])
             store.mark_dirty(key, Tier.DEVICE)
         _slow_io(monkeypatch, swapper, "out")
@@ -69,7 +70,7 @@ def test_flush_under_a_one_extent_host_budget(tmp_path, monkeypatch):
             key = f"f{i}"
             store.register(key, numel, torch.float32, Tier.NVME)
             store.fetch(key, Tier.DEVICE).wait()
-            expected[key] = random_tensor(numel, torch.float32, seed=10 + i)
+            expected[key] = random_values(numel, torch.float32, seed=10 + i)
             store.get(key, Tier.DEVICE).copy_(expected[key])
             store.mark_dirty(key, Tier.DEVICE)
         _slow_io(monkeypatch, swapper, "out")

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from infinity.trace import Follow, Level, Trace, TraceEntry, TraceFollower, TraceRecorder, TraceStore
+from infinity.prefetch import (Follow, Level, Trace, TraceEntry, TraceFollower, TraceRecorder,
+                               TraceStore)
 
 
 def entries(units, *, nbytes=100, compute_s=1.0, home=Level.HOST):

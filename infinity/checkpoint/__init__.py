@@ -1,0 +1,31 @@
+"""Checkpoints and weights: save and load the full training state at any world size, consolidate a
+save into one state dict, load Hugging Face safetensors straight into the shards.
+
+- :mod:`._save` / :mod:`._load`: a manifest plus per-unit shard files per rank, written atomically
+  ([Note: crash safety]), loadable at another world size, stage or unit choice
+  ([Note: ranges per parameter] in :mod:`._layout`); every rank validates before anything changes
+  (:mod:`._ranks`).
+- :mod:`._reader`: the manifest and range reads of a save, with no engine and no process group.
+- :mod:`._consolidate`: one HF-style state dict from a save, one parameter in memory at a time.
+- :mod:`._weights`: ``engine.load_weights``: safetensors (file, directory, sharded index) read by
+  byte range into each rank's partition ([Note: each rank reads its partition]).
+
+Takes the engine as an object with public parts (``engine.manager``, ``engine.optimizer``,
+``engine.between_steps``, ``engine.step_state_dict()``...): it imports nothing of ``zero``.
+Module DAG inside the package: ``_reader`` <- ``_layout``, ``_ranks``, ``_rng`` <- ``_save``,
+``_load``, ``_weights``; ``_reader`` <- ``_consolidate``.
+"""
+
+from infinity.checkpoint._consolidate import (DEFAULT_MAX_SHARD_BYTES, OUT_DTYPES,
+                                              ConsolidateResult, consolidate)
+from infinity.checkpoint._layout import param_ranges
+from infinity.checkpoint._load import load_checkpoint
+from infinity.checkpoint._reader import (CheckpointError, CheckpointReader, resolve_checkpoint,
+                                         tensor_name)
+from infinity.checkpoint._save import save_checkpoint
+from infinity.checkpoint._weights import WeightsError, load_weights
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "OUT_DTYPES", "CheckpointError", "CheckpointReader",
+           "ConsolidateResult", "WeightsError", "consolidate",
+           "load_checkpoint", "load_weights", "param_ranges", "resolve_checkpoint",
+           "save_checkpoint", "tensor_name"]

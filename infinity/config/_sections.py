@@ -1,0 +1,306 @@
+"""The native configuration: one frozen, keyword-only dataclass per component, every field
+documented, units in its name, validated at construction. A component receives its own slice
+(``config.swapper``, ``config.zero``...), never the whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from infinity._common import MiB
+from infinity._tier import Tier
+from infinity.config._checks import (AUTO, check_choice, check_float, check_int, fail,
+                                     is_power_of_two)
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+DTypeName = Literal["fp32", "bf16", "fp16"]
+
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+_DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapperConfig:
+    """The NVMe I/O engine (:mod:`infinity.io`)."""
+
+    block_size_bytes: int = 16 * MiB
+    """Largest single read/write issued to the kernel; large blocks reach the disk's limit."""
+    queue_depth: int = 32
+    """Block requests one Swapper keeps in flight at most (across all its threads)."""
+    num_io_threads: int = 8
+    """Threads issuing blocking ``pread``/``pwrite`` calls (they release the GIL)."""
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    """``O_DIRECT``: 'auto' uses it where the file system accepts it and falls back with one warning."""
+    alignment_bytes: int = 0
+    """Offset/length/address alignment for direct I/O; 0 reads it from the file system (4096 fallback)."""
+
+    def __post_init__(self) -> None:
+        check_int("swapper.block_size_bytes", self.block_size_bytes, minimum=4096)
+        if not is_power_of_two(self.block_size_bytes):
+            fail("swapper.block_size_bytes", "a power of two", self.block_size_bytes)
+        check_int("swapper.queue_depth", self.queue_depth, minimum=1)
+        check_int("swapper.num_io_threads", self.num_io_threads, minimum=1)
+        check_choice("swapper.direct_io", self.direct_io, ("auto", "on", "off"))
+        check_int("swapper.alignment_bytes", self.alignment_bytes, minimum=0)
+        if self.alignment_bytes and not is_power_of_two(self.alignment_bytes):
+            fail("swapper.alignment_bytes", "0 or a power of two", self.alignment_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where one kind of model state lives when it is not in use (``offload_param``/``offload_optimizer``)."""
+
+    device: OffloadDevice = "none"
+    """'none': stays on the compute device; 'cpu': host memory; 'nvme': files under ``nvme_path``."""
+    nvme_path: str | None = None
+    """Directory for swap files (one subdirectory per process/rank is created under it)."""
+    name: str = "offload"
+    """Config path used in error messages (set by the parent)."""
+
+    @property
+    def home_tier(self) -> Tier:
+        """Where the offloaded state lives: DEVICE ('none'), HOST ('cpu') or NVME ('nvme')."""
+        return Tier.of_offload(self.device)
+
+    def __post_init__(self) -> None:
+        check_choice(f"{self.name}.device", self.device, _OFFLOAD_DEVICES)
+        if self.device == "nvme" and not self.nvme_path:
+            fail(f"{self.name}.nvme_path", "a directory path when device is 'nvme'", self.nvme_path,
+                  "set it to a directory on a local disk")
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
+            fail(f"{self.name}.nvme_path", "a string path", self.nvme_path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """Byte budgets of the fast tiers (enforced on every allocation by :mod:`infinity.tiers`)."""
+
+    device_budget_bytes: int | Literal["auto"] = AUTO
+    """Bytes of managed shards and gathered units on the compute device; 'auto': from free memory."""
+    host_budget_bytes: int | Literal["auto"] = AUTO
+    """Bytes of the host arena (pinned where CUDA exists); 'auto': sized from the model and offload."""
+
+    def __post_init__(self) -> None:
+        check_int("memory.device_budget_bytes", self.device_budget_bytes, minimum=1, allow_auto=True)
+        check_int("memory.host_budget_bytes", self.host_budget_bytes, minimum=1, allow_auto=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """Sharding and the parameter manager (:mod:`infinity.zero._param_manager`)."""
+
+    stage: int = 3
+    """0: replicate all; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
+    unit_class_names: tuple[str, ...] = ()
+    """Module class names that form one unit each (e.g. ``("LlamaDecoderLayer",)``); empty: by size."""
+    unit_min_numel: int = 1_000_000
+    """When choosing units by size, a module becomes a unit once its subtree holds this many elements."""
+    persistence_threshold_numel: int | Literal["auto"] = AUTO
+    """Parameters with fewer elements than this stay gathered on the device (norms, biases)."""
+    prefetch_lookahead_bytes: int | Literal["auto"] = AUTO
+    """Upper bound on bytes of prefetches in flight ahead of compute; 'auto': from bandwidth and trace."""
+    max_live_bytes: int | Literal["auto"] = AUTO
+    """Upper bound on gathered (full) unit bytes resident at once on the device."""
+    max_reuse_distance_numel: int | Literal["auto"] = AUTO
+    """Keep a unit gathered when the trace says it is used again within this many elements of fetches."""
+    sub_group_numel: int | Literal["auto"] = AUTO
+    """Optimizer-state elements stepped and swapped as one piece (the NVMe pipeline's grain)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            fail("zero_optimization.stage", "one of 0, 1, 2, 3", self.stage)
+        if not isinstance(self.unit_class_names, tuple) or not all(
+                isinstance(n, str) and n for n in self.unit_class_names):
+            fail("zero.unit_class_names", "a list of class-name strings", self.unit_class_names)
+        check_int("zero.unit_min_numel", self.unit_min_numel, minimum=1)
+        check_int("zero.persistence_threshold_numel", self.persistence_threshold_numel, allow_auto=True)
+        check_int("zero.prefetch_lookahead_bytes", self.prefetch_lookahead_bytes, allow_auto=True)
+        check_int("zero.max_live_bytes", self.max_live_bytes, minimum=1, allow_auto=True)
+        check_int("zero.max_reuse_distance_numel", self.max_reuse_distance_numel, allow_auto=True)
+        check_int("zero.sub_group_numel", self.sub_group_numel, minimum=1, allow_auto=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """Mixed precision and loss scaling."""
+
+    dtype: DTypeName = "fp32"
+    """Dtype of the parameters and gradients used in compute; fp32 master weights always exist."""
+    loss_scale: float = 0.0
+    """fp16 only. 0: dynamic loss scaling; > 0: this static scale."""
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale is halved."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never drops below this."""
+    reduce_dtype: Literal["fp32", "compute"] = "fp32"
+    """Dtype gradients cross ranks in (reduce-scatter / all-reduce). 'fp32': the engine's fp32
+    gradient staging as it is, no rounding between ranks. 'compute': cast to ``dtype`` first, half
+    the bytes with bf16/fp16 (DeepSpeed's and FSDP's default), rounded once per reduction."""
+
+    def __post_init__(self) -> None:
+        check_choice("precision.dtype", self.dtype, _DTYPES)
+        check_choice("precision.reduce_dtype", self.reduce_dtype, ("fp32", "compute"))
+        check_float("fp16.loss_scale", self.loss_scale)
+        check_int("fp16.initial_scale_power", self.initial_scale_power, minimum=0)
+        if self.initial_scale_power > 63:
+            fail("fp16.initial_scale_power", "an integer in [0, 63]", self.initial_scale_power)
+        check_int("fp16.loss_scale_window", self.loss_scale_window, minimum=1)
+        check_int("fp16.hysteresis", self.hysteresis, minimum=1)
+        check_float("fp16.min_loss_scale", self.min_loss_scale, strictly_positive=True)
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam/AdamW run by :mod:`infinity.optim.cpu_adam` (or torch's fused Adam for state on the device)."""
+
+    type: Literal["adamw", "adam"] = "adamw"
+    """'adamw': decoupled weight decay; 'adam': L2 penalty added to the gradient."""
+    lr: float | Literal["auto"] = 1e-3
+    betas: tuple[float, float] | Literal["auto"] = (0.9, 0.999)
+    eps: float | Literal["auto"] = 1e-8
+    weight_decay: float | Literal["auto"] = 0.0
+    bias_correction: bool = True
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the Adam moments; 'bf16' halves their bytes (see :mod:`infinity.optim.cpu_adam`)."""
+
+    def __post_init__(self) -> None:
+        check_choice("optimizer.type", self.type, ("adamw", "adam"))
+        check_float("optimizer.params.lr", self.lr, allow_auto=True)
+        if self.betas != AUTO:
+            if (not isinstance(self.betas, tuple) or len(self.betas) != 2
+                    or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+                fail("optimizer.params.betas", "two numbers in [0, 1)", self.betas)
+        check_float("optimizer.params.eps", self.eps, allow_auto=True)
+        check_float("optimizer.params.weight_decay", self.weight_decay, allow_auto=True)
+        if not isinstance(self.bias_correction, bool):
+            fail("optimizer.params.bias_correction", "true or false", self.bias_correction)
+        check_choice("optimizer.state_dtype", self.state_dtype, ("fp32", "bf16"))
+
+    @property
+    def adamw_mode(self) -> bool:
+        return self.type == "adamw"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig:
+    """Activation checkpointing applied by the engine (:mod:`infinity.zero._activations`).
+
+    A checkpointed module keeps only its inputs for backward and runs its forward again during
+    backward (``torch.utils.checkpoint``, non-reentrant), trading about one extra forward for the
+    activations inside it (Korthikanti et al. 2022: 2sbh instead of sbh(34 + 5as/h) per layer).
+    """
+
+    units: Literal["none", "all"] | tuple[str, ...] = "none"
+    """'none': off; 'all': every unit module (the modules the parameter manager makes units of,
+    not the root); or module class names (e.g. ``("Block",)``), the outermost match wins."""
+    offload_to_host: bool = False
+    """Keep the checkpointed modules' saved inputs in host memory (pinned where CUDA exists) between
+    forward and recompute, freeing them from the device; needs ``units`` other than 'none'."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.units, str):
+            check_choice("activation_checkpointing.units", self.units, ("none", "all"))
+        elif not isinstance(self.units, tuple) or not self.units or not all(
+                isinstance(n, str) and n for n in self.units):
+            fail("activation_checkpointing.units", "'none', 'all' or a non-empty list of module "
+                  "class names", self.units, "e.g. \"all\" or [\"LlamaDecoderLayer\"]")
+        if not isinstance(self.offload_to_host, bool):
+            fail("activation_checkpointing.offload_to_host", "true or false", self.offload_to_host)
+        if self.offload_to_host and self.units == "none":
+            fail("activation_checkpointing.offload_to_host", "false while units is 'none'", True,
+                  "offload moves checkpointed inputs; set units to 'all' or class names")
+
+    @property
+    def enabled(self) -> bool:
+        return self.units != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InfinityConfig:
+    """The whole engine's configuration; each component is handed only its own slice."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload_param: OffloadConfig = field(
+        default_factory=lambda: OffloadConfig(name="offload_param"))
+    offload_optimizer: OffloadConfig = field(
+        default_factory=lambda: OffloadConfig(name="offload_optimizer"))
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    swapper: SwapperConfig = field(default_factory=SwapperConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
+    gradient_clipping: float = 0.0
+    """Global L2 norm the gradients are clipped to (across shards and ranks); 0 disables clipping."""
+    gradient_accumulation_steps: int | Literal["auto"] = 1
+    """Micro-batches per optimizer step; ``engine.backward`` scales the loss by its inverse."""
+    train_micro_batch_size_per_gpu: int | Literal["auto"] | None = None
+    """Samples per micro-batch per rank (informational for the engine; used by the planner)."""
+    device: str = AUTO
+    """Compute device: 'auto' is CUDA (this rank's local device) when present, else CPU."""
+
+    def __post_init__(self) -> None:
+        check_float("gradient_clipping", self.gradient_clipping)
+        check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1,
+                   allow_auto=True)
+        check_int("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu, minimum=1,
+                   allow_auto=True, allow_none=True)
+        if not isinstance(self.device, str) or not (
+                self.device in (AUTO, "cpu") or self.device.startswith("cuda")):
+            fail("device", "'auto', 'cpu' or 'cuda[:N]'", self.device)
+        if self.zero.stage < 3 and self.offload_param.device != "none":
+            fail("offload_param.device", "'none' below stage 3", self.offload_param.device,
+                  "parameter offload needs zero_optimization.stage 3")
+        if self.precision.loss_scale and self.precision.dtype != "fp16":
+            fail("fp16.loss_scale", "0 unless fp16 is enabled", self.precision.loss_scale)
+        if self.offload_optimizer.device != "none" and self.optimizer.state_dtype != "fp32":
+            fail("optimizer.state_dtype", "'fp32' with offload_optimizer", self.optimizer.state_dtype,
+                 "bf16 moments are implemented for the optimizer on the device only; use "
+                 "state_dtype 'fp32' or offload_optimizer.device 'none'")
+        paths = {s.nvme_path for s in (self.offload_param, self.offload_optimizer)
+                 if s.device == "nvme"}
+        if len(paths) > 1:
+            raise ValueError(f"offload_param.nvme_path and offload_optimizer.nvme_path differ "
+                             f"({sorted(paths)}); one swap directory per process is supported: "
+                             f"use the same path for both")
+
+    def check_resolved(self, where: str) -> None:
+        """Raise ``ValueError`` naming every value still 'auto' that ``where`` needs as a number
+        (the optimizer's hyperparameters, the accumulation steps). 'auto' is valid in a config
+        (DeepSpeed configs copied from Hugging Face scripts carry it), not in a running engine."""
+        opt = self.optimizer
+        unresolved = [name for name in ("lr", "betas", "eps", "weight_decay")
+                      if getattr(opt, name) == AUTO]
+        if unresolved:
+            raise ValueError(f"optimizer.params {', '.join(unresolved)}: 'auto' must be resolved to "
+                             f"numbers before {where} (set them in the config)")
+        if self.gradient_accumulation_steps == AUTO:
+            raise ValueError(f"gradient_accumulation_steps: 'auto' must be resolved to an integer "
+                             f"before {where} (set it to the number of micro-batches per step)")
+
+    def replace(self, **changes: Any) -> "InfinityConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Native dict form (what :func:`load_config` reads back)."""
+        out = dataclasses.asdict(self)
+        for key in ("offload_param", "offload_optimizer"):
+            out[key].pop("name")
+        out["zero"]["unit_class_names"] = list(self.zero.unit_class_names)
+        if isinstance(self.optimizer.betas, tuple):
+            out["optimizer"]["betas"] = list(self.optimizer.betas)
+        if isinstance(self.activation_checkpointing.units, tuple):
+            out["activation_checkpointing"]["units"] = list(self.activation_checkpointing.units)
+        return out

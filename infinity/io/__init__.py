@@ -1,0 +1,27 @@
+"""Moving bytes between memory and files: the NVMe swapper, its file format, aligned host memory,
+and safetensors read and written by byte range.
+
+- :class:`Swapper` (:mod:`._swapper`): aligned ``O_DIRECT`` reads and writes of tensors to one
+  swap file per key, many requests in flight, every result checked; ``swap_in``/``swap_out``
+  return a :class:`SwapHandle` whose ``wait()`` re-raises the first error.
+- :mod:`._swap_format`: the swap file's header, names and states ([Note: swap file layout]).
+- :func:`aligned_empty` / :func:`aligned_view` (:mod:`._aligned`): page-aligned host memory that
+  direct I/O reads into without staging.
+- :mod:`._safetensors`: streaming safetensors files (:class:`SafetensorsFile`), Hugging Face
+  sharded checkpoints (:class:`SafetensorsCheckpoint`), atomic writes (:func:`write_safetensors`).
+
+Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from above the floor.
+"""
+
+from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, aligned_empty, aligned_view,
+                                  memory_at)
+from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, SafetensorsError,
+                                      SafetensorsFile, TensorEntry, fsync_dir, iter_tensors,
+                                      write_safetensors)
+from infinity.io._swap_format import FileState
+from infinity.io._swapper import SwapHandle, Swapper
+
+__all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
+           "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
+           "address_of", "aligned_empty", "aligned_view", "fsync_dir", "iter_tensors", "memory_at",
+           "write_safetensors"]

@@ -1,0 +1,99 @@
+"""Aligned host memory for direct I/O: page-aligned tensors and aligned extents carved from them.
+
+[Note: direct I/O alignment] (in :mod:`infinity.io`) says why: a block whose memory is aligned
+goes straight from/to the tensor, anything else through a staging copy. :func:`aligned_empty` and
+:func:`aligned_view` give tensors that never need staging except for a tail shorter than the
+alignment. The tiered store's arena: allocate it with ``aligned_empty``, carve extents at offsets
+that are multiples of ``swapper.alignment_bytes``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import torch
+
+from infinity._common import align_up, format_bytes
+
+DEFAULT_ALIGNMENT_BYTES = 4096
+"""Direct-I/O alignment assumed when the file system does not say (and the page size we map)."""
+
+
+_HUGEPAGE_MIN_BYTES = 4 * 1024 * 1024
+"""Mappings from this size up are advised to use transparent huge pages."""
+
+
+class _RegisteredMmap(mmap.mmap):
+    """An anonymous mapping pinned with ``cudaHostRegister``; unpinned before it is unmapped."""
+
+    cuda_registered_ptr: int = 0
+
+    def __del__(self) -> None:
+        if self.cuda_registered_ptr:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.cuda_registered_ptr)
+            except Exception:  # noqa: BLE001 - interpreter shutdown; the mapping goes anyway
+                pass
+
+
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU tensor of ``numel`` elements on fresh page-aligned memory (an anonymous ``mmap``).
+
+    Page alignment (4096) satisfies every file system's direct-I/O alignment we know of. Where CUDA
+    exists the pages are pinned in place (``cudaHostRegister``), at exactly this size: no allocator
+    rounding. The memory lives as long as the tensor or any view of it.
+    """
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"aligned_empty: numel must be an integer >= 0, got {numel!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    size = align_up(nbytes, mmap.PAGESIZE)
+    buf = _RegisteredMmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= _HUGEPAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        # The host arena holds optimizer state that Adam streams through: on 4 KiB pages that
+        # stream is TLB-bound here (see [Note: state memory layout] in infinity/optim/cpu_adam.py).
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # transparent huge pages disabled: still correct on 4 KiB pages
+            pass
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)  # keeps ``buf`` alive
+    if torch.cuda.is_available():
+        ptr = flat.data_ptr()
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of {format_bytes(size)} failed (error {int(rc)}); "
+                               "raise RLIMIT_MEMLOCK (ulimit -l) or lower the host budget")
+        buf.cuda_registered_ptr = ptr
+    return flat.view(dtype)
+
+
+def aligned_view(arena: torch.Tensor, offset_bytes: int, numel: int, dtype: torch.dtype,
+                 *, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> torch.Tensor:
+    """A ``numel``-element tensor of ``dtype`` carved from a 1-D uint8 ``arena`` at ``offset_bytes``.
+
+    ``offset_bytes`` must be a multiple of ``alignment_bytes`` (pass ``swapper.alignment_bytes``) so
+    that swap-ins land in the extent with direct I/O and no staging copy.
+    """
+    if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
+        raise ValueError("aligned_view: arena must be a contiguous 1-D uint8 tensor (aligned_empty)")
+    if offset_bytes % alignment_bytes or arena.data_ptr() % alignment_bytes:
+        raise ValueError(f"aligned_view: offset_bytes={offset_bytes} and the arena address must be "
+                         f"multiples of alignment_bytes={alignment_bytes}; round the offset up")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    end = offset_bytes + numel * itemsize
+    if end > arena.numel():
+        raise ValueError(f"aligned_view: extent [{offset_bytes}, {end}) exceeds the arena's "
+                         f"{arena.numel()} bytes")
+    return arena[offset_bytes:end].view(dtype)
+
+
+def memory_at(addr: int, nbytes: int) -> memoryview:
+    """A writable memoryview of ``nbytes`` at ``addr`` (no copy); the caller keeps the owner alive."""
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+def address_of(mem: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(mem))

@@ -1,0 +1,38 @@
+"""The memory ledger and the pricing behind ``infinity plan``: pure arithmetic, no torch.
+
+The estimator (``infinity estimate``), the planner (``infinity plan``) and the engine's own
+accounting (``engine.stats()``, the offload budgets) share these rules, so they agree:
+
+- :mod:`._estimate`: bytes per parameter per ZeRO stage and tier (:class:`StateTerms`,
+  :class:`Ledger`, :func:`estimate_model_states`, :func:`estimate_from_config`), the ZeRO paper's
+  closed form (:func:`paper_bytes_per_device`), and where gradients live ([Note: gradient
+  placement], :func:`host_grad_dtype_of`).
+- :mod:`._model_shape`: a transformer's shape (:class:`ModelShape`): parameters, units.
+- :mod:`._activations`: activation bytes per micro-batch (:func:`activation_bytes`).
+- :mod:`._pricing`: every candidate configuration priced by bytes and a time model
+  (:func:`make_plan`; [Note: time model]).
+
+Module DAG inside the package: ``_estimate``, ``_model_shape`` <- ``_activations`` <- ``_pricing``.
+"""
+
+from infinity._tier import Tier
+from infinity.ledger._activations import Activations, activation_bytes
+from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP_NUMEL,
+                                       ENGINE_GRAD_DTYPE, GB, OPTIMIZER_STAGING_SUBGROUPS,
+                                       OPTIMIZERS, TERMS, Ledger, StateTerms, ceil_bytes,
+                                       estimate_from_config, estimate_model_states, host_grad_dtype,
+                                       host_grad_dtype_of, paper_bytes_per_device)
+from infinity.ledger._model_shape import ModelShape
+from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE_RESERVE_BYTES,
+                                      EFFICIENCY_KNEE_TOKENS, EXPOSED_FRACTION, HOST_RESERVE_BYTES,
+                                      MICRO_BATCHES, Candidate, Hardware, Plan, PlanRequest,
+                                      candidates, make_plan, price)
+
+__all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "DEFAULT_PREFETCH_UNITS",
+           "DEFAULT_SUB_GROUP_NUMEL", "DEVICE_RESERVE_BYTES", "EFFICIENCY_KNEE_TOKENS",
+           "ENGINE_GRAD_DTYPE", "EXPOSED_FRACTION", "GB", "HOST_RESERVE_BYTES", "MICRO_BATCHES",
+           "OPTIMIZERS", "OPTIMIZER_STAGING_SUBGROUPS", "TERMS", "Activations", "Candidate",
+           "Hardware", "Ledger", "ModelShape", "Plan", "PlanRequest", "StateTerms", "Tier",
+           "activation_bytes", "candidates", "ceil_bytes", "estimate_from_config",
+           "estimate_model_states", "host_grad_dtype", "host_grad_dtype_of", "make_plan",
+           "paper_bytes_per_device", "price"]

@@ -1,0 +1,92 @@
+"""Activation bytes of one rank for one micro-batch, with and without activation checkpointing
+(Korthikanti et al. 2022, arXiv 2205.05198), and where they live ([Note: activation placement])."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from infinity._tier import Tier
+from infinity.ledger._estimate import ceil_bytes
+from infinity.ledger._model_shape import ModelShape
+
+
+@dataclass(frozen=True, kw_only=True)
+class Activations:
+    """Activation bytes of one rank for one micro-batch (Korthikanti et al. 2022, arXiv 2205.05198)."""
+
+    per_layer_bytes: int
+    """sbh(34 + 5as/h) in 16-bit: everything one layer keeps for backward without recomputation."""
+    stored_bytes: int
+    """Kept across the whole forward: all layers, or only each layer's input (2sbh) with checkpointing."""
+    recompute_bytes: int
+    """One layer's working set rebuilt during backward (checkpointing only)."""
+    head_bytes: int
+    """Final norm and output-projection inputs (4sbh) and the fp32 logits for the loss (4sbv)."""
+    checkpointing: bool
+    offload_to_host: bool = False
+    """The kept layer inputs (``stored_bytes``) sit in host memory between forward and recompute
+    (``activation_checkpointing.offload_to_host``); see [Note: activation placement]."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.stored_bytes + self.recompute_bytes + self.head_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes in host memory: the offloaded layer inputs, else nothing."""
+        return self.stored_bytes if self.offload_to_host else 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes on the device: everything but what is offloaded to host."""
+        return self.total_bytes - self.host_bytes
+
+    def tier_bytes(self, tier: "Tier | str") -> int:
+        return {Tier.DEVICE: self.device_bytes, Tier.HOST: self.host_bytes,
+                Tier.NVME: 0}[Tier(tier)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_layer_bytes": self.per_layer_bytes, "stored_bytes": self.stored_bytes,
+                "recompute_bytes": self.recompute_bytes, "head_bytes": self.head_bytes,
+                "checkpointing": self.checkpointing, "offload_to_host": self.offload_to_host,
+                "total_bytes": self.total_bytes, "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes}
+
+
+def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int | None = None,
+                     checkpointing: bool = False, offload_to_host: bool = False,
+                     dtype_bytes: int = 2) -> Activations:
+    """Activations of ``micro_batch`` sequences (Korthikanti et al., section 4, no tensor parallelism).
+
+    Without recomputation a layer keeps sbh(34 + 5as/h) bytes in 16-bit (s sequence, b micro-batch,
+    h hidden, a heads; the 5as/h term is the attention scores, softmax and its dropout mask). With
+    full activation checkpointing only each layer's input, 2sbh, is kept, and one layer's working set
+    is rebuilt at a time during backward. ``dtype_bytes`` = 4 scales the formula for fp32 compute.
+    ``offload_to_host`` (checkpointing only): the kept inputs live in host memory
+    ([Note: activation placement]).
+
+    [Note: activation placement] Everything is on the device, except with ``offload_to_host``: the
+    L kept layer inputs (2sbh each in 16-bit) are copied to host memory as they are saved and back
+    for their layer's recompute (:mod:`infinity.zero._activations`), so the device holds one layer's
+    working set (its input included) and the head; the host holds L x 2sbh per rank. With CUDA the
+    host copies are pinned through torch's caching host allocator, which can round each block up
+    (to a power of two); the ledger counts the bytes asked for.
+    """
+    if offload_to_host and not checkpointing:
+        raise ValueError("offload_to_host: needs checkpointing (only the inputs kept by "
+                         "checkpointed layers are offloaded); enable checkpointing or drop the "
+                         "offload")
+    s = seq_len or shape.seq_len
+    b, h, a, L = micro_batch, shape.hidden_size, shape.num_heads, shape.num_layers
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"micro_batch: expected an integer >= 1, got {b!r}")
+    scale = dtype_bytes / 2
+    per_layer = ceil_bytes(s * b * h * (34 + 5 * a * s / h) * scale)
+    head = ceil_bytes(4 * s * b * h * scale + 4 * s * b * shape.vocab_size)
+    if checkpointing:
+        stored = ceil_bytes(L * 2 * s * b * h * scale)
+        return Activations(per_layer_bytes=per_layer, stored_bytes=stored, recompute_bytes=per_layer,
+                           head_bytes=head, checkpointing=True, offload_to_host=offload_to_host)
+    return Activations(per_layer_bytes=per_layer, stored_bytes=L * per_layer, recompute_bytes=0,
+                       head_bytes=head, checkpointing=False)

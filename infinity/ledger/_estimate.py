@@ -1,0 +1,404 @@
+"""The memory ledger: bytes per rank for ZeRO stages 0-3, split by term and by tier (pure arithmetic).
+
+The ZeRO paper (Rajbhandari et al., arXiv 1910.02054, section 3 and Table 1) counts *model states*
+per parameter: a low-precision parameter (2 B), its gradient (2 B) and K bytes of optimizer state
+(K = 12 for mixed-precision Adam: fp32 master, momentum, variance). With data-parallel degree N the
+bytes per rank are, per parameter::
+
+    stage 0: 2 + 2 + K          stage 2: 2 + (2 + K)/N
+    stage 1: 2 + 2 + K/N        stage 3: (2 + 2 + K)/N
+
+The term sizes are not hard-coded: :class:`StateTerms` derives them from the configuration
+(:meth:`StateTerms.from_config`), because fp32 training, bf16 moments or SGD change them.
+
+[Note: ledger placement] Where each term lives, per rank, mirrors the engine:
+
+* params: the low-precision copy used in compute. Stages 0-2: the full Psi on the device.
+  Stage 3: a 1/N shard in ``offload_param``'s tier (device when 'none').
+* grads: see [Note: gradient placement].
+* optimizer: K bytes per parameter for the part this rank steps (all at stage 0, a shard from
+  stage 1 on), in ``offload_optimizer``'s tier: fp32 master + moments, stepped by ``cpu_adam`` off the
+  device.
+* With the optimizer on NVMe the host holds staging buffers for a few sub-groups (read the next one,
+  step the current one, write the previous one back): ``buffers['host']['optimizer_staging']``.
+  That is the least; the engine reads further ahead (from backward on) into the room the host
+  budget leaves, and keeps stepped sub-groups cached there for the next step ([Note: optimizer
+  read-ahead] in infinity/optim/_offloaded.py), always within ``memory.host_budget_bytes``.
+* Working buffers that depend on the model's shape (gathered units, a unit's full gradient, the
+  device and host copies of offloaded parameter shards on their way up) appear under ``buffers``
+  when ``unit_numel`` is given; activations come from :func:`activation_bytes`.
+
+[Note: gradient placement] The engine reduces and accumulates gradients in fp32, whatever the
+compute dtype: autograd's low-precision ``param.grad`` is folded into the unit's fp32 staging buffer
+(one unit's full gradient, alive only until the unit is reduced), and the reduced gradient is summed
+over micro-batches in an fp32 accumulator (DeepSpeed's bf16 optimizer and ZeRO-Offload do the same:
+low-precision sums over many micro-batches lose the small contributions). So the ledger's gradient
+term is 4 B per parameter for engine configs (:data:`ENGINE_GRAD_DTYPE`), not the paper's 2 B.
+Where the accumulator lives:
+
+* optimizer on the device: stages 0-1 keep the full all-reduced gradient on the device; stages 2-3
+  reduce-scatter each unit into this rank's 1/N shard, also on the device.
+* optimizer offloaded ('cpu' *and* 'nvme'): right after each unit's reduction the part of it this
+  rank's optimizer steps (everything at stage 0, the shard from stage 1 on) is copied into an fp32
+  buffer in host memory and the device copy is freed, so the device holds only one unit's transient
+  full gradient (ZeRO-Offload keeps its fp32 gradient partitions in CPU memory the same way). The
+  accumulators are HOST-homed shards of the store's host arena, allocated once and budgeted with it
+  (``memory.host_budget_bytes`` covers them, DESIGN decision 7), and ``cpu_adam`` reads them in
+  place. The fp32 masters such an optimizer takes over are built in host memory too, so neither
+  gradients nor masters ever sit on the device as a whole.
+* With the optimizer on NVMe the gradients still accumulate in host memory, not on NVMe (DeepSpeed
+  swaps them out with each sub-group): writing 4 B per parameter during backward and reading it back
+  at the step would add 8 B to the step's 24 B of NVMe traffic (+33 % on the slowest link) and contend
+  with the parameter reads of the backward, to save 4 B per parameter of host RAM per node (28 GB for
+  7B parameters). ``infinity plan`` counts that RAM, so a host too small for it is refused, not hit.
+* Those host accumulators hold the compute dtype instead of fp32 when nothing is summed into them
+  in fp32 (:func:`host_grad_dtype`: one micro-batch per step, and one rank or a compute-dtype
+  reduction): the value each element receives is already a bf16/fp16 number (autograd's
+  ``param.grad``, or what came off the wire), so fp32 would hold the same value in twice the bytes.
+  Half the host RAM of the gradients (14 GB for 7B parameters), and room for the NVMe optimizer's
+  read-ahead. A parameter whose gradient arrives twice in one backward (reentrant checkpointing)
+  is then summed in the compute dtype, as autograd sums ``param.grad`` in plain PyTorch.
+
+[Note: fp32 master] With bf16/fp16 compute the fp32 master is a separate 4 B copy and part of K. With
+fp32 compute the parameter *is* the master where the optimizer steps it in place on the device
+(optimizer and parameters both on the device), so K is the moments alone (8 B for Adam). An
+offloaded optimizer (or offloaded parameters) keeps its own fp32 master beside its moments, even
+when both are homed on the same tier (the engine's sub-groups are [master | exp_avg | exp_avg_sq]),
+so K = 4 + 8 there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from infinity._tier import Tier
+from infinity.config import DTYPE_BYTES, InfinityConfig
+
+GB = 10**9
+"""The unit of the ZeRO papers' model-state figures (1T params x 16 B = 16000 GB)."""
+
+OPTIMIZERS = ("adam", "sgd-momentum", "sgd")
+_MOMENTS = {"adam": 2, "sgd-momentum": 1, "sgd": 0}
+"""Moment tensors per parameter: Adam keeps momentum and variance, SGD with momentum one, SGD none."""
+
+OPTIMIZER_STAGING_SUBGROUPS = 3
+"""Sub-groups staged on the host with the optimizer on NVMe: read(i+1), step(i), write(i-1)."""
+
+DEFAULT_SUB_GROUP_NUMEL = 100_000_000
+"""Sub-group size the ledger assumes when the config leaves ``zero.sub_group_numel`` at 'auto'."""
+
+DEFAULT_PREFETCH_UNITS = 2
+"""Units gathered ahead of compute the ledger assumes when the lookahead is 'auto'."""
+
+ENGINE_GRAD_DTYPE = "fp32"
+"""The dtype the engine reduces and accumulates gradients in (see [Note: gradient placement])."""
+
+
+def host_grad_dtype(config: InfinityConfig, world_size: int = 1) -> str:
+    """The dtype of the host gradient accumulators of an offloaded optimizer for an engine
+    config at ``world_size`` (:func:`host_grad_dtype_of`)."""
+    return host_grad_dtype_of(config.precision.dtype, config.gradient_accumulation_steps,
+                              world_size, config.precision.reduce_dtype)
+
+
+def host_grad_dtype_of(dtype: str, grad_accum: Any, world_size: int, reduce_dtype: str) -> str:
+    """[Note: gradient placement], last point: the compute dtype when each element is written
+    once per step with a value that already is in that dtype, so holding it in fp32 would keep
+    nothing more -- one micro-batch per step (``grad_accum`` 1) and either one rank or
+    gradients crossing ranks in the compute dtype (``reduce_dtype`` 'compute'). fp32 otherwise:
+    sums over micro-batches or over ranks in fp32 must not be rounded."""
+    if dtype == "fp32" or grad_accum != 1:
+        return "fp32"
+    if world_size > 1 and reduce_dtype != "compute":
+        return "fp32"
+    return dtype
+
+
+TERMS = ("params", "grads", "optimizer")
+
+
+def _check_offload(name: str, value: str) -> Tier:
+    try:
+        return Tier.of_offload(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected one of 'none', 'cpu', 'nvme', got {value!r}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateTerms:
+    """Bytes per parameter of each model-state term (the ZeRO paper's 2 + 2 + K by default)."""
+
+    param_bytes: float = 2.0
+    """The parameter copy used in forward and backward (bf16/fp16: 2, fp32: 4)."""
+    grad_bytes: float = 2.0
+    """The gradient as backward produces it and the collectives reduce it."""
+    optimizer_bytes: float = 12.0
+    """K: everything the optimizer keeps per parameter (fp32 master + moments for Adam)."""
+    offload_grad_bytes: float | None = None
+    """The gradient copy the optimizer reads in its own tier when offloaded; None: ``grad_bytes``
+    (``cpu_adam`` upcasts low-precision gradients inside its pass, so no fp32 copy is kept)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"StateTerms.{name}: expected a number of bytes >= 0, got {value!r}")
+        if self.offload_grad_bytes is not None and self.offload_grad_bytes < 0:
+            raise ValueError(f"StateTerms.offload_grad_bytes: expected >= 0 or None, got "
+                             f"{self.offload_grad_bytes!r}")
+
+    @property
+    def optimizer_grad_bytes(self) -> float:
+        return self.grad_bytes if self.offload_grad_bytes is None else self.offload_grad_bytes
+
+    @property
+    def per_param_bytes(self) -> float:
+        """2 + 2 + K: the replicated (stage 0) bytes per parameter."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @classmethod
+    def for_training(cls, *, dtype: str = "bf16", optimizer: str = "adam", state_dtype: str = "fp32",
+                     separate_master: bool | None = None,
+                     grad_dtype: str | None = None) -> "StateTerms":
+        """Terms for ``dtype`` compute with ``optimizer`` (see [Note: fp32 master]).
+
+        ``separate_master``: whether the optimizer keeps its own fp32 master; None decides from the
+        dtype (always with bf16/fp16, never with fp32). ``grad_dtype``: the dtype gradients are
+        reduced and accumulated in; None: ``dtype`` (the paper's count). The engine accumulates in
+        :data:`ENGINE_GRAD_DTYPE` (see [Note: gradient placement]).
+        """
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        if optimizer not in _MOMENTS:
+            raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+        if state_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"state_dtype: expected 'fp32' or 'bf16', got {state_dtype!r}")
+        if grad_dtype is not None and grad_dtype not in DTYPE_BYTES:
+            raise ValueError(f"grad_dtype: expected one of {sorted(DTYPE_BYTES)}, got {grad_dtype!r}")
+        low = DTYPE_BYTES[dtype]
+        grad = DTYPE_BYTES[grad_dtype] if grad_dtype is not None else low
+        if separate_master is None:
+            separate_master = dtype != "fp32"
+        master = 4 if (separate_master or dtype != "fp32") else 0
+        moments = _MOMENTS[optimizer] * DTYPE_BYTES[state_dtype]
+        return cls(param_bytes=low, grad_bytes=grad, optimizer_bytes=master + moments)
+
+    @classmethod
+    def from_config(cls, config: InfinityConfig, *, optimizer: str = "adam",
+                    world_size: int = 1) -> "StateTerms":
+        """Terms of an engine config: precision.dtype, optimizer.state_dtype and the offload tiers;
+        gradients in the engine's fp32, and an offloaded optimizer's host accumulators in
+        :func:`host_grad_dtype` (see [Note: gradient placement])."""
+        stage = config.zero.stage
+        param_home = config.offload_param.device if stage == 3 else "none"
+        separate = config.precision.dtype != "fp32" or "none" != config.offload_optimizer.device or (
+            param_home != "none")  # [Note: fp32 master]
+        terms = cls.for_training(dtype=config.precision.dtype, optimizer=optimizer,
+                                 state_dtype=config.optimizer.state_dtype,
+                                 separate_master=separate, grad_dtype=ENGINE_GRAD_DTYPE)
+        if config.offload_optimizer.device == "none":
+            return terms
+        return dataclasses.replace(
+            terms, offload_grad_bytes=float(DTYPE_BYTES[host_grad_dtype(config, world_size)]))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": self.optimizer_bytes,
+                "offload_grad_bytes": self.optimizer_grad_bytes}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ledger:
+    """Bytes per rank of the model states (by term and tier) and of the buffers around them."""
+
+    numel: int
+    stage: int
+    world_size: int
+    gpus_per_node: int
+    terms: StateTerms
+    offload_param: str
+    offload_optimizer: str
+    states: Mapping[str, Mapping[Tier, int]]
+    """term -> tier -> bytes on one rank (see [Note: ledger placement])."""
+    buffers: Mapping[Tier, Mapping[str, int]] = field(default_factory=dict)
+    """tier -> named working/staging buffer -> bytes on one rank."""
+
+    def term_bytes(self, term: str) -> int:
+        return sum(self.states[term].values())
+
+    @property
+    def params_bytes(self) -> int:
+        return self.term_bytes("params")
+
+    @property
+    def grads_bytes(self) -> int:
+        return self.term_bytes("grads")
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.term_bytes("optimizer")
+
+    @property
+    def total_bytes(self) -> int:
+        """Model states on one rank, all tiers (the ZeRO paper's per-device figure)."""
+        return sum(self.term_bytes(t) for t in TERMS)
+
+    def state_bytes(self, tier: Tier | str) -> int:
+        tier = Tier(tier)
+        return sum(self.states[t].get(tier, 0) for t in TERMS)
+
+    def buffer_bytes(self, tier: Tier | str) -> int:
+        return sum(self.buffers.get(Tier(tier), {}).values())
+
+    def tier_bytes(self, tier: Tier | str) -> int:
+        """Model states plus buffers in ``tier`` on one rank."""
+        return self.state_bytes(tier) + self.buffer_bytes(tier)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus_per_node, self.world_size)
+
+    def node_bytes(self, tier: Tier | str) -> int:
+        """``tier``'s bytes summed over the ranks of one node (host RAM and NVMe are per node)."""
+        return self.tier_bytes(tier) * self.ranks_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        tiers = {}
+        for tier in Tier:
+            tiers[tier.value] = {
+                **{f"{t}_bytes": self.states[t].get(tier, 0) for t in TERMS},
+                "buffers": dict(self.buffers.get(tier, {})),
+                "total_bytes": self.tier_bytes(tier),
+                "node_total_bytes": self.node_bytes(tier),
+            }
+        return {
+            "numel": self.numel, "stage": self.stage, "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node, "terms": self.terms.to_dict(),
+            "offload_param": self.offload_param, "offload_optimizer": self.offload_optimizer,
+            "params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes, "total_bytes": self.total_bytes,
+            "tiers": tiers,
+        }
+
+
+def ceil_bytes(x: float) -> int:
+    """Bytes rounded up (a hair below an integer counts as it: float sums of exact terms)."""
+    return int(math.ceil(x - 1e-9))
+
+
+def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateTerms | None = None,
+                          *, offload_param: str = "none", offload_optimizer: str = "none",
+                          gpus_per_node: int | None = None, sub_group_numel: int | None = None,
+                          unit_numel: int | None = None,
+                          prefetch_units: int = DEFAULT_PREFETCH_UNITS,
+                          optimizer_host_resident_bytes: int = 0) -> Ledger:
+    """The per-rank ledger of ``numel`` parameters at ZeRO ``stage`` over ``world_size`` ranks.
+
+    ``optimizer_host_resident_bytes``: optimizer state the engine homes on HOST out of an NVMe
+    home when the host budget has room beyond its pipeline (``OffloadBudgets`` of
+    :mod:`infinity.tiers`, [Note: host-resident sub-groups]): moved from the NVMe to the HOST row.
+
+    ``unit_numel``: the largest unit's element count; when given, the working buffers of the
+    gathered units and of a unit's gradient are added (see [Note: ledger placement]).
+    """
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel: expected an integer >= 0, got {numel!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: expected one of 0, 1, 2, 3, got {stage!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an integer >= 1, got {world_size!r}")
+    terms = terms or StateTerms()
+    param_home = _check_offload("offload_param", offload_param)
+    opt_tier = _check_offload("offload_optimizer", offload_optimizer)
+    if stage < 3 and param_home is not Tier.DEVICE:
+        raise ValueError(f"offload_param = {offload_param!r} needs stage 3 (got stage {stage}); "
+                         "parameters are replicated below stage 3, set --offload-param none")
+    shard = ceil_bytes(numel / world_size)
+    states: dict[str, dict[Tier, int]] = {t: {} for t in TERMS}
+
+    def put(term: str, tier: Tier, nbytes: float) -> None:
+        states[term][tier] = states[term].get(tier, 0) + ceil_bytes(nbytes)
+
+    put("params", param_home, (shard if stage == 3 else numel) * terms.param_bytes)
+    stepped = numel if stage == 0 else shard
+    # [Note: gradient placement]: the accumulator sits beside the optimizer, in host memory when
+    # the optimizer is offloaded (to 'cpu' or 'nvme'), holding just the part the optimizer steps.
+    if opt_tier is Tier.DEVICE:
+        put("grads", Tier.DEVICE, (shard if stage >= 2 else numel) * terms.grad_bytes)
+    else:
+        put("grads", Tier.HOST, stepped * terms.optimizer_grad_bytes)
+    resident = min(max(0, int(optimizer_host_resident_bytes)), stepped * terms.optimizer_bytes) \
+        if opt_tier is Tier.NVME else 0
+    put("optimizer", opt_tier, stepped * terms.optimizer_bytes - resident)
+    if resident:
+        put("optimizer", Tier.HOST, resident)
+
+    buffers: dict[Tier, dict[str, int]] = {}
+    if opt_tier is Tier.NVME and stepped:
+        # Sub-groups of optimizer state (K) read, stepped and written; the gradient is read in
+        # place from its host accumulator, the new parameters go straight to their home.
+        group = min(sub_group_numel or DEFAULT_SUB_GROUP_NUMEL, stepped)
+        buffers.setdefault(Tier.HOST, {})["optimizer_staging"] = ceil_bytes(
+            OPTIMIZER_STAGING_SUBGROUPS * group * terms.optimizer_bytes)
+    if unit_numel:
+        _add_unit_buffers(buffers, stage=stage, world_size=world_size, terms=terms,
+                          unit_numel=unit_numel, prefetch_units=prefetch_units,
+                          param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE)
+    return Ledger(numel=numel, stage=stage, world_size=world_size,
+                  gpus_per_node=gpus_per_node or world_size, terms=terms,
+                  offload_param=offload_param, offload_optimizer=offload_optimizer,
+                  states=states, buffers=buffers)
+
+
+def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_size: int,
+                      terms: StateTerms, unit_numel: int, prefetch_units: int,
+                      param_home: Tier, grads_leave: bool) -> None:
+    """Working buffers that scale with the largest unit (one current + the prefetched ones).
+
+    ``grads_leave``: each unit's full gradient is reduced into a smaller or off-device accumulator
+    (stages 2-3, or an offloaded optimizer), so it exists beside the accumulator until then."""
+    device = buffers.setdefault(Tier.DEVICE, {})
+    if stage == 3:
+        device["gathered_units"] = ceil_bytes((1 + prefetch_units) * unit_numel * terms.param_bytes)
+    if grads_leave:
+        # [Note: gradient placement]: a unit's full gradient lives until it is reduced and moved.
+        device["unit_gradient"] = ceil_bytes(unit_numel * terms.grad_bytes)
+    if stage == 3 and param_home is not Tier.DEVICE:
+        unit_shard = ceil_bytes(unit_numel / world_size)
+        # Shards on their way up: the device copies the gathers read from (the store's DEVICE
+        # copies, bounded by its device budget) and the host copies of shards read from NVMe.
+        device["param_shards"] = ceil_bytes((1 + prefetch_units) * unit_shard * terms.param_bytes)
+        buffers.setdefault(Tier.HOST, {})["param_staging"] = ceil_bytes(
+            (1 + prefetch_units) * unit_shard * terms.param_bytes)
+    if not device:
+        buffers.pop(Tier.DEVICE)
+
+
+def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
+                         gpus_per_node: int | None = None, optimizer: str = "adam",
+                         unit_numel: int | None = None,
+                         optimizer_host_resident_bytes: int = 0) -> Ledger:
+    """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size);
+    ``optimizer_host_resident_bytes`` as in :func:`estimate_model_states` (the engine's plan)."""
+    z = config.zero
+    sub_group = z.sub_group_numel if isinstance(z.sub_group_numel, int) else None
+    prefetch_units = DEFAULT_PREFETCH_UNITS
+    if unit_numel and isinstance(z.prefetch_lookahead_bytes, int):
+        prefetch_units = z.prefetch_lookahead_bytes // max(1, unit_numel * config.precision.param_bytes)
+    return estimate_model_states(
+        numel, z.stage, world_size,
+        StateTerms.from_config(config, optimizer=optimizer, world_size=world_size),
+        offload_param=config.offload_param.device if z.stage == 3 else "none",
+        offload_optimizer=config.offload_optimizer.device, gpus_per_node=gpus_per_node,
+        sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units,
+        optimizer_host_resident_bytes=optimizer_host_resident_bytes)
+
+
+def paper_bytes_per_device(numel: float, stage: int, world_size: int, k: float = 12.0,
+                           param_bytes: float = 2.0, grad_bytes: float = 2.0) -> float:
+    """The ZeRO paper's closed form (floats, no shard rounding): the reference the ledger must meet."""
+    p, g, n = param_bytes, grad_bytes, world_size
+    return numel * {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]

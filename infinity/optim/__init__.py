@@ -1,0 +1,34 @@
+"""The optimizer over flat fp32 shards: one entry per unit flat group, this rank's partition.
+
+Interface (every implementation)::
+
+    opt.add(key, master, param_out)        # master: fp32 flat shard (updated in place)
+                                           # param_out: the low-precision shard to write, or None
+                                           #            when the master *is* the parameter (fp32)
+    opt.step(grads, grad_scale=, lr=)      # grads: {key: fp32 flat gradient shard}
+    opt.state_bytes()                      # bytes of Adam moments held
+    opt.master_values(key) / opt.state_of(key)   # fp32 values (a copy where offloaded)
+    opt.load_state(key, master=, exp_avg=, exp_avg_sq=)   # overwrite (checkpoint loading)
+    opt.master_windows(key)                # open the fp32 master for writing, window by window
+    opt.step_count, opt.lr
+
+- :class:`InMemoryShardOptimizer` (:mod:`._in_memory`): masters and moments where they were given
+  (the compute device).
+- :class:`OffloadedShardOptimizer` (:mod:`._offloaded`): masters and moments in the tiered store
+  (HOST or NVME home), stepped by sub-group (:mod:`._sub_group`, the records and their state
+  machine) in a pipeline whose reads and writes overlap the update, and, deferred, the next forward.
+- The math: :func:`~infinity.optim.cpu_adam.adam_step_flat` (one fused streaming pass, compiled
+  from ``csrc/cpu_adam.cpp``) on CPU tensors, :func:`adam_step_flat_reference` (the readable
+  ``torch.optim.AdamW`` order) elsewhere; :class:`~infinity.optim.cpu_adam.CPUAdam` is a drop-in
+  ``torch.optim.Optimizer`` over the same kernel.
+
+Knows no hooks and no units: the parameter manager hands it flat tensors and partition handles.
+"""
+
+from infinity.optim._in_memory import InMemoryShardOptimizer
+from infinity.optim._offloaded import OffloadedShardOptimizer
+from infinity.optim._partition import open_param_out
+from infinity.optim._reference import adam_kernel_for, adam_step_flat_reference
+
+__all__ = ["InMemoryShardOptimizer", "OffloadedShardOptimizer", "adam_kernel_for",
+           "adam_step_flat_reference", "open_param_out"]

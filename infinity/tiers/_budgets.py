@@ -1,0 +1,184 @@
+"""Budgets and eviction of the tiered store: reserve bytes in a tier, evicting by policy.
+
+:class:`TierBudgets` is owned by the :class:`~infinity.tiers.TieredStore`; it holds the byte
+counts per tier and shares the store's records and lock, which it is handed explicitly.
+
+[Note: eviction policy] A copy may be evicted only when it is RESIDENT, unpinned, not busy (no move
+reads it), not the home copy, and its shard has no write-back in flight. Among those: furthest next
+use first (Belady) where a distance is known -- the store's ``next_use`` callable first, else the
+last distance given to fetch/acquire/set_next_use; an unknown distance counts as furthest -- and
+least recently used first on ties and when nothing is known. A dirty victim is written back before
+it is dropped, so the newest bytes of a shard are never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Callable
+
+import torch
+
+from infinity._common import format_bytes
+from infinity.errors import TierCapacityError
+from infinity.tiers._arena import HostArena
+from infinity.tiers._records import Counters, _Shard
+from infinity.tiers.residency import Residency, Tier
+
+NextUse = Callable[[str], "float | None"]
+
+logger = logging.getLogger(__name__)
+
+_A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING
+
+
+def _empty_device(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every DEVICE allocation of the store goes through here (tests wrap it to count live bytes)."""
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+class _Alloc:
+    """Bytes reserved in a tier for one copy, not yet attached to it."""
+
+    __slots__ = ("tier", "tensor", "extent", "charged_bytes")
+
+    def __init__(self, tier, tensor, extent, charged_bytes):
+        self.tier, self.tensor, self.extent, self.charged_bytes = tier, tensor, extent, charged_bytes
+
+
+class TierBudgets:
+    """Byte budgets of the DEVICE and HOST tiers and the eviction that keeps allocations in them.
+
+    Shares the store's shard records (``shards``), its condition (``cond``, whose lock guards the
+    records: every method runs with it held, [Note: store locking] in ``store.py``), its
+    ``counters`` and its arena; ``wait_writeback(shard)`` is the store's: write a dirty victim
+    back and wait (the lock released meanwhile)."""
+
+    def __init__(self, *, device: torch.device, device_budget_bytes: int, arena: HostArena,
+                 shards: dict[str, _Shard], cond: threading.Condition, counters: Counters,
+                 next_use: NextUse | None, wait_writeback: Callable[[_Shard], None]):
+        self.device = device
+        self.arena = arena
+        self.budget = {Tier.DEVICE: device_budget_bytes, Tier.HOST: arena.capacity_bytes}
+        """Bytes each tier may hold (HOST: the arena's capacity)."""
+        self.used = {Tier.DEVICE: 0, Tier.HOST: 0}
+        """Bytes charged now per tier."""
+        self.peak = {Tier.DEVICE: 0, Tier.HOST: 0}
+        """High-water mark of ``used`` per tier since start or the last reset."""
+        self._shards = shards
+        self._cond = cond
+        self._counters = counters
+        self._next_use_fn = next_use
+        self._wait_writeback = wait_writeback
+
+    def _victims(self, tier: Tier) -> list[_Shard]:
+        """Evictable copies on ``tier``, first to evict first: furthest next use (Belady) when a
+        distance is known, unknown distances count as furthest; LRU breaks ties and decides alone
+        when nothing is known."""
+        def rank(shard: _Shard) -> tuple[float, int]:
+            dist = self._next_use_fn(shard.key) if self._next_use_fn else None
+            if dist is None:
+                dist = shard.next_use
+            return (-(math.inf if dist is None else dist), shard.copies[tier].last_use)
+
+        found = [s for s in self._shards.values()
+                 if s.home is not tier and s.copies[tier].state is _R and not s.copies[tier].pins
+                 and not s.copies[tier].busy and s.writeback is None]
+        return sorted(found, key=rank)
+
+    def reserve(self, tier: Tier, shard: _Shard, *, for_key: str) -> "_Alloc":
+        """Allocate bytes for ``shard`` in ``tier``, evicting by policy; TierCapacityError when
+        nothing (more) can go. Lock held; released while a dirty victim is written back."""
+        nbytes = shard.nbytes
+        charge = self.arena.extent_bytes(nbytes) if tier is Tier.HOST else nbytes
+        if charge > self.budget[tier]:
+            self.capacity_error(tier, for_key, charge, "larger than the whole budget")
+        while True:
+            alloc = self._try_alloc(tier, shard, charge)
+            if alloc is not None:
+                return alloc
+            victims = self._victims(tier)
+            if not victims:
+                if self._moves_pending(tier):
+                    self._cond.wait()
+                    continue
+                self.capacity_error(tier, for_key, charge, self._why_full(tier, charge))
+            victim = victims[0]
+            if victim.dirty is tier:
+                self._wait_writeback(victim)
+                continue
+            self.drop(victim, tier)
+            self._counters.evictions[tier] += 1
+            logger.debug("evicted %r from %s for %r", victim.key, tier.name, for_key)
+
+    def _try_alloc(self, tier: Tier, shard: _Shard, charge: int) -> "_Alloc | None":
+        if self.used[tier] + charge > self.budget[tier]:
+            return None
+        if tier is Tier.HOST:
+            extent = self.arena.allocate(shard.nbytes, long_lived=shard.home is tier)
+            if extent is None:
+                return None  # fragmented: evict to make a hole
+            tensor = self.arena.view(extent, shard.numel, shard.dtype)
+        else:
+            extent, tensor = None, _empty_device(shard.numel, shard.dtype, self.device)
+        self.used[tier] += charge
+        self.peak[tier] = max(self.peak[tier], self.used[tier])
+        return _Alloc(tier, tensor, extent, charge)
+
+    def _moves_pending(self, tier: Tier) -> bool:
+        """[Note: wait, do not refuse] Unpinned non-home copies on ``tier`` that a move under way
+        will leave evictable: a write-back's source or HOST staging copy (RESIDENT, WRITING or, while
+        the DEVICE -> HOST part runs, INFLIGHT), a fetch landing in the copy, a copy a move reads
+        (busy). Each such move already holds its memory and completes on the store's / swapper's
+        threads, which never allocate, so waiting for it cannot deadlock -- and the caller's own move
+        is never among them: it is issued only after ``_reserve`` returns. Refusing instead made
+        write-backs under a tight HOST budget raise while staging copies were about to be freed."""
+        for s in self._shards.values():
+            copy = s.copies[tier]
+            if s.home is tier or copy.pins:
+                continue
+            if s.writeback is not None and copy.state in (_I, _W, _R):
+                return True
+            if (copy.state is _I and copy.future is not None) or (copy.state is _R and copy.busy):
+                return True
+        return False
+
+    def _why_full(self, tier: Tier, charge: int) -> str:
+        if tier is Tier.HOST and self.budget[tier] - self.used[tier] >= charge:
+            return (f"fragmented: {format_bytes(self.arena.free_bytes())} free but the largest hole "
+                    f"is {format_bytes(self.arena.largest_free_bytes())} and no unpinned copy is "
+                    "left to evict")
+        return "every other copy there is pinned, in flight or a home copy"
+
+    def capacity_error(self, tier: Tier, key: str, charge: int, why: str) -> None:
+        raise TierCapacityError(
+            f"{tier.name} tier cannot hold {format_bytes(charge)} for shard {key!r}: {why}; raise "
+            f"memory.{tier.label}_budget_bytes, release acquired shards, or fetch fewer at once",
+            tier=tier.name, requested_bytes=charge, used_bytes=self.used[tier],
+            budget_bytes=self.budget[tier])
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def attach(self, shard: _Shard, alloc: "_Alloc") -> None:
+        copy = shard.copies[alloc.tier]
+        copy.tensor, copy.extent, copy.charged_bytes = alloc.tensor, alloc.extent, alloc.charged_bytes
+        alloc.tensor = alloc.extent = None  # the copy owns the bytes now; a stale frame must not
+
+    def free(self, alloc: "_Alloc") -> None:
+        if alloc.extent is not None:
+            self.arena.free(alloc.extent)
+        self.used[alloc.tier] -= alloc.charged_bytes
+        alloc.tensor = alloc.extent = None  # really free it now, not when the caller's frame ends
+        alloc.charged_bytes = 0
+        self._cond.notify_all()
+
+    def release_bytes(self, shard: _Shard, tier: Tier) -> None:
+        copy = shard.copies[tier]
+        self.free(_Alloc(tier, None, copy.extent, copy.charged_bytes))
+        copy.tensor, copy.extent, copy.charged_bytes, copy.future = None, None, 0, None
+
+    def drop(self, shard: _Shard, tier: Tier) -> None:
+        """Free a RESIDENT copy (the caller checked it is not pinned, busy or the only newest one)."""
+        shard.set_state(tier, _A)
+        self.release_bytes(shard, tier)

@@ -1,0 +1,16 @@
+"""ZeRO stages 0-3 and the training engine: the only package that touches module hooks and autograd.
+
+``initialize(model, config)`` composes everything into the :class:`InfinityEngine`: the parameter
+manager (units, flat groups, shards, hooks, gather/release, gradient reduction) over the
+collectives, the shard optimizer of :mod:`infinity.optim`, the tiered store of :mod:`infinity.tiers`
+with the trace-driven prefetcher of :mod:`infinity.prefetch`, and checkpoints. ``init(config)``
+builds a model larger than memory (recorded on meta, materialised unit by unit).
+"""
+
+from infinity.zero._collectives import CollectiveError, Collectives
+from infinity.zero._engine import InfinityEngine, initialize
+from infinity.zero._lazy import LazyInitError, init
+from infinity.zero._offload import host_needs_of, least_host_budget_bytes
+
+__all__ = ["CollectiveError", "Collectives", "InfinityEngine", "LazyInitError", "host_needs_of",
+           "init", "initialize", "least_host_budget_bytes"]

@@ -1,0 +1,500 @@
+"""``infinity.initialize(model, config)``: the training engine.
+
+Usage (the same calls as a DeepSpeed engine)::
+
+    engine = infinity.initialize(model, config)   # dict, JSON path, native or DeepSpeed-style
+    loss = engine(batch)                           # forwards to the model
+    engine.backward(loss)                          # scales by 1/gradient_accumulation_steps
+    engine.step()                                  # optimizer step at accumulation boundaries
+    engine.stats(); engine.full_state_dict(); engine.module; engine.close()
+
+Every ``engine.step()`` call counts one micro-batch; the optimizer runs on every
+``gradient_accumulation_steps``-th call (DeepSpeed semantics). Gradients are averaged over ranks and
+summed over micro-batches (the loss is divided by the number of micro-batches in ``backward``).
+Buffers are replicated: rank 0's are broadcast at set-up and before each training forward (DDP's
+default).
+The step: unscale (fp16), check for overflow (fp16: skip the step and lower the scale, DeepSpeed's
+dynamic loss scaling), clip to ``gradient_clipping`` by the exact global norm over all shards and
+ranks, Adam(W) on the fp32 master shards, write the new low-precision parameters back.
+
+Composition: the config is resolved once here, and each part gets the typed values it uses:
+:class:`~infinity.zero._param_manager.ParameterManager` (units, hooks, gradient shards; a
+:class:`~infinity.zero._param_manager.ManagerConfig`) and a shard optimizer from
+:mod:`infinity.optim`: in memory on the compute device, or, with ``offload_optimizer``, over the
+tiered store (HOST or NVME home, pipelined by sub-group). With ``offload_param`` (stage 3) the
+manager keeps each unit's parameter shard in the same store. Budgets are resolved and checked by
+:func:`~infinity.zero._offload.resolve_offload` before any state is built. Without
+``torch.distributed`` initialised the engine runs as world size 1; under ``torchrun`` it uses (or
+creates) the default process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+import weakref
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
+from infinity.config import AUTO, InfinityConfig, load_config
+from infinity.ledger import host_grad_dtype_of
+from infinity.optim import InMemoryShardOptimizer, OffloadedShardOptimizer
+from infinity.tiers import OffloadBudgets
+from infinity.zero._activations import apply_activation_checkpointing, select_modules
+from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
+from infinity.zero._grad_norm import sum_of_squares
+from infinity.zero._lazy import materialise_placeholders, recording_of
+from infinity.zero._loss_scale import LossScaler
+from infinity.zero._managed import check_not_wrapped
+from infinity.zero._offload import build_store, resolve_offload
+from infinity.zero._param_manager import ManagerConfig, ParameterManager, ParamWriteback
+from infinity.zero._unit_choice import units_of
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""torch dtype of each ``precision.dtype`` name."""
+
+
+def _resolve_device(config: InfinityConfig) -> torch.device:
+    if config.device != "auto":
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {config.device!r} requested but CUDA is not available; "
+                             f"set device to 'auto' or 'cpu'")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _check_writable_dirs(config: InfinityConfig) -> None:
+    """Every NVMe swap directory exists (or can be made) and takes a file: before any state."""
+    for section in (config.offload_param, config.offload_optimizer):
+        if section.device != "nvme":
+            continue
+        path, field = section.nvme_path, f"{section.name}.nvme_path"
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".infinity-probe-"):
+                pass
+        except OSError as e:
+            raise ValueError(f"{field}: {path!r} is not a writable directory ({e.strerror or e}); "
+                             f"point it at a directory on a local disk this process can write"
+                             ) from None
+
+
+def _manager_config(config: InfinityConfig, device: torch.device, world_size: int,
+                    offload: OffloadBudgets | None) -> ManagerConfig:
+    """The parameter manager's settings, resolved from ``config`` once."""
+    zero, precision = config.zero, config.precision
+    compute = DTYPES[precision.dtype]
+    grad_host = host_grad_dtype_of(precision.dtype, config.gradient_accumulation_steps,
+                                   world_size, precision.reduce_dtype)
+
+    def number(value: Any) -> int | None:  # a knob that may be 'auto': the number, or None
+        return None if value == AUTO else int(value)
+
+    reuse = number(zero.max_reuse_distance_numel)
+    return ManagerConfig(
+        stage=zero.stage, device=device, compute_dtype=compute,
+        param_home=config.offload_param.home_tier,
+        optimizer_offloaded=config.offload_optimizer.device != "none",
+        prefetch=offload is not None and offload.overlap,
+        prefetch_lookahead_bytes=number(zero.prefetch_lookahead_bytes),
+        max_live_bytes=number(zero.max_live_bytes),
+        max_reuse_distance_bytes=None if reuse is None else reuse * compute.itemsize,
+        reduce_dtype=compute if precision.reduce_dtype == "compute" else torch.float32,
+        grad_host_dtype=DTYPES[grad_host])
+
+
+class InfinityEngine:
+    """The training engine returned by :func:`initialize`; see the module docstring."""
+
+    def __init__(self, model: nn.Module, config: InfinityConfig):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
+        config.check_resolved("initialize")
+        _check_writable_dirs(config)
+        check_not_wrapped(model)
+        if isinstance(config.activation_checkpointing.units, tuple):
+            select_modules(model, config.activation_checkpointing)  # unknown class names: fail early
+        self.config = config
+        self.device = _resolve_device(config)
+        self.compute_dtype = DTYPES[config.precision.dtype]
+        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
+        init_from_env_if_launched(self.device)
+        self.collectives = Collectives()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.module = model
+        world = self.collectives.world_size
+        # Sized on the parameters as they are: a budget error leaves a recorded model untouched.
+        self.offload = resolve_offload(units_of(model, config.zero), config, world_size=world,
+                                       device=self.device)
+        self.store, self._swapper = None, None
+        if self.offload is not None:
+            self.store, self._swapper = build_store(self.device, self.offload,
+                                                    swapper_config=config.swapper,
+                                                    rank=self.collectives.rank)
+        self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
+        recording = recording_of(model)  # built under infinity.init: values come unit by unit
+        initial_values = None if recording is None else materialise_placeholders(model, recording)
+        _move_buffers(model, self.device, self.compute_dtype)
+        nvme_optimizer = config.offload_optimizer.device == "nvme"
+        self.manager = ParameterManager(
+            model, units_of(model, config.zero),
+            _manager_config(config, self.device, world, self.offload),
+            collectives=self.collectives, store=self.store, initial_values=initial_values,
+            on_grad_ready=self._on_grad_ready if nvme_optimizer else None)  # [Note: optimizer read-ahead]
+        # After the manager: its hooks stay outside the checkpointed regions
+        # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
+        if world > 1:
+            self._broadcast_buffers()
+        self.activations = apply_activation_checkpointing(
+            model, config.activation_checkpointing,
+            unit_module_names=[u.name for u in self.manager.units])
+        self.optimizer = self._build_optimizer()
+        self.scaler = LossScaler(config.precision)
+        self.micro_steps = 0
+        """engine.step() calls so far (micro-batches)."""
+        self.global_steps = 0
+        """Optimizer steps taken (skipped fp16 overflow steps count too, as in DeepSpeed)."""
+        self.skipped_steps = 0
+        """Optimizer steps skipped for an fp16 overflow."""
+        self._backward_since_step = False
+        """engine.backward() ran since the last engine.step() (step() requires it)."""
+        self.last_grad_norm: float | None = None
+        """Global gradient norm before clipping at the last optimizer step."""
+        self._step_time_s = 0.0
+        """Seconds spent inside optimizer steps (for stats())."""
+        self.defer_optimizer_step = True
+        """NVMe optimizer: the updates of a step run in the next forward, each just before its
+        parameter shard is read ([Note: deferred optimizer step]); False runs them in step()."""
+        logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
+                    config.precision.dtype, self.device, world)
+
+    def _build_optimizer(self) -> InMemoryShardOptimizer | OffloadedShardOptimizer:
+        config = self.config
+        if config.offload_optimizer.device == "none":
+            optimizer = InMemoryShardOptimizer(config.optimizer)
+        else:
+            optimizer = OffloadedShardOptimizer(
+                config.optimizer, self.store, home=config.offload_optimizer.home_tier,
+                sub_group_numel=self.offload.sub_group_numel,
+                window_sub_groups=self.offload.optimizer_window_sub_groups,
+                host_resident_bytes=self.offload.optimizer_host_resident_bytes)
+            if config.offload_optimizer.device == "nvme":  # [Note: deferred optimizer step]
+                self.store.before_read = optimizer.apply_before_read
+        for g in self.manager.trainable_groups():
+            part = self.manager.param_partition(g)
+            if optimizer.offloaded:
+                optimizer.add(g.key, g.master, part, param_key=g.store_key)
+                g.master = None  # the store holds the master now; the parameters stay here
+            else:
+                optimizer.add(g.key, g.master, part if g.master is not part else None)
+        return optimizer
+
+    @property
+    def _deferring(self) -> bool:
+        """The optimizer step is deferred into the next forward ([Note: deferred optimizer step])."""
+        return self.defer_optimizer_step and self.config.offload_optimizer.device == "nvme"
+
+    def _on_grad_ready(self, key: str) -> None:
+        if not self._deferring:  # deferred: the read-ahead runs in the next forward's order
+            self.optimizer.prefetch(key)
+
+    # ------------------------------------------------------------------ the public calls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training and self.collectives.world_size > 1:
+            self._broadcast_buffers()
+        with self.manager.forward_scope():
+            try:
+                return self.module(*args, **kwargs)
+            except RuntimeError as e:
+                if "for storage of size 0" in str(e):
+                    raise RuntimeError(
+                        f"a parameter of a released unit was read ({e}). A module used another "
+                        f"module's parameter on a code path the first step did not take; make "
+                        f"the module that uses it own it, or raise "
+                        f"zero.persistence_threshold_numel / use zero.unit_class_names so both "
+                        f"end up in one unit") from e
+                raise
+
+    def _broadcast_buffers(self) -> None:
+        """DistributedDataParallel's ``broadcast_buffers``: every training forward on every rank
+        starts from rank 0's buffers (BatchNorm running statistics, counters). Not after the
+        forward: autograd saved some of them (batch norm's running statistics) and an in-place
+        write would fail the backward's version check. So that every rank reports the same
+        values, ``full_state_dict`` broadcasts too (checkpoints write rank 0's). One broadcast
+        per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buf in self.module.buffers():
+            by_dtype.setdefault(buf.dtype, []).append(buf)
+        with torch.no_grad():
+            for dtype, bufs in by_dtype.items():
+                flat = torch.cat([b.reshape(-1) for b in bufs])
+                self.collectives.broadcast(flat, src=0, context=f"buffers ({dtype})")
+                offset = 0
+                for b in bufs:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+
+    @property
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    @property
+    def between_steps(self) -> bool:
+        """No micro-batch of an accumulation window is pending: the last ``engine.step()`` ran the
+        optimizer (or none ran yet) and no backward came since. Checkpoints and weights are
+        saved and loaded only here (partial gradients belong to no saved state)."""
+        return (not self._backward_since_step
+                and self.micro_steps % self.gradient_accumulation_steps == 0)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.optimizer.lr = float(value)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward: expected a scalar loss tensor, got "
+                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        if not loss.requires_grad:
+            raise ValueError("engine.backward: the loss does not require grad (was the forward "
+                             "run under torch.no_grad(), or are all parameters frozen?)")
+        scale = self.scaler.scale / self.gradient_accumulation_steps
+        self.optimizer.drain()  # the gradients are about to change: the last step must be done
+        if self._deferring:  # the state the next step updates first, read while backward runs
+            self.optimizer.read_ahead(self.manager.forward_keys())
+        self.manager.begin_backward()
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+        except BaseException:
+            self.manager.abort_backward()
+            raise
+        self.manager.finish_backward()
+        self.manager.end_prefetch_step()  # before the optimizer step changes the parameters
+        self._backward_since_step = True
+
+    def step(self) -> None:
+        if not self._backward_since_step:
+            raise RuntimeError("engine.step() called without engine.backward(loss) since the last "
+                               "step; call engine.backward(loss) once per micro-batch, then step()")
+        self._backward_since_step = False
+        boundary = self.is_gradient_accumulation_boundary
+        self.micro_steps += 1
+        if not boundary:
+            return
+        t0 = time.perf_counter()
+        self._optimizer_step()
+        self._step_time_s += time.perf_counter() - t0
+
+    def _optimizer_step(self) -> None:
+        grads = self.manager.grad_partitions()
+        inv_scale = 1.0 / self.scaler.scale
+        norm_sq, overflow = self._global_norm_sq(grads)
+        self.global_steps += 1
+        if self.scaler.dynamic or self.compute_dtype == torch.float16:
+            if overflow:
+                self.scaler.update(True)
+                self.skipped_steps += 1
+                logger.info("fp16 overflow: step %d skipped, loss scale now %g",
+                            self.global_steps, self.scaler.scale)
+                self.manager.zero_grads()
+                self.optimizer.cancel_prefetch()  # no step uses the state read ahead
+                return
+            self.scaler.update(False)
+        norm = math.sqrt(norm_sq) * inv_scale
+        self.last_grad_norm = norm
+        coef = 1.0
+        clip = self.config.gradient_clipping
+        if clip > 0 and norm > clip:
+            coef = clip / (norm + 1e-6)
+        # Lazy only for a deferred step: a step run in place flushes every shard home right
+        # after it, and there eager write-backs overlap the updates of the later keys.
+        lazy = self._deferring and self.offload.device_holds_params
+        self.manager.set_param_writeback(ParamWriteback.LAZY if lazy else ParamWriteback.EAGER)
+        if self._deferring:
+            self.optimizer.step(grads, grad_scale=inv_scale * coef, defer=True,
+                                order=self.manager.forward_keys())
+        else:
+            self.optimizer.step(grads, grad_scale=inv_scale * coef)
+            self.flush_offload()
+        self.manager.after_step()
+
+    def _global_norm_sq(self, grads: Mapping[str, torch.Tensor]) -> tuple[float, bool]:
+        """Sum of squares over the optimizer partitions, summed over ranks when they are sharded
+        (stage 0 partitions are replicated: each rank already holds every gradient once)."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for g in grads.values():
+            total += sum_of_squares(g)
+        if self.manager.stage > 0:
+            self.collectives.all_reduce_sum(total, context="global gradient norm")
+        value = float(total.item())
+        return value, not math.isfinite(value)
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes per tier (current and peak), bytes moved per tier pair, stall seconds, counters.
+
+        DEVICE counts what the parameter manager holds (gathered units, shards, masters, gradient
+        buffers: each storage once), the in-memory optimizer's moments and the store's DEVICE
+        copies; its peak adds the parts' high-water marks (an upper bound). HOST is the store's
+        arena use (with an offloaded optimizer it holds the gradient accumulators too,
+        [Note: gradient placement] in infinity/ledger/_estimate.py); NVME the bytes of the shards
+        whose home is a swap file.
+        """
+        held = self.manager.device_bytes()
+        state_device = 0 if self.optimizer.offloaded else self.optimizer.state_bytes()
+        store = self.store.stats() if self.store is not None else {}
+        device_now = sum(held.values()) + state_device + store.get("device_used_bytes", 0)
+        device_peak = (self.manager.peak_device_bytes + state_device
+                       + store.get("device_peak_bytes", 0))
+        nvme = 0
+        if self.config.offload_optimizer.device == "nvme":
+            nvme += (self.optimizer.state_bytes() + self.optimizer.master_bytes()
+                     - self.optimizer.host_resident_bytes)  # [Note: host-resident sub-groups]
+        if self.config.offload_param.device == "nvme":
+            nvme += sum(g.shard_numel * self.compute_dtype.itemsize for u in self.manager.units
+                        for g in u.groups if g.store_key is not None)
+        return {
+            "world_size": self.collectives.world_size,
+            "stage": self.manager.stage,
+            "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak)},
+                      "HOST": {"current": store.get("host_used_bytes", 0),
+                               "peak": store.get("host_peak_bytes", 0),
+                               "budget": store.get("host_budget_bytes", 0)},
+                      "NVME": {"current": nvme, "peak": nvme}},
+            "model_state_bytes": {**held, "optimizer_state": self.optimizer.state_bytes()},
+            "bytes_moved": {"NVME->HOST": store.get("bytes_nvme_to_host", 0),
+                            "HOST->DEVICE": store.get("bytes_host_to_device", 0),
+                            "DEVICE->HOST": store.get("bytes_device_to_host", 0),
+                            "HOST->NVME": store.get("bytes_host_to_nvme", 0),
+                            "DEVICE<->DEVICE (collectives, sent)": self.collectives.bytes_moved},
+            "stall_s": store.get("wait_s", 0.0),
+            "prefetch": self.manager.prefetch_stats(),
+            "num_gathers": self.manager.num_gathers,
+            "optimizer_step_s": self._step_time_s,
+            # [Note: deferred optimizer step]: updates run in the next forward, and the part of
+            # both spent waiting for sub-group reads.
+            "optimizer_deferred_s": self.optimizer.deferred_s,
+            "optimizer_read_wait_s": self.optimizer.wait_s,
+            # [Note: host-resident sub-groups]: optimizer state homed on HOST out of an NVMe home.
+            "optimizer_host_resident_bytes": self.optimizer.host_resident_bytes,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.scaler.scale,
+            "store": store,
+        }
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict (fp32 masters for trained parameters), keyed like
+        ``model.state_dict()``; a collective: call it on every rank."""
+        self.optimizer.drain()  # a deferred step's updates land first
+        if self.collectives.world_size > 1:
+            self._broadcast_buffers()
+        return self.manager.full_state_dict(master_of=self.optimizer.master_values)
+
+    def load_weights(self, path: str, *, strict: bool = True) -> dict[str, list[str]]:
+        """Load model weights from a safetensors file, a directory, or a Hugging Face sharded
+        index straight into the shards (each rank reads only its ranges; optimizer moments are
+        left as they are); see :mod:`infinity.checkpoint`. A collective: call it on every rank."""
+        self.optimizer.drain()  # a deferred step's updates land first
+        return load_weights(self, path, strict=strict)
+
+    def save_checkpoint(self, directory: str) -> str:
+        """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
+        a collective: call it on every rank. Returns the new save's directory."""
+        self.optimizer.drain()  # a deferred step's updates land first
+        return save_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
+        size; everything is validated on every rank before any state changes."""
+        self.optimizer.drain()  # a deferred step's updates land first
+        return load_checkpoint(self, directory)
+
+    def flush_offload(self) -> None:
+        """Every shard the store holds is current in its home tier (a no-op without offload)."""
+        if self.store is not None:
+            self.store.flush()
+
+    def step_state_dict(self) -> dict[str, Any]:
+        """The step counters of the engine, its optimizer and its loss scaler (what a checkpoint's
+        manifest keeps as ``engine``)."""
+        return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                "skipped_steps": self.skipped_steps, "last_grad_norm": self.last_grad_norm,
+                "optimizer_step_count": self.optimizer.step_count, "lr": self.optimizer.lr,
+                "loss_scaler": self.scaler.state_dict()}
+
+    def load_step_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`step_state_dict` returned (between steps)."""
+        self.global_steps = int(state["global_steps"])
+        self.micro_steps = int(state["micro_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.last_grad_norm = state["last_grad_norm"]
+        self._backward_since_step = False
+        self.optimizer.step_count = int(state["optimizer_step_count"])
+        self.optimizer.lr = float(state["lr"])
+        self.scaler.load_state_dict(state["loss_scaler"])
+
+    def close(self) -> None:
+        """Stop the store's threads and delete swap files (also done when the engine is
+        garbage-collected or the interpreter exits)."""
+        try:
+            self.optimizer.drain()  # write-backs still in flight end before the store closes
+        finally:
+            self._finalizer()
+        self.store, self._swapper = None, None
+
+
+def _close_offload(store: Any, swapper: Any) -> None:
+    if store is not None:
+        store.close()
+    if swapper is not None:
+        swapper.close()
+
+
+def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Buffers stay ordinary module buffers, replicated: move them to the device and cast floating
+    ones to the compute dtype (parameters are handled by the parameter manager)."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            target = dtype if buf.is_floating_point() else buf.dtype
+            if buf.device != device or buf.dtype != target:
+                module._buffers[name] = buf.to(device=device, dtype=target)
+
+
+def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None
+               ) -> InfinityEngine:
+    """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
+    DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
+    it, else the defaults). Uses the default process group when ``torch.distributed`` is
+    initialised."""
+    if config is None:
+        recording = recording_of(model) if isinstance(model, nn.Module) else None
+        config = recording.config if recording is not None else None
+    config = load_config(config)
+    if is_distributed():
+        logger.debug("using the default process group")
+    return InfinityEngine(model, config)

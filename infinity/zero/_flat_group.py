@@ -1,0 +1,112 @@
+"""The records of the parameter manager: a unit, its flat groups, and where each parameter lives
+in its flat buffer (the slot). No hooks, no collectives: :mod:`._param_manager` drives them.
+
+:func:`layout_group` places parameters one after another in a flat buffer padded so its numel
+divides the world size (the shard of rank r is the contiguous slice ``[r*S, (r+1)*S)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+from torch import nn
+
+from infinity._transitions import TransitionTable
+
+
+@dataclasses.dataclass
+class ParamSlot:
+    """Where one parameter lives in its flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+def layout_group(params: list[tuple[str, nn.Parameter]], world_size: int
+                 ) -> tuple[list[ParamSlot], int, int]:
+    """Slots for ``params`` in order; returns (slots, numel, padded numel divisible by world_size)."""
+    slots, offset = [], 0
+    for name, p in params:
+        slots.append(ParamSlot(name=name, param=p, offset=offset, numel=p.numel(), shape=p.shape))
+        offset += p.numel()
+    padded = -(-offset // world_size) * world_size
+    return slots, offset, max(padded, world_size)
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameter bytes are (the device tier unless offload moves the shard).
+
+    RELEASED: only this rank's shard holds bytes; the full buffer's storage is 0 bytes.
+    GATHERED: the full buffer holds every rank's shard on the device; parameters are its views.
+    """
+
+    RELEASED = "released"
+    GATHERED = "gathered"
+
+
+UNIT_TRANSITIONS = TransitionTable("unit", {
+    (UnitState.RELEASED, UnitState.GATHERED): "gather: every rank's shard all-gathered into the "
+                                              "full buffer (forward, backward, or after a step)",
+    (UnitState.GATHERED, UnitState.RELEASED): "release: the full buffer's storage resized to 0 "
+                                              "([Note: release keeps parameter identity])",
+})
+
+
+@dataclasses.dataclass(eq=False)
+class FlatGroup:
+    """One flat buffer of a unit: parameters of one dtype and one ``requires_grad``."""
+
+    key: str
+    """Stable name ('u3.bfloat16.train'): the optimizer's key and the checkpoint's."""
+    slots: list[ParamSlot]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    requires_grad: bool
+    full: torch.Tensor
+    """Full flat buffer; parameters are views of it (storage freed while the unit is released)."""
+    shard: torch.Tensor | None
+    """This rank's parameter shard: a view of ``full`` when the unit is always gathered, else its
+    own tensor (the copy that stays when the unit is released); None when the store holds it."""
+    master: torch.Tensor | None = None
+    """fp32 optimizer partition (the shard; the whole buffer at stage 0); aliases the parameter
+    partition when the compute dtype is fp32. None for frozen groups."""
+    grad_staging: torch.Tensor | None = None
+    """fp32 full-size gradient of the current backward (see [Note: gradient ledger])."""
+    grad_acc: torch.Tensor | None = None
+    """fp32 gradient summed over micro-batches: shard (stages 2-3) or full (0-1); None when zero."""
+    grad_host: torch.Tensor | None = None
+    """Offloaded optimizer: the accumulator (fp32, or the compute dtype: estimate.host_grad_dtype)
+    over the optimizer's partition in the store's host arena; ``grad_acc`` is it while it holds a
+    gradient ([Note: gradient placement])."""
+    store_key: str | None = None
+    """Key of the parameter shard in the tiered store (parameter offload), else None."""
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    index: int
+    name: str
+    groups: list[FlatGroup]
+    always_gathered: bool
+    """Stages 0-2, the persistent unit, and units used outside their modules stay gathered."""
+    num_trainable: int
+    has_frozen: bool
+    state: UnitState = UnitState.GATHERED
+    refcount: int = 0
+    """Forward hooks (and recomputation under activation checkpointing) currently using it."""
+    backward_hold: bool = False
+    """Gathered for this backward (pre-backward hook) until its gradients are reduced."""
+    input_grads_done: bool = False
+    """A post-backward hook on the module's inputs fired (its backward finished) in this backward."""
+    grads_seen: set[int] = dataclasses.field(default_factory=set)
+    """id() of the trainable parameters whose gradient arrived in this backward."""
+
+    def transition(self, new: UnitState) -> None:
+        UNIT_TRANSITIONS.check(f"{self.index} {self.name}", self.state, new)
+        self.state = new

@@ -1,0 +1,485 @@
+"""``with infinity.init(config): model = build()``: build a model without holding its weights.
+
+Inside the block, tensors that construction creates without an explicit device land on the meta
+device (shape and dtype, no bytes), and every operation that creates or writes a meta tensor is
+recorded. ``infinity.initialize(model, config)`` then materialises the model unit by unit: each
+parameter's values are computed on the CPU from the recording, copied into the unit's flat buffer
+and sharded at once (see ``ParameterManager._build_group``), so a rank's peak host memory stays
+near one unit plus its shards instead of the whole model.
+
+[Note: lazy values equal eager values]
+Construction calls the same init code as eager construction (``reset_parameters``,
+``nn.init.*``, a model's ``_init_weights``); only the tensors are meta. Two things make the values
+come out identical to building eagerly on the CPU:
+
+* The RNG stream. While recording, every random operation on a meta tensor is also run once on a
+  throw-away CPU tensor of the same geometry, so the generator advances exactly as eager
+  construction advances it (random operations on real tensors in between draw the same numbers as
+  eagerly, and the generator state after the block is eager's). The state before each random
+  operation is kept (5 KiB each) and restored when the operation is replayed.
+* The program. A tensor's value is the result of the operations that created and wrote its
+  storage, and, transitively, of those that wrote the storages they read, each as of its position
+  in the recorded order. ``Recording.value`` replays exactly that slice, in recorded order, on the
+  CPU: a parameter initialised twice (in ``__init__`` and again by ``_init_weights``) replays both,
+  a parameter computed from another (``torch.randn(n) * 0.02``) replays its source first.
+
+Replaying costs about one more eager initialisation in compute; memory is one parameter (plus the
+tensors its slice reads) at a time. Tensors are matched by storage, so views, tied parameters
+(one object in two modules) and parameters that alias one buffer all resolve. Multi-rank: every
+rank records and replays its own; the engine broadcasts rank 0's unit values, as it does for an
+eagerly built model.
+
+Not covered (each raises a clear error instead of giving different values): writing a meta
+tensor's values into a real tensor during construction (``real.copy_(meta)``), reading a meta
+value as a Python number (``.item()``), and initialising a recorded model any way other than
+through ``infinity.initialize``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from infinity.config import load_config
+from infinity.errors import InfinityError
+
+logger = logging.getLogger(__name__)
+
+_META = torch.device("meta")
+_CPU = torch.device("cpu")
+# Constructors that carry their values (``torch.tensor([1., 2.])``) stay real: on the meta device
+# the data would be lost.
+_VALUE_CONSTRUCTORS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+
+
+class LazyInitError(InfinityError, ValueError):
+    """A model built under ``infinity.init`` used a construction pattern that cannot be deferred."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """A meta tensor as an operation saw it: its storage and its geometry at that moment."""
+
+    tensor: torch.Tensor
+    """Kept alive so that the storage key (the StorageImpl address) is never reused."""
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _ref(t: torch.Tensor) -> _Ref:
+    return _Ref(t, _storage_key(t), tuple(t.size()), tuple(t.stride()), t.storage_offset(),
+                t.dtype)
+
+
+@dataclasses.dataclass
+class _Op:
+    func: Any
+    args: tuple
+    kwargs: dict
+    """Arguments with meta tensors replaced by :class:`_Ref` and real tensors by copies."""
+    reads: frozenset[int]
+    """Storage keys of the meta tensors it reads (the ones it writes included)."""
+    creates: dict[int, int]
+    """Storage key -> index of the output leaf whose storage is new (the op allocated it)."""
+    created: list[torch.Tensor]
+    """Those outputs, kept alive so that their storage keys are never reused."""
+    rng_state: torch.Tensor | None
+    generator: torch.Generator | None
+    """Random operations: the generator and its state just before the operation ran."""
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", None) or str(func)
+
+
+def _is_random(func: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments the schema marks as written (``self`` of ``uniform_``, ``out=``)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.kwarg_only or i >= len(args):
+            if arg.name in kwargs:
+                written.append(kwargs[arg.name])
+        else:
+            written.append(args[i])
+    return written
+
+
+class Recording:
+    """The recorded construction program of one ``infinity.init`` block."""
+
+    def __init__(self, config: Any = None):
+        self.config = config
+        """The block's configuration (validated); ``initialize`` uses it when given none."""
+        self.ops: list[_Op] = []
+        self.writers: dict[int, list[int]] = {}
+        """Storage key -> indices of the ops that created or wrote it, in order."""
+        self.num_random = 0
+        self._scratch = _Scratch()
+
+    # ------------------------------------------------------------------ recording
+
+    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run an aten operation (on meta tensors: no bytes) and record it; called by the
+        dispatch mode for every operation while the block is open."""
+        leaves, _ = tree_flatten((args, kwargs))
+        device = kwargs.get("device")
+        if not any(isinstance(t, torch.Tensor) and t.device == _META for t in leaves) and \
+                (device is None or torch.device(device) != _META):
+            return func(*args, **kwargs)  # real tensors only: it runs exactly as it would eagerly
+        return self._record(func, args, kwargs, written=_written_args(func, args, kwargs),
+                            random=_is_random(func), run=func)
+
+    def record_call(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Record a Python init function that does nothing on meta tensors (``trunc_normal_``
+        returns early there) as one operation writing its first argument."""
+        return self._record(func, args, kwargs, written=[args[0]], random=True,
+                            run=lambda *a, **k: args[0])
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, *, written: list[Any], random: bool,
+                run: Callable[..., Any]) -> Any:
+        for target in written:
+            if isinstance(target, torch.Tensor) and target.device != _META:
+                raise LazyInitError(
+                    f"{_name(func)}: writes values computed from a tensor built under "
+                    f"infinity.init into a real {tuple(target.shape)} tensor; those values do "
+                    f"not exist until infinity.initialize. Create that tensor under "
+                    f"infinity.init too, or build this part of the model outside the block")
+        rng_state, generator = None, None
+        if random:
+            generator = kwargs.get("generator") or torch.default_generator
+            rng_state = generator.get_state()
+            # The generator moves exactly as eager construction moves it.
+            _advance_rng(func, args, kwargs, self._scratch)
+        leaves, _ = tree_flatten((args, kwargs))
+        before = {_storage_key(t) for t in leaves
+                  if isinstance(t, torch.Tensor) and t.device == _META}
+        out = run(*args, **kwargs)
+        out_leaves, _ = tree_flatten(out)
+        creates: dict[int, int] = {}
+        created = []
+        for j, t in enumerate(out_leaves):
+            if isinstance(t, torch.Tensor) and t.device == _META:
+                key = _storage_key(t)
+                if key not in before and key not in creates:
+                    creates[key] = j
+                    created.append(t)
+        index = len(self.ops)
+        for key in creates.keys() | {_storage_key(t) for t in written
+                                     if isinstance(t, torch.Tensor)}:
+            self.writers.setdefault(key, []).append(index)
+        self.ops.append(_Op(func, *_freeze(args, kwargs, func, out_leaves, creates),
+                            reads=frozenset(before), creates=creates, created=created,
+                            rng_state=rng_state, generator=generator))
+        self.num_random += rng_state is not None
+        return out
+
+    # ------------------------------------------------------------------ replay
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.device == _META and _storage_key(t) in self.writers
+
+    def value(self, t: torch.Tensor) -> torch.Tensor:
+        """The CPU value eager construction would have given the meta tensor ``t`` (a fresh
+        tensor of ``t``'s shape and dtype, contiguous)."""
+        ref = _ref(t)
+        if ref.key not in self.writers:
+            raise LazyInitError(f"a meta tensor of shape {ref.size} was not created under this "
+                                f"infinity.init block; build the whole model inside the block")
+        storages = self._replay(self._slice(ref.key))
+        return _view(storages[ref.key], ref).clone(memory_format=torch.contiguous_format)
+
+    def _slice(self, key: int) -> list[int]:
+        """Indices of the ops ``key``'s final value depends on, in recorded order."""
+        needed: set[int] = set()
+        todo = [(key, len(self.ops))]
+        seen: set[tuple[int, int]] = set()
+        while todo:
+            k, upto = todo.pop()
+            if (k, upto) in seen:
+                continue
+            seen.add((k, upto))
+            for i in self.writers.get(k, ()):
+                if i >= upto or i in needed:
+                    continue
+                needed.add(i)
+                todo.extend((r, i) for r in self.ops[i].reads)
+        return sorted(needed)
+
+    def _replay(self, indices: list[int]) -> dict[int, torch.UntypedStorage]:
+        storages: dict[int, torch.UntypedStorage] = {}
+        saved = {}
+        try:
+            for i in indices:
+                op = self.ops[i]
+                args, kwargs = _thaw(op.args, op.kwargs, storages)
+                if op.rng_state is not None:
+                    if op.generator not in saved:
+                        saved[op.generator] = op.generator.get_state()
+                    op.generator.set_state(op.rng_state)
+                out = op.func(*args, **kwargs)
+                out_leaves, _ = tree_flatten(out)
+                for key, j in op.creates.items():
+                    storages[key] = out_leaves[j].untyped_storage()
+        finally:  # replaying never moves the caller's random stream
+            for generator, state in saved.items():
+                generator.set_state(state)
+        return storages
+
+
+def _freeze(args: tuple, kwargs: dict, func: Any, out_leaves: list, creates: dict[int, int]
+            ) -> tuple[tuple, dict]:
+    def freeze(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return _ref(x) if x.device == _META else x.detach().clone()
+        if isinstance(x, torch.device) and x.type == "meta":
+            return _CPU
+        return x
+
+    args, kwargs = tree_map(freeze, args), tree_map(freeze, kwargs)
+    schema = getattr(func, "_schema", None)
+    if creates and schema is not None and "dtype" in {a.name for a in schema.arguments} and \
+            kwargs.get("dtype") is None:
+        # A factory without a dtype takes the default dtype of the moment: pin it.
+        first = out_leaves[next(iter(creates.values()))]
+        kwargs = {**kwargs, "dtype": first.dtype}
+    return args, kwargs
+
+
+def _view(storage: torch.UntypedStorage, ref: _Ref) -> torch.Tensor:
+    return torch.empty(0, dtype=ref.dtype, device=_CPU).set_(storage, ref.offset, ref.size,
+                                                             ref.stride)
+
+
+def _thaw(args: tuple, kwargs: dict, storages: Mapping[int, torch.UntypedStorage]
+          ) -> tuple[tuple, dict]:
+    def thaw(x: Any) -> Any:
+        if isinstance(x, _Ref):
+            if x.key not in storages:
+                raise LazyInitError(f"a meta tensor of shape {x.size} was created before the "
+                                    f"infinity.init block and written inside it; create it "
+                                    f"inside the block")
+            return _view(storages[x.key], x)
+        if isinstance(x, torch.Tensor):
+            return x.clone()  # a recorded constant: the op may write it
+        return x
+
+    return tree_map(thaw, args), tree_map(thaw, kwargs)
+
+
+class _Scratch:
+    """One growing byte buffer that random operations run on while recording. A fresh tensor per
+    operation would fragment the heap (each freed block gets split by the small allocations of
+    the meta tensors built in between), holding about the model's size by the end."""
+
+    def __init__(self):
+        self._storage = torch.UntypedStorage(0)
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride())) if t.numel() else 0
+        nbytes = extent * t.element_size()
+        if self._storage.nbytes() < nbytes:
+            self._storage = torch.UntypedStorage(nbytes, device=_CPU)
+        view = torch.empty(0, dtype=t.dtype, device=_CPU).set_(self._storage, 0, t.size(),
+                                                               t.stride())
+        return view.zero_()
+
+    def release(self) -> None:
+        self._storage = torch.UntypedStorage(0)
+
+
+def _advance_rng(func: Any, args: tuple, kwargs: dict, scratch: _Scratch) -> None:
+    """Run a random operation once on throw-away CPU tensors of the same geometry."""
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device == _META:
+            return scratch.like(x)
+        if isinstance(x, torch.device) and x.type == "meta":
+            return _CPU
+        return x
+
+    leaves, spec = tree_flatten((args, kwargs))
+    a, k = tree_unflatten([swap(x) for x in leaves], spec)
+    func(*a, **k)
+
+
+class _MetaByDefault(TorchFunctionMode):
+    """Tensor constructors without an explicit device create meta tensors (what
+    ``with torch.device('meta')`` does), except those that carry their values."""
+
+    _constructors = _device_constructors() - _VALUE_CONSTRUCTORS
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._constructors and kwargs.get("device") is None:
+            kwargs["device"] = _META
+        return func(*args, **kwargs)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.recording.record(func, args, kwargs or {})
+
+
+# torch.nn.init functions that return early on meta tensors (and do not dispatch to modes), by
+# the name their callers look up: ``trunc_normal_`` calls the module global
+# ``_no_grad_trunc_normal_``, so patching that covers every way of calling it.
+_META_SKIPPING_INIT = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+
+
+@contextlib.contextmanager
+def _record_meta_skipping_init(recording: Recording) -> Iterator[None]:
+    originals = {name: getattr(nn.init, name) for name in _META_SKIPPING_INIT}
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(tensor, *args, **kwargs):
+            if isinstance(tensor, torch.Tensor) and tensor.device == _META:
+                return recording.record_call(original, (tensor, *args), kwargs)
+            return original(tensor, *args, **kwargs)
+        return recorded
+
+    for name, original in originals.items():
+        setattr(nn.init, name, wrap(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
+
+
+_TRIM_EVERY_BYTES = 16 * 2**20
+"""Materialising: hand freed heap memory back to the OS after about this many replayed bytes."""
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None elsewhere).
+
+    [Note: heap fragmentation while materialising]
+    Materialising allocates a parameter-sized tensor per parameter, frees it, and keeps small
+    allocations (the engine's bookkeeping) in between. glibc serves the large blocks from the heap
+    once its dynamic mmap threshold has grown, and the small ones split the freed blocks, so the
+    next parameter needs fresh heap: RSS grows by about the model's size, the very thing lazy
+    construction avoids (measured: 48 x 4 MiB units, +380 MiB peak without trimming, +100 MiB
+    with). ``malloc_trim(0)`` returns the free pages inside the heap, not only those at its top.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_LIVE: list[Recording] = []
+"""Recordings whose models are not yet materialised (metadata only: meta tensors have no bytes)."""
+
+
+@contextlib.contextmanager
+def init(config: Any = None) -> Iterator[Recording]:
+    """Build a model inside this block to materialise it later, unit by unit, straight into its
+    shards (``infinity.initialize(model)``; ``config`` is validated now and used there when
+    ``initialize`` is given none). See the module docstring."""
+    recording = Recording(load_config(config) if config is not None else None)
+    try:
+        with _record_meta_skipping_init(recording), _MetaByDefault(), _Recorder(recording):
+            yield recording
+    finally:
+        recording._scratch.release()
+    _LIVE.append(recording)
+    logger.info("infinity.init: %d operations recorded (%d random)", len(recording.ops),
+                recording.num_random)
+
+
+def recording_of(module: nn.Module) -> Recording | None:
+    """The recording that owns ``module``'s meta parameters and buffers, or None when it has
+    none. Raises when some meta tensor belongs to no recording (``device='meta'`` by hand)."""
+    metas = [(n, t) for n, t in _named_tensors(module) if t.device == _META]
+    if not metas:
+        return None
+    owner = next((r for r in _LIVE if r.owns(metas[0][1])), None)
+    stray = [n for n, t in metas if owner is None or not owner.owns(t)]
+    if stray:
+        raise LazyInitError(f"{stray[0]!r} is on the meta device but was not built under "
+                            f"`with infinity.init(...)` (or its model was already initialized); "
+                            f"build the whole model inside the block, or materialise it first "
+                            f"(to_empty() and initialise)")
+    return owner
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def materialise_placeholders(module: nn.Module, recording: Recording
+                             ) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """Swap every meta parameter of ``module`` for a real one of the same shape, dtype and
+    ``requires_grad`` whose storage holds 0 bytes (tied parameters stay one object), and every
+    meta buffer for its value. Returns ``values_of(param)``: the eager value of a swapped
+    parameter (computed on call, one at a time), None for the others."""
+    swapped: dict[int, nn.Parameter] = {}
+    source: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or p.device != _META:
+                continue
+            if id(p) not in swapped:
+                empty = torch.empty(0, dtype=p.dtype, device=_CPU).set_(torch.UntypedStorage(0), 0,
+                                                                    p.shape)
+                new = nn.Parameter(empty, requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)  # attributes a model set (HF's no-decay flags)
+                swapped[id(p)], source[id(new)] = new, p
+            mod._parameters[name] = swapped[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device == _META:
+                mod._buffers[name] = recording.value(b)
+    if recording in _LIVE:  # its model is being materialised: nothing else may claim it
+        _LIVE.remove(recording)
+
+    replayed = 0
+
+    def values_of(param: torch.Tensor) -> torch.Tensor | None:
+        nonlocal replayed
+        meta = source.get(id(param))
+        if meta is None:
+            return None
+        if replayed >= _TRIM_EVERY_BYTES and _malloc_trim() is not None:
+            _malloc_trim()(0)  # [Note: heap fragmentation while materialising]
+            replayed = 0
+        replayed += meta.numel() * meta.element_size()
+        return recording.value(meta)
+
+    return values_of
+
+
+__all__ = ["LazyInitError", "Recording", "init", "materialise_placeholders", "recording_of"]

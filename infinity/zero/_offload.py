@@ -1,0 +1,102 @@
+"""Offload for one model: what the store will hold (from the unit choice), the budgets resolved for
+it before any state is built, and the store itself.
+
+The arithmetic is :mod:`infinity.tiers._offload_budgets` (pure, on sizes); this module measures
+the sizes from the units the parameter manager will build and resolves the request from the config
+once, so the engine, ``infinity train`` and the benchmarks size offload the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infinity.config import DTYPE_BYTES, InfinityConfig, SwapperConfig
+from infinity.io import Swapper
+from infinity.ledger import host_grad_dtype_of
+from infinity.tiers import (HostNeeds, OffloadBudgets, OffloadRequest, StateSizes, StoreConfig,
+                            TieredStore, host_needs, least_host_bytes, resolve_offload_budgets)
+from infinity.zero._unit_choice import UnitChoice, units_of
+
+
+def state_sizes(choice: UnitChoice, *, stage: int, world_size: int,
+                param_bytes: int) -> StateSizes:
+    """The sizes of what the store holds for the units of ``choice`` (``param_bytes``: bytes per
+    element of the compute dtype): one flat group per unit and ``requires_grad``, each padded to
+    a multiple of ``world_size`` as :func:`~infinity.zero._flat_group.layout_group` pads it."""
+    unit_bytes, param_shards, opt_parts = [], [], []
+    for unit in choice.units:
+        for trainable in (True, False):
+            numel = sum(p.numel() for _, p in unit.params if p.requires_grad == trainable)
+            if not numel:
+                continue
+            shard = -(-numel // world_size)
+            unit_bytes.append(shard * world_size * param_bytes)
+            if not unit.persistent and stage == 3:
+                param_shards.append(shard * param_bytes)
+            if trainable:  # the optimizer's partition: the shard, or everything at stage 0
+                opt_parts.append(shard if stage > 0 else shard * world_size)
+    return StateSizes(unit_bytes=tuple(unit_bytes), param_shard_bytes=tuple(param_shards),
+                      optimizer_partition_numel=tuple(opt_parts))
+
+
+def offload_request(config: InfinityConfig, world_size: int) -> OffloadRequest:
+    """Where state lives and the budgets asked for, resolved from ``config`` at ``world_size``."""
+    precision = config.precision
+    grad_dtype = host_grad_dtype_of(precision.dtype, config.gradient_accumulation_steps,
+                                    world_size, precision.reduce_dtype)
+    nvme_paths = [s.nvme_path for s in (config.offload_param, config.offload_optimizer)
+                  if s.device == "nvme"]
+    return OffloadRequest(param_home=config.offload_param.home_tier,
+                          optimizer_home=config.offload_optimizer.home_tier,
+                          host_budget_bytes=config.memory.host_budget_bytes,
+                          device_budget_bytes=config.memory.device_budget_bytes,
+                          sub_group_numel=config.zero.sub_group_numel,
+                          grad_accumulator_bytes=DTYPE_BYTES[grad_dtype],
+                          nvme_path=nvme_paths[0] if nvme_paths else None)
+
+
+def _sizes_of(module: nn.Module, config: InfinityConfig, world_size: int) -> StateSizes:
+    return state_sizes(units_of(module, config.zero), stage=config.zero.stage,
+                       world_size=world_size, param_bytes=config.precision.param_bytes)
+
+
+def least_host_budget_bytes(module: nn.Module, config: InfinityConfig, *,
+                            world_size: int = 1) -> int:
+    """The smallest ``memory.host_budget_bytes`` that ``infinity.initialize(module, config)``
+    accepts at ``world_size``: what must live in host memory plus the least NVMe staging (at the
+    config's sub-group size, or the smallest 'auto' one); 0 when nothing is offloaded."""
+    return least_host_bytes(_sizes_of(module, config, world_size),
+                            offload_request(config, world_size))
+
+
+def host_needs_of(module: nn.Module, config: InfinityConfig, sub_group_numel: int, *,
+                  world_size: int = 1) -> HostNeeds:
+    """Host bytes ``module`` needs under ``config`` at one sub-group size: the shards homed on
+    the host (optimizer state and gradient accumulators included), the least budget, a
+    comfortable one (:func:`infinity.tiers.host_needs`)."""
+    return host_needs(_sizes_of(module, config, world_size), offload_request(config, world_size),
+                      sub_group_numel)
+
+
+def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: int,
+                    device: torch.device) -> OffloadBudgets | None:
+    """The store's budgets for the units of ``choice`` under ``config`` (None when nothing is
+    offloaded); raises ``ValueError`` before any state exists when an explicit budget is too small."""
+    sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
+                        param_bytes=config.precision.param_bytes)
+    return resolve_offload_budgets(sizes, offload_request(config, world_size), device=device)
+
+
+def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config: SwapperConfig,
+                rank: int) -> tuple[TieredStore, Swapper | None]:
+    """The tiered store (and its swapper when some home is NVME) the engine's offload uses."""
+    swapper = Swapper(budgets.nvme_path, swapper_config, rank=rank) if budgets.nvme_path else None
+    store = TieredStore(device, StoreConfig(device_budget_bytes=budgets.device_budget_bytes,
+                                            host_budget_bytes=budgets.host_budget_bytes),
+                        swapper=swapper)
+    return store, swapper
+
+
+__all__ = ["build_store", "host_needs_of", "least_host_budget_bytes", "offload_request",
+           "resolve_offload", "state_sizes"]

@@ -1,0 +1,697 @@
+"""The parameter manager: the units of one model, their hooks, gather and release, and when their
+gradients are reduced.
+
+This is the only module that touches module hooks and autograd. Stages 0-3 come from one
+mechanism (per-unit flat buffers sharded across ranks):
+
+========  ==========================  ======================  ===============================
+stage     parameters (full buffer)    gradients (fp32 acc)    fp32 master + Adam moments
+========  ==========================  ======================  ===============================
+0         always gathered             all-reduced, full       full, every rank steps all
+1         always gathered             all-reduced, full       this rank's shard, then all-gather
+2         always gathered             reduce-scattered shard  this rank's shard, then all-gather
+3         gathered per unit on use    reduce-scattered shard  this rank's shard; next use gathers
+========  ==========================  ======================  ===============================
+
+Collaborators, each owned here: :class:`~infinity.zero._unit_builder.UnitBuilder` makes the units,
+:class:`~infinity.zero._grad_reducer.GradientReducer` reduces and accumulates their gradients
+([Note: gradient ledger]), :class:`~infinity.zero._prefetcher.ParamPrefetcher` brings offloaded
+shards up ahead of use, :class:`~infinity.zero._outside_use.OutsideUseDetector` watches the first
+forward ([Note: parameters used outside their module]).
+
+[Note: release keeps parameter identity]
+Each parameter is, once and for all at set-up, made a view of its unit's full flat buffer
+(``param.data = full[offset:offset + numel].view(shape)``; ``set_data`` keeps the parameter's own
+version counter). Releasing a unit resizes the buffer's *storage* to 0 bytes; gathering resizes it
+back and fills it. The parameter object, its shape, dtype and ``requires_grad`` never change, so
+optimizers, activation checkpointing, ``param.shape`` and tied weights keep working (DeepSpeed's
+``param.data = empty(0)`` breaks all of these). Tensors autograd saved in forward are views of the
+same storage, so they see the re-gathered bytes in backward. Writing into the flat buffer never
+bumps a parameter's version counter (views made through ``.data`` have their own), so the
+"modified by an inplace operation" check does not fire. A released parameter cannot be read: torch
+raises "out of bounds for storage of size 0".
+
+[Note: backward gather and release]
+Pre-backward: the post-forward hook registers a tensor hook on each output that requires grad; it
+fires when that output's gradient is ready, i.e. before autograd runs the module's own backward
+nodes, and gathers the module's units (held for the backward). Release after backward: when all of
+a unit's trainable gradients arrived (every node that saved a trainable parameter has run), and,
+for units with frozen parameters (LoRA), also when a hook on the module's inputs fired (every node
+between inputs and outputs has run). Whatever is still held at the end of backward is released
+then. Forward gathers are reference counted, so recomputation under non-reentrant activation
+checkpointing (forward hooks firing again inside backward) never frees a held unit, and a module
+called twice gathers again on its second call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from infinity._common import warn_once
+from infinity._transitions import TransitionTable
+from infinity.prefetch import Level
+from infinity.tiers import Tier, TieredStore
+from infinity.zero._collectives import Collectives, Phase, check_env_enabled
+from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
+from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
+from infinity.zero._managed import check_not_wrapped, mark_managed
+from infinity.zero._outside_use import OutsideUseDetector, tensors_in
+from infinity.zero._prefetcher import ParamPrefetcher, PrefetchUnit, disabled_stats, prefetch_config
+from infinity.zero._unit_builder import BuildSettings, InitialValues, UnitBuilder
+from infinity.zero._unit_choice import UnitChoice
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """The settings of one :class:`ParameterManager`, resolved by the engine (no 'auto' left)."""
+
+    stage: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    param_home: Tier = Tier.DEVICE
+    """Home of the shards of units gathered on demand (stage 3): DEVICE keeps them on the device;
+    HOST or NVME puts them in the tiered store (parameter offload)."""
+    optimizer_offloaded: bool = False
+    """The optimizer lives off the device: masters are built in host memory for it, and gradient
+    accumulators live in the store's host arena ([Note: gradient placement])."""
+    prefetch: bool = True
+    """Read the next units' offloaded shards ahead of use (the host budget has room for it)."""
+    prefetch_lookahead_bytes: int | None = None
+    """Bytes of prefetches in flight ahead of compute at most; None: from bandwidth and trace."""
+    max_live_bytes: int | None = None
+    """Gathered unit bytes resident at once at most; None: only the device budget's limit."""
+    max_reuse_distance_bytes: int | None = None
+    """Keep a unit gathered when the trace reuses it within this many bytes of other units;
+    None: the largest unit's gathered bytes."""
+    reduce_dtype: torch.dtype = torch.float32
+    """What gradients cross ranks in (``precision.reduce_dtype``)."""
+    grad_host_dtype: torch.dtype = torch.float32
+    """Dtype of an offloaded optimizer's host gradient accumulators (``ledger.host_grad_dtype_of``)."""
+
+
+class TrainingState(enum.Enum):
+    """Where the manager is in the training loop (which units hold their full buffers on the
+    device in each state is the unit's own :class:`UnitState`).
+
+    IDLE: between steps (before the first forward, after a backward or an evaluation forward):
+        only always-gathered units (and units the prefetcher warmed as shard copies) hold bytes.
+    FORWARD: inside ``forward_scope``: units are gathered around their modules.
+    AWAITING_BACKWARD: a forward with grad enabled ended; its graph holds the units' saved views.
+    BACKWARD: between ``begin_backward`` and ``finish_backward``: units are gathered for their
+        gradients and released once those are reduced.
+    """
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    AWAITING_BACKWARD = "awaiting-backward"
+    BACKWARD = "backward"
+
+
+_I, _F, _A, _B = (TrainingState.IDLE, TrainingState.FORWARD, TrainingState.AWAITING_BACKWARD,
+                  TrainingState.BACKWARD)
+TRAINING_TRANSITIONS = TransitionTable("parameter manager", {
+    (_I, _F): "a forward through the engine starts",
+    (_A, _F): "another forward before the backward (several losses summed into one)",
+    (_F, _A): "a forward with grad enabled ended: a backward is expected",
+    (_F, _I): "a forward without grad ended (evaluation), or a forward raised",
+    (_A, _B): "engine.backward(loss) starts",
+    (_I, _B): "a backward of a forward that called the module directly (hooks only)",
+    (_B, _I): "the backward ended (finish_backward) or raised (abort_backward)",
+})
+"""The manager's allowed :class:`TrainingState` changes, each with why."""
+
+
+class ParamWriteback(enum.Enum):
+    """When a stored parameter shard the optimizer updated goes back to its home tier."""
+
+    EAGER = "eager"
+    """Right after the update (its write overlaps the updates of later keys)."""
+    LAZY = "lazy"
+    """On eviction or a flush (checkpoints, weights): the device holds every stored shard and
+    the optimizer step is deferred ([Note: deferred optimizer step])."""
+
+
+class ParameterManager:
+    """Owns the units of one model: builds them, installs the hooks, gathers and releases them,
+    and hands their gradients to the :class:`GradientReducer` when they are complete."""
+
+    def __init__(self, module: nn.Module, choice: UnitChoice, config: ManagerConfig, *,
+                 collectives: Collectives, store: TieredStore | None = None,
+                 initial_values: InitialValues | None = None,
+                 on_grad_ready: Callable[[str], None] | None = None):
+        """``choice``: the units to build (:func:`~infinity.zero._unit_choice.choose_units`).
+        ``store``: the tiered store when anything is offloaded (parameter shards homed on
+        ``config.param_home``, the host gradient accumulators of an offloaded optimizer).
+        ``initial_values``: see :data:`~infinity.zero._unit_builder.InitialValues`.
+        ``on_grad_ready(key)``: called once a trainable group's gradient of a backward is reduced
+        and accumulated ([Note: optimizer read-ahead] in infinity/optim/_offloaded.py)."""
+        check_not_wrapped(module)
+        self.config = config
+        self.module = module
+        self.stage = config.stage
+        self.coll = collectives
+        self.world_size = collectives.world_size
+        self.rank = collectives.rank
+        self.device = config.device
+        self.compute_dtype = config.compute_dtype
+        self.optimizer_offloaded = config.optimizer_offloaded
+        self.store = store
+        self.state = TrainingState.IDLE
+        """Where the manager is in the training loop (changed only through TRAINING_TRANSITIONS)."""
+        self.param_writeback = ParamWriteback.EAGER
+        """When an updated stored shard goes home; the engine sets it at each optimizer step."""
+        self.micro_step = 0
+        """Backward passes finished; names the step in agreement checks and errors."""
+        self.num_gathers = 0
+        """Unit gathers performed (forward, backward and after-step), for stats()."""
+        self.peak_device_bytes = 0
+        """Largest sum of device_bytes() seen at a gather or a gradient reduction."""
+        self._busy = 0
+        """Nonzero while the manager itself copies into unit buffers (the detector ignores it)."""
+        self._handles: list[Any] = []
+        """Hook handles, removed by remove_hooks()."""
+        self._traced_modes: set[bool] = set()
+        """Grad modes (True/False) whose first forward ran with the outside-use detector."""
+        self._forward_order: dict[int, None] = {}
+        """Unit indices in the order the latest training forward first used them (the order in
+        which a deferred optimizer step updates them, see forward_keys)."""
+        self.param_names = choice.param_names
+        settings = BuildSettings(stage=config.stage, device=config.device,
+                                 compute_dtype=config.compute_dtype, param_home=config.param_home,
+                                 optimizer_offloaded=config.optimizer_offloaded)
+        self.units = UnitBuilder(settings, collectives=collectives, store=store,
+                                 initial_values=initial_values).build(choice)
+        self._slot_of: dict[int, tuple[Unit, FlatGroup, ParamSlot]] = {
+            id(s.param): (u, g, s) for u in self.units for g in u.groups for s in g.slots}
+        self._unit_of_storage: dict[int, Unit] = {
+            g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups}
+        self.reducer = GradientReducer(
+            ReducerConfig(stage=config.stage, device=config.device,
+                          reduce_dtype=config.reduce_dtype, host_dtype=config.grad_host_dtype),
+            collectives=collectives, host_store=store if config.optimizer_offloaded else None,
+            on_ready=on_grad_ready)
+        if config.optimizer_offloaded:
+            self.reducer.register_accumulators(self.trainable_groups())
+        self._install_hooks(choice.hooked)
+        self._fetcher = self._build_fetcher()
+        """Trace-driven prefetch of offloaded parameter shards; None: demand fetches only."""
+        mark_managed(module, [s.param for u in self.units for g in u.groups for s in g.slots])
+        self._note_peak()
+        logger.info("stage %d: %d units over %d ranks: %s", self.stage, len(self.units),
+                    self.world_size, ", ".join(f"{u.name}({sum(g.numel for g in u.groups)})"
+                                               for u in self.units))
+
+    def _to(self, new: TrainingState) -> None:
+        TRAINING_TRANSITIONS.check(f"micro-step {self.micro_step}", self.state, new)
+        self.state = new
+
+    # ------------------------------------------------------------------ shards and partitions
+
+    def trainable_groups(self) -> Iterator[FlatGroup]:
+        for u in self.units:
+            for g in u.groups:
+                if g.requires_grad:
+                    yield g
+
+    def partition_of(self, group: FlatGroup) -> tuple[int, int]:
+        """(first flat element, numel) of the optimizer/parameter partition this rank holds: the
+        rank's shard at stages 1-3, the whole buffer at stage 0."""
+        if self.stage == 0:
+            return 0, group.padded_numel
+        return self.rank * group.shard_numel, group.shard_numel
+
+    def param_partition(self, group: FlatGroup) -> Any:
+        """What the optimizer writes for ``group``: the parameter partition (stage 0: the whole
+        buffer), or, when the store holds the shard, a callable opening it for writing
+        (:meth:`open_param_partition`)."""
+        if group.store_key is None:
+            return group.full if self.stage == 0 else group.shard
+        return lambda overwrite=False: self._open_stored_shard(group, overwrite=overwrite)
+
+    @contextlib.contextmanager
+    def open_param_partition(self, group: FlatGroup, *, overwrite: bool = False
+                             ) -> Iterator[torch.Tensor]:
+        """This rank's parameter partition of ``group`` for writing (checkpoints, weights): the
+        tensor itself, or the stored shard acquired on the device, marked dirty and written back
+        to its home on exit. ``overwrite``: the caller writes every element, so an absent stored
+        copy is not read first."""
+        if group.store_key is None:
+            yield group.full if self.stage == 0 else group.shard
+            return
+        with self._open_stored_shard(group, overwrite=overwrite) as tensor:
+            yield tensor
+
+    @contextlib.contextmanager
+    def _open_stored_shard(self, group: FlatGroup, *, overwrite: bool = False
+                           ) -> Iterator[torch.Tensor]:
+        """The shard on the device for writing. ``overwrite``: the caller writes every element
+        (the optimizer step), so an absent copy is not read first (``store.acquire``)."""
+        key = group.store_key
+        tensor = self.store.acquire(key, Tier.DEVICE, overwrite=overwrite).wait()
+        written = False
+        try:
+            yield tensor
+            self.store.mark_dirty(key, Tier.DEVICE)
+            written = True
+        finally:
+            self.store.release(key, Tier.DEVICE)
+            # Partly written. A copy already dirty (lazy write-back) is the only current one: it
+            # stays, its updated parts matching their masters, and the error path writes nothing.
+            # Any other copy is dropped (not dirty: no write), so its bytes never pass for the shard.
+            if not written and self.store.is_dirty(key) is not Tier.DEVICE:
+                self.store.evict(key, Tier.DEVICE)
+        if self.param_writeback is ParamWriteback.EAGER:
+            self.store.write_back(key)  # async: the updated shard returns to its home
+
+    def read_shard(self, group: FlatGroup) -> torch.Tensor:
+        """A copy-free view (device) or a fresh copy (store) of this rank's parameter shard."""
+        if group.store_key is None:
+            return group.full if self.stage == 0 else group.shard
+        with self._open_stored_shard_read(group) as tensor:
+            return tensor.clone()
+
+    @contextlib.contextmanager
+    def _open_stored_shard_read(self, group: FlatGroup) -> Iterator[torch.Tensor]:
+        tensor = self.store.acquire(group.store_key, Tier.DEVICE).wait()
+        try:
+            yield tensor
+        finally:
+            self.store.release(group.store_key, Tier.DEVICE)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _install_hooks(self, hooked: list[tuple[nn.Module, str, list[int]]]) -> None:
+        for u in self.units:
+            for g in u.groups:
+                if g.requires_grad:
+                    for s in g.slots:
+                        self._handles.append(
+                            s.param.register_post_accumulate_grad_hook(self._on_grad))
+        if self.stage < 3:
+            return
+        for module, _name, indices in hooked:
+            units = [self.units[i] for i in indices if not self.units[i].always_gathered]
+            if not units:
+                continue
+            self._handles.append(module.register_forward_pre_hook(
+                self._make_pre_forward(units), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                self._make_post_forward(units), always_call=True))
+        for module in self.module.modules():
+            if any(p is not None and id(p) in self._slot_of
+                   and not self._slot_of[id(p)][0].always_gathered
+                   for p in module._parameters.values()):
+                self._handles.append(module.register_state_dict_pre_hook(
+                    self._refuse_released_state_dict))
+
+    def _refuse_released_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``module.state_dict()`` between steps would hand out views of released storage (0
+        bytes, [Note: release keeps parameter identity]): whoever reads one crashes the process.
+        Raise instead, naming what to call. ``keep_vars=True`` returns the Parameter objects
+        themselves (the engine's own key lookups) and is allowed."""
+        if keep_vars:
+            return
+        for name, p in module._parameters.items():
+            entry = self._slot_of.get(id(p)) if p is not None else None
+            if entry is not None and entry[0].state is UnitState.RELEASED:
+                raise RuntimeError(
+                    f"state_dict(): parameter {prefix}{name} belongs to unit {entry[0].name!r}, "
+                    f"which stage 3 keeps sharded across ranks (released here); its values are "
+                    f"not in the module. Call engine.full_state_dict() on every rank for the full "
+                    f"values, or engine.save_checkpoint(dir) and `infinity consolidate`")
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _make_pre_forward(self, units: list[Unit]):
+        def pre_forward(module, args, kwargs):
+            for u in units:
+                if torch.is_grad_enabled():
+                    self._forward_order.setdefault(u.index)
+                u.refcount += 1
+                self._fetch_before_compute(u)
+            if torch.is_grad_enabled() and any(u.has_frozen for u in units):
+                for t in tensors_in((args, kwargs)):
+                    if t.requires_grad:
+                        t.register_hook(lambda grad: self._post_backward(units))
+            return None
+        return pre_forward
+
+    def _make_post_forward(self, units: list[Unit]):
+        def post_forward(module, args, output):
+            for u in units:
+                u.refcount -= 1
+                self._maybe_release(u)
+                self._after_compute(u)
+            if torch.is_grad_enabled():
+                for t in tensors_in(output):
+                    if t.requires_grad:
+                        t.register_hook(lambda grad: self._pre_backward(units))
+            return None
+        return post_forward
+
+    def _pre_backward(self, units: list[Unit]) -> None:
+        for u in units:
+            if not u.backward_hold:
+                u.backward_hold = True
+                self._fetch_before_compute(u)
+
+    def _post_backward(self, units: list[Unit]) -> None:
+        for u in units:
+            u.input_grads_done = True
+            self._maybe_drop_hold(u)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: stage the gradient ([Note: gradient ledger]); reduce the
+        unit once every trainable parameter of it has one."""
+        unit, group, slot = self._slot_of[id(param)]
+        if param.grad is None:
+            return
+        self.reducer.stage(group, slot, param.grad)
+        param.grad = None
+        unit.grads_seen.add(id(param))
+        if len(unit.grads_seen) == unit.num_trainable:
+            self._reduce(unit, Phase.REDUCE_GRAD)
+            unit.grads_seen = {id(s.param) for g in unit.groups if g.requires_grad
+                               for s in g.slots}  # stays "complete" until the backward ends
+            self._maybe_drop_hold(unit)
+
+    # ------------------------------------------------------------------ gather / release
+
+    def _check_now(self) -> bool:
+        return self.world_size > 1 and (self.micro_step == 0 or check_env_enabled())
+
+    def _gather_phase(self) -> Phase:
+        return Phase.BACKWARD_GATHER if self.state is TrainingState.BACKWARD else \
+            Phase.FORWARD_GATHER
+
+    def _gather(self, unit: Unit, phase: Phase) -> None:
+        if self._check_now():
+            self.coll.check_agreement(step=self.micro_step, phase=phase, unit_index=unit.index,
+                                      unit_name=unit.name, device=self.device)
+        self._busy += 1  # our own copies must not look like outside uses to the detector
+        try:
+            with torch.profiler.record_function(f"infinity::gather ({unit.name})"):
+                for g in unit.groups:
+                    g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
+                    context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
+                               f"(micro-step {self.micro_step})")
+                    if g.store_key is None:
+                        self.coll.all_gather(g.full, g.shard, context=context)
+                    else:
+                        with self._open_stored_shard_read(g) as shard:
+                            self.coll.all_gather(g.full, shard, context=context)
+        finally:
+            self._busy -= 1
+        if unit.state is UnitState.RELEASED:
+            unit.transition(UnitState.GATHERED)
+        self.num_gathers += 1
+        self._note_peak()
+
+    def _release(self, unit: Unit) -> None:
+        # [Note: release keeps parameter identity]
+        for g in unit.groups:
+            g.full.untyped_storage().resize_(0)
+        unit.transition(UnitState.RELEASED)
+        if self._fetcher is not None:
+            self._fetcher.on_release(unit.index)
+
+    def _build_fetcher(self) -> ParamPrefetcher | None:
+        """Parameter offload: the trace-driven prefetcher over the store's parameter shards
+        (:mod:`._prefetcher`). It records each step's units, then reads the next units' shards
+        from NVMe and copies them to the device ahead of use, within in-flight bounds shared with
+        demand fetches; the store evicts by the trace's next use."""
+        config = self.config
+        if config.param_home is Tier.DEVICE or not config.prefetch:
+            return None
+        item = self.compute_dtype.itemsize
+        home = Level[config.param_home.name]
+        units = [PrefetchUnit(unit=u.index, keys=tuple(g.store_key for g in u.groups),
+                              shard_bytes=sum(g.shard_numel for g in u.groups) * item,
+                              gathered_bytes=sum(g.padded_numel for g in u.groups) * item, home=home)
+                 for u in self.units
+                 if not u.always_gathered and all(g.store_key is not None for g in u.groups)]
+        if not units:
+            return None
+        budgets = self.store.config
+        prefetch = prefetch_config(
+            host_budget_bytes=budgets.host_budget_bytes,
+            device_budget_bytes=budgets.device_budget_bytes,
+            largest_shard_bytes=max(u.shard_bytes for u in units),
+            largest_gathered_bytes=max(u.gathered_bytes for u in units),
+            world_size=self.world_size, lookahead_bytes=config.prefetch_lookahead_bytes,
+            max_reuse_distance_bytes=config.max_reuse_distance_bytes)
+        return ParamPrefetcher(self.store, units, config=prefetch,
+                               gather=lambda i: self._gather(self.units[i], self._gather_phase()),
+                               is_gathered=lambda i: self.units[i].state is UnitState.GATHERED,
+                               gathered_budget_bytes=config.max_live_bytes)
+
+    def _fetch_before_compute(self, unit: Unit) -> None:
+        """Gather ``unit`` before its compute: through the prefetcher for offloaded parameters
+        (a prefetched unit is ready), else on demand."""
+        if self._fetcher is not None and not unit.always_gathered:
+            self._fetcher.before_compute(unit.index)
+        if unit.state is UnitState.RELEASED:
+            self._gather(unit, self._gather_phase())
+
+    def _after_compute(self, unit: Unit) -> None:
+        if self._fetcher is not None and not unit.always_gathered:
+            self._fetcher.after_compute(unit.index)
+
+    def _maybe_release(self, unit: Unit) -> None:
+        if (unit.state is UnitState.GATHERED and not unit.always_gathered and unit.refcount == 0
+                and not unit.backward_hold):
+            if self._fetcher is not None and self._fetcher.should_keep(unit.index):
+                return  # the trace says it is used again soon (released at the step's end at last)
+            self._release(unit)
+
+    def _maybe_drop_hold(self, unit: Unit) -> None:
+        """Release after backward once nothing of the unit's backward can still read it: every
+        trainable gradient arrived (autograd has run every node that saved a trainable parameter),
+        and, for units with frozen parameters, the hook on the module's inputs fired."""
+        grads_done = unit.num_trainable == 0 or (
+            len(unit.grads_seen) == unit.num_trainable)
+        if unit.backward_hold and grads_done and (not unit.has_frozen or unit.input_grads_done):
+            unit.backward_hold = False
+            self._maybe_release(unit)
+            self._after_compute(unit)
+
+    def _reduce(self, unit: Unit, phase: Phase) -> None:
+        if self._check_now():
+            self.coll.check_agreement(step=self.micro_step, phase=phase, unit_index=unit.index,
+                                      unit_name=unit.name, device=self.device)
+        context = f"{phase.value} of unit {unit.index} {unit.name!r} (micro-step {self.micro_step})"
+        with torch.profiler.record_function(f"infinity::reduce ({unit.name})"):
+            self.reducer.reduce(unit.groups, context=context)
+        self._note_peak()
+
+    # ------------------------------------------------------------------ the training loop
+
+    @contextlib.contextmanager
+    def forward_scope(self) -> Iterator[None]:
+        """Wraps one ``engine(...)`` call: the first forward per grad mode runs the outside-use
+        detector; an exception leaves no unit acquired."""
+        mode = torch.is_grad_enabled()
+        trace = self.stage == 3 and mode not in self._traced_modes and any(
+            not u.always_gathered for u in self.units)
+        self._to(TrainingState.FORWARD)
+        if mode:
+            self._forward_order = {}
+        if self._fetcher is not None:
+            # Separate traces per phase: an evaluation forward must not replace the training trace.
+            self.end_prefetch_step()
+            self._fetcher.begin_step(("train" if self.module.training else "eval-grad") if mode
+                                     else "eval")
+        try:
+            if trace:
+                with OutsideUseDetector(self._check_outside_use):
+                    yield
+                self._traced_modes.add(mode)
+            else:
+                yield
+        except Exception:
+            for unit in self.units:
+                unit.refcount = 0
+                self._maybe_release(unit)
+            self._to(TrainingState.IDLE)
+            raise
+        finally:
+            if not mode:
+                self.end_prefetch_step()  # no backward follows: the step ends with the forward
+                if self._fetcher is not None:
+                    self._fetcher.warm_next_step()
+        self._to(TrainingState.AWAITING_BACKWARD if mode else TrainingState.IDLE)
+
+    def begin_backward(self) -> None:
+        """``engine.backward(loss)`` is about to run autograd: gathers now are backward gathers."""
+        self._to(TrainingState.BACKWARD)
+
+    def finish_backward(self) -> None:
+        """End of one backward: reduce units whose gradients are incomplete (unused parameters),
+        in unit order, on every rank that has any; drop backward holds; release."""
+        flags = [int(any(g.grad_staging is not None for g in u.groups)) for u in self.units]
+        if self.world_size > 1:
+            pending = torch.tensor(flags, dtype=torch.int32, device=self.device)
+            self.coll.all_reduce_max(pending,
+                                     context=f"end of backward (micro-step {self.micro_step})")
+            flags = pending.tolist()
+        for unit, flag in zip(self.units, flags):
+            if flag:
+                self._reduce(unit, Phase.FLUSH)
+        self._drop_holds()
+        self.micro_step += 1
+        self._to(TrainingState.IDLE)
+
+    def abort_backward(self) -> None:
+        """The backward raised: drop its holds and its partial gradients (nothing was reduced for
+        the units that had not completed), so the next forward starts clean."""
+        for g in self.trainable_groups():
+            g.grad_staging = None
+        self._drop_holds()
+        self._to(TrainingState.IDLE)
+
+    def _drop_holds(self) -> None:
+        for unit in self.units:
+            unit.grads_seen = set()
+            unit.backward_hold = False
+            unit.input_grads_done = False
+            unit.refcount = 0
+            self._maybe_release(unit)
+
+    def after_step(self) -> None:
+        """The optimizer wrote new parameter partitions: refresh every always-gathered unit
+        (stages 1-3; stage 0 stepped the full buffer in place) and drop the gradients."""
+        self.zero_grads()
+        if self.stage == 0:
+            return
+        for unit in self.units:
+            if unit.always_gathered:
+                self._gather(unit, Phase.STEP_GATHER)
+        if self._fetcher is not None:
+            self._fetcher.warm_next_step()  # the shards are final: the next step's first units
+
+    def grad_partitions(self) -> dict[str, torch.Tensor]:
+        """Gradient per trainable group over the optimizer's partition; absent when zero."""
+        return self.reducer.partitions(self.trainable_groups())
+
+    def zero_grads(self) -> None:
+        self.reducer.zero(self.trainable_groups())
+
+    def set_param_writeback(self, mode: ParamWriteback) -> None:
+        """When updated stored shards go home from now on (the engine decides at each step)."""
+        self.param_writeback = mode
+
+    def forward_keys(self) -> list[str]:
+        """Trainable group keys in the order the latest training forward first used their units,
+        then the others in unit order: the order the next forward reads the parameter shards."""
+        by_index = {u.index: u for u in self.units}
+        order = [i for i in self._forward_order if i in by_index]
+        order += [u.index for u in self.units if u.index not in self._forward_order]
+        return [g.key for i in order for g in by_index[i].groups if g.requires_grad]
+
+    def end_prefetch_step(self) -> None:
+        """End of a step (after finish_backward, after a no-grad forward, before a new forward):
+        commit the prefetcher's trace and release every unit still gathered on demand
+        ([Note: stale gathered units] in infinity/zero/_prefetcher.py)."""
+        if self._fetcher is None or not self._fetcher.in_step:
+            return
+        self._fetcher.end_step()
+        for unit in self.units:
+            if unit.refcount == 0 and not unit.backward_hold:
+                self._maybe_release(unit)  # between steps should_keep() is False
+
+    def prefetch_stats(self) -> dict[str, Any]:
+        """Counters of the trace-driven prefetcher (keys in ParamPrefetcher.stats)."""
+        return self._fetcher.stats() if self._fetcher is not None else disabled_stats()
+
+    # ------------------------------------------------------------------ outside uses
+
+    def _check_outside_use(self, tensor: torch.Tensor, func_name: str) -> None:
+        if self._busy:
+            return
+        try:
+            unit = self._unit_of_storage.get(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+            return
+        if unit is None or unit.state is not UnitState.RELEASED:
+            return
+        self.promote_always_gathered(unit, f"{func_name} used a parameter of unit {unit.index} "
+                                           f"{unit.name!r} outside the modules that hold it")
+
+    def promote_always_gathered(self, unit: Unit, why: str) -> None:
+        """Keep ``unit`` gathered from now on (its shard stays the optimizer's partition)."""
+        warn_once(f"outside-use:{unit.name}",
+                  f"{why}; that unit stays gathered from now on (costs its full size in device "
+                  f"memory). Make the module that uses it hold it, or tie it, to avoid this")
+        unit.always_gathered = True
+        self._gather(unit, Phase.FORWARD_GATHER)
+
+    # ------------------------------------------------------------------ state dict and bytes
+
+    def full_flat(self, group: FlatGroup, master: torch.Tensor | None = None) -> torch.Tensor:
+        """The group's values over all ranks: ``master`` (this rank's fp32 partition) where given,
+        else the parameters (collective)."""
+        src = master if master is not None else self.read_shard(group)
+        src = src.to(self.device)
+        if self.stage == 0 or src.numel() == group.padded_numel:
+            return src.float().clone()
+        out = torch.empty(group.padded_numel, dtype=src.dtype, device=self.device)
+        self.coll.all_gather(out, src, context=f"state-dict gather of {group.key}")
+        return out.float()
+
+    def full_state_dict(self, master_of: Any = None) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` keys; parameters from ``master_of(group key)`` (fp32 masters)
+        where it returns a tensor, else from the parameter shards. Collective; on every rank."""
+        values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            for g in unit.groups:
+                master = master_of(g.key) if (master_of is not None and g.requires_grad) else None
+                flat = self.full_flat(g, master)
+                for s in g.slots:
+                    values[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape)
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if id(value) in values:
+                out[key] = values[id(value)]
+            else:
+                out[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        return out
+
+    def _held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for u in self.units:
+            for g in u.groups:
+                yield "param", g.full
+                if g.shard is not None:
+                    yield "param", g.shard
+                if g.master is not None and not self.optimizer_offloaded:  # else host-side
+                    yield "master", g.master
+                if g.grad_staging is not None and g.grad_staging is not g.grad_host:
+                    yield "grad", g.grad_staging
+                if g.grad_acc is not None and g.grad_acc is not g.grad_host:
+                    yield "grad", g.grad_acc
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes held now, by kind, counting each storage once (views share their base's)."""
+        seen: set[int] = set()
+        out = {"param": 0, "master": 0, "grad": 0}
+        for kind, t in self._held_tensors():
+            storage = t.untyped_storage()
+            if storage._cdata in seen:
+                continue
+            seen.add(storage._cdata)
+            out[kind] += storage.nbytes()
+        return out
+
+    def _note_peak(self) -> None:
+        self.peak_device_bytes = max(self.peak_device_bytes, sum(self.device_bytes().values()))

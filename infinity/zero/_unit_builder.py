@@ -1,0 +1,126 @@
+"""Building the parameter manager's units: each chosen unit's parameters laid out in flat buffers
+(one per ``requires_grad``), made views of them, broadcast from rank 0, sharded, and, with
+offload, registered in the tiered store; fp32 masters built where the optimizer will take them.
+
+A model built under ``infinity.init`` has no values yet: each parameter's values are computed on
+demand (``initial_values``), one at a time, straight into its unit's buffer, so peak host memory
+stays near one unit plus the rank's shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from infinity.tiers import Tier, TieredStore
+from infinity.zero._collectives import Collectives
+from infinity.zero._flat_group import FlatGroup, Unit, UnitState, layout_group
+from infinity.zero._unit_choice import ChosenUnit, UnitChoice
+
+InitialValues = Callable[[torch.Tensor], "torch.Tensor | None"]
+"""``initial_values(param)``: the values of a parameter whose storage holds none yet (built under
+``infinity.init``), or None to read the parameter itself."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BuildSettings:
+    """What the builder needs to know of the engine (resolved once by it)."""
+
+    stage: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    param_home: Tier
+    """Home of the shards of units gathered on demand: DEVICE (kept on the device), HOST, NVME."""
+    optimizer_offloaded: bool
+    """fp32 masters are built in host memory for an off-device optimizer to take."""
+
+
+def check_units(choice: UnitChoice) -> None:
+    """Raise before the first parameter is touched: only real floating-point parameters can be
+    managed."""
+    for unit in choice.units:
+        for name, p in unit.params:
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {name!r} has dtype {p.dtype}: only floating-point "
+                                 f"parameters can be managed; register it as a buffer instead")
+            if p.is_meta:
+                raise ValueError(f"parameter {name!r} is on the meta device (no values); "
+                                 f"materialise the model first (to_empty() and initialise)")
+
+
+class UnitBuilder:
+    """Builds the :class:`Unit` records of one model (see the module docstring)."""
+
+    def __init__(self, settings: BuildSettings, *, collectives: Collectives,
+                 store: TieredStore | None, initial_values: InitialValues | None):
+        self.settings = settings
+        self.coll = collectives
+        self.store = store
+        """Holds the parameter shards when ``settings.param_home`` is not DEVICE."""
+        self._initial_values = initial_values
+
+    def build(self, choice: UnitChoice) -> list[Unit]:
+        check_units(choice)
+        return [self._build_unit(chosen) for chosen in choice.units]
+
+    def _build_unit(self, chosen: ChosenUnit) -> Unit:
+        s = self.settings
+        always = s.stage < 3 or chosen.persistent
+        by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        for name, p in chosen.params:
+            by_kind.setdefault((s.compute_dtype, p.requires_grad), []).append((name, p))
+        groups = [self._build_group(chosen, dtype, rg, params, always)
+                  for (dtype, rg), params in by_kind.items()]
+        unit = Unit(index=chosen.index, name=chosen.name, groups=groups, always_gathered=always,
+                    num_trainable=sum(len(g.slots) for g in groups if g.requires_grad),
+                    has_frozen=any(not g.requires_grad for g in groups))
+        if not always:  # [Note: release keeps parameter identity]
+            for g in unit.groups:
+                g.full.untyped_storage().resize_(0)
+            unit.transition(UnitState.RELEASED)
+        return unit
+
+    def _build_group(self, chosen: ChosenUnit, dtype: torch.dtype, requires_grad: bool,
+                     params: list[tuple[str, nn.Parameter]], always: bool) -> FlatGroup:
+        s = self.settings
+        world, rank = self.coll.world_size, self.coll.rank
+        slots, numel, padded = layout_group(params, world)
+        shard_numel = padded // world
+        key = (f"u{chosen.index}.{str(dtype).removeprefix('torch.')}."
+               f"{'train' if requires_grad else 'frozen'}")
+        init = torch.zeros(padded, dtype=torch.float32, device=s.device)
+        with torch.no_grad():
+            for slot in slots:
+                values = self._initial_values(slot.param) if self._initial_values else None
+                init[slot.offset:slot.offset + slot.numel].copy_(
+                    (slot.param.detach() if values is None else values).reshape(-1))
+        self.coll.broadcast(init, src=0, context=f"initial broadcast of {key}")
+        full = init if dtype == torch.float32 else init.to(dtype)
+        for slot in slots:  # [Note: release keeps parameter identity]
+            slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        lo, hi = rank * shard_numel, (rank + 1) * shard_numel
+        shard = full[lo:hi] if always else full[lo:hi].clone()
+        part = full if s.stage == 0 else shard  # the optimizer's partition of the parameters
+        master = None
+        if requires_grad:
+            if dtype == torch.float32:
+                master = part
+            elif s.optimizer_offloaded:  # the optimizer copies it into its tier at once
+                master = (init if s.stage == 0 else init[lo:hi]).to("cpu", copy=True)
+            else:
+                master = (init if s.stage == 0 else init[lo:hi]).clone()
+        group = FlatGroup(key=key, slots=slots, numel=numel, padded_numel=padded,
+                          shard_numel=shard_numel, requires_grad=requires_grad, full=full,
+                          shard=shard, master=master)
+        if s.param_home is not Tier.DEVICE and not always:
+            group.store_key = f"param/{key}"
+            initial = shard.cpu()
+            self.store.register(group.store_key, shard_numel, dtype, s.param_home,
+                                initial=initial)
+            group.shard = None
+            if master is part:  # fp32: the master starts as a copy, the shard lives in the store
+                group.master = initial if s.optimizer_offloaded else shard
+        return group

@@ -1,0 +1,297 @@
+"""``infinity bench io|adam|step|all`` through ``infinity.cli.main``: one output style.
+
+Tiny sizes, in process; no speed is asserted, only the record's shape, the formulas that tie its
+columns together, where files land, and that stdout stays one JSON document (progress on stderr).
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as dt
+import importlib.util
+import json
+import statistics
+import types
+
+import pytest
+import torch
+
+from infinity.bench import adam as bench_adam
+from infinity.bench import io as bench_io
+from infinity.bench import step as bench_step
+from infinity.bench.report import Report
+from infinity.cli import main
+
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RECORD_KEYS = {"benchmark", "title", "environment", "params", "rows", "notes"}
+ENV_KEYS = {"date", "command", "python", "platform", "cpu_count", "memory_bytes", "torch", "infinity"}
+INSTALL_HINT = "pip install 'infinity[plot]'"
+
+
+def adam_argv(*extra: str) -> list[str]:
+    return ["bench", "adam", "--numel", "4096", "--repeats", "1", "--threads", "1",
+            "--no-deepspeed", *extra]
+
+
+def io_argv(tmp_path, *extra: str) -> list[str]:
+    return ["bench", "io", "--dir", str(tmp_path / "io"), "--size-bytes", str(2 * 2**20 + 4096),
+            "--repeats", "1", "--no-fio", "--no-deepspeed", *extra]
+
+
+def step_argv(tmp_path, *extra: str) -> list[str]:
+    return ["bench", "step", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2",
+            "--warmup", "0", "--modes", "plain", "--dir", str(tmp_path / "step"), *extra]
+
+
+def check_record(record: dict, name: str) -> None:
+    assert RECORD_KEYS <= record.keys()
+    assert record["benchmark"] == name
+    env = record["environment"]
+    assert ENV_KEYS <= env.keys()
+    assert env["torch"] == torch.__version__
+    assert isinstance(env["command"], str) and env["command"]
+    date = dt.datetime.fromisoformat(env["date"])
+    assert date.utcoffset() == dt.timedelta(0)
+    assert abs(dt.datetime.now(dt.timezone.utc) - date) < dt.timedelta(hours=1)
+    assert record["rows"]
+
+
+def parse_single_json(out: str) -> dict:
+    return json.loads(out)  # raises if anything but one JSON document reached stdout
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+
+
+def test_adam_json_record_columns_and_saved_file(tmp_path, capsys):
+    results = tmp_path / "results"
+    assert main(adam_argv("--json", "--results-dir", str(results))) == 0
+    out, err = capsys.readouterr()
+    record = parse_single_json(out)
+    check_record(record, "adam")
+    assert "bench adam:" in err  # the progress bar, on stderr only
+    assert record["params"]["numel"] == 4096
+    assert {"ratios", "deepspeed"} <= record.keys()
+    variants = {r["variant"] for r in record["rows"]}
+    assert {bench_adam.PROBE_VARIANT, "torch AdamW fused", "ours fp32", "ours bf16 states"} <= variants
+    for row in record["rows"]:
+        # the columns are one measurement seen three ways: time, updates/s, bytes/s
+        assert row["Gupdates/s"] * 1e9 * row["time_ms"] * 1e-3 == pytest.approx(4096, rel=1e-9)
+        assert row["GB/s"] == pytest.approx(row["Gupdates/s"] * row["bytes/param"], rel=1e-9)
+    saved = list(results.glob("adam-*.json"))
+    assert len(saved) == 1
+    on_disk = json.loads(saved[0].read_text())
+    check_record(on_disk, "adam")
+    assert on_disk["rows"] == record["rows"] and on_disk["params"] == record["params"]
+
+
+def test_adam_table_and_no_save(tmp_path, capsys):
+    results = tmp_path / "results"
+    assert main(adam_argv("--no-save", "--results-dir", str(results))) == 0
+    out, _ = capsys.readouterr()
+    assert "CPU Adam, 4096 params" in out and "Gupdates/s" in out and "ours fp32" in out
+    assert "saved" not in out
+    assert not results.exists()
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib not installed (pip install 'infinity[plot]')")
+def test_adam_plot_writes_png(tmp_path, capsys):
+    png = tmp_path / "pics" / "adam.png"
+    assert main(adam_argv("--json", "--no-save", "--plot", str(png))) == 0
+    out, err = capsys.readouterr()
+    record = parse_single_json(out)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert record["plot"] == str(png)
+    assert str(png) in err
+
+
+def test_adam_plot_without_matplotlib_says_how(tmp_path, capsys, no_matplotlib):
+    png = tmp_path / "adam.png"
+    assert main(adam_argv("--json", "--no-save", "--plot", str(png))) == 0  # exit code unchanged
+    out, err = capsys.readouterr()
+    record = parse_single_json(out)
+    assert record["plot"] is None and record["rows"]
+    assert not png.exists()
+    hint_lines = [line for line in err.splitlines() if INSTALL_HINT in line]
+    assert len(hint_lines) == 1 and str(png) in hint_lines[0]
+
+
+def _check_plot(record, png, err) -> None:
+    """--plot wrote a PNG (matplotlib installed) or nothing and the install hint (not)."""
+    if HAVE_MPL:
+        assert png.read_bytes()[:8] == PNG_MAGIC and record["plot"] == str(png)
+    else:
+        assert not png.exists() and record["plot"] is None and INSTALL_HINT in err
+
+
+def test_io_json_sweep_plot_and_saved_file(tmp_path, capsys):
+    results, png = tmp_path / "results", tmp_path / "io.png"
+    assert main(io_argv(tmp_path, "--json", "--results-dir", str(results), "--plot", str(png))) == 0
+    out, err = capsys.readouterr()
+    record = parse_single_json(out)
+    check_record(record, "io")
+    assert "bench io:" in err and "bench io sweep:" in err
+    assert [r["engine"] for r in record["rows"]] == ["infinity swapper", "raw direct I/O probe"]
+    grid = {(r["block_size_bytes"], r["queue_depth"]) for r in record["sweep"]}
+    assert grid == {(b, q) for b in bench_io.SWEEP_BLOCK_BYTES for q in bench_io.SWEEP_QUEUE_DEPTHS}
+    assert all(r["write_GBps"] > 0 and r["read_GBps"] > 0 for r in record["sweep"])
+    _check_plot(record, png, err)
+    assert len(list(results.glob("io-*.json"))) == 1
+
+
+def test_step_json_timeline_plot(tmp_path, capsys):
+    results, png = tmp_path / "results", tmp_path / "step.png"
+    assert main(step_argv(tmp_path, "--json", "--results-dir", str(results), "--plot", str(png))) == 0
+    out, err = capsys.readouterr()
+    record = parse_single_json(out)
+    check_record(record, "step")
+    assert "bench step:" in err
+    (row,), (raw,) = record["rows"], record["raw"]
+    assert row["mode"] == "plain" and row["x_plain"] == 1.0
+    assert len(raw["step_times_s"]) == 2
+    assert row["step_s"] == pytest.approx(statistics.median(raw["step_times_s"]))
+    _check_plot(record, png, err)
+    assert len(list(results.glob("step-*.json"))) == 1
+
+
+def test_every_plot_without_matplotlib_returns_the_hint(tmp_path, no_matplotlib):
+    io_rows = [{"block_size_bytes": 2**20, "queue_depth": 2, "write_GBps": 1.0, "read_GBps": 1.0}]
+    adam_rows = [{"variant": bench_adam.PROBE_VARIANT, "Gupdates/s": 1.0, "GB/s": 8.0}]
+    steps = [{"mode": "plain", "step_times_s": [0.1, 0.1], "stall_fraction": 0.0}]
+    outcomes = [bench_io._plot_sweep(io_rows, str(tmp_path / "a.png")),
+                bench_adam._plot(adam_rows, str(tmp_path / "b.png"), title="t"),
+                bench_step._plot(steps, str(tmp_path / "c.png"))]
+    for written, message in outcomes:
+        assert not written and INSTALL_HINT in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quick_args_are_small_and_parse():
+    import argparse
+
+    sizes = {}
+    for module in (bench_io, bench_adam, bench_step):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        sizes[module.__name__] = parser.parse_args(list(module.QUICK_ARGS))
+    assert sizes["infinity.bench.io"].size_bytes == 256 * 2**20
+    assert sizes["infinity.bench.adam"].numel == 2**22
+    quick_step = sizes["infinity.bench.step"]
+    assert (quick_step.model, quick_step.steps, quick_step.modes) == ("tiny", 3, "plain,stage3")
+    assert all(a.no_deepspeed for k, a in sizes.items() if not k.endswith("step"))
+
+
+def test_all_quick_json_forwards_shared_options(tmp_path, monkeypatch, capsys):
+    # the real benches, each shrunk further than --quick so this stays a few seconds
+    monkeypatch.setattr(bench_io, "QUICK_ARGS", tuple(io_argv(tmp_path)[2:]))
+    monkeypatch.setattr(bench_adam, "QUICK_ARGS", tuple(adam_argv()[2:]))
+    monkeypatch.setattr(bench_step, "QUICK_ARGS", tuple(step_argv(tmp_path)[2:]))
+    results = tmp_path / "results"
+    assert main(["bench", "all", "--quick", "--json", "--results-dir", str(results)]) == 0
+    out, err = capsys.readouterr()
+    doc = parse_single_json(out)
+    assert doc["benchmark"] == "all" and doc["returncode"] == 0
+    assert set(doc["results"]) == {"io", "adam", "step"}
+    for name, record in doc["results"].items():
+        check_record(record, name)
+        assert len(list(results.glob(f"{name}-*.json"))) == 1
+    assert doc["results"]["adam"]["params"]["numel"] == 4096  # QUICK_ARGS reached the bench
+    assert "bench adam:" in err
+
+
+def _fake_bench(name: str, seen: list, fail: bool = False) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.QUICK_ARGS = ("--size", "1")
+
+    def add_arguments(parser):
+        parser.add_argument("--size", type=int, default=100)
+        parser.add_argument("--json", action="store_true")
+        parser.add_argument("--results-dir", default="unused-default")
+        parser.add_argument("--no-save", action="store_true")
+
+    def run(args):
+        seen.append((name, vars(args)))
+        if fail:
+            raise RuntimeError(f"{name} could not run")
+        Report(name=name, title=name, rows=[{"size": args.size}]).emit(
+            as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
+        return 0
+
+    module.add_arguments, module.run = add_arguments, run
+    return module
+
+
+def test_all_no_save_isolates_a_failing_bench(tmp_path, monkeypatch, capsys):
+    seen: list = []
+    monkeypatch.setattr("infinity.cli._main.BENCHES",
+                        {"broken": (_fake_bench("fake_broken", seen, True), "x"),
+                         "ok": (_fake_bench("fake_ok", seen, False), "y")})
+    results = tmp_path / "results"
+    rc = main(["bench", "all", "--json", "--no-save", "--results-dir", str(results)])
+    out, err = capsys.readouterr()
+    assert rc == 2  # the worst exit code, and the next bench still ran
+    doc = parse_single_json(out)
+    assert "could not run" in doc["results"]["broken"]["error"] and "could not run" in err
+    assert doc["results"]["ok"]["rows"] == [{"size": 100}]  # defaults without --quick
+    assert [args for _, args in seen] == [{"size": 100, "json": True, "results_dir": str(results),
+                                           "no_save": True}] * 2
+    assert not results.exists()
+
+
+def test_step_params_modes_ratio_and_same_training(tmp_path, capsys):
+    # Issue #5's pair: parameters on NVMe against the same configuration with them in memory.
+    argv = step_argv(tmp_path, "--json", "--no-save")
+    argv[argv.index("--model") + 1] = "small"  # tiny has no unit large enough to offload
+    argv[argv.index("--modes") + 1] = "stage3-mem-params,stage3-nvme-params"
+    argv[argv.index("--steps") + 1] = "1"
+    assert main(argv) == 0
+    record = parse_single_json(capsys.readouterr()[0])
+    ref, nvme = record["rows"]
+    raw = {r["mode"]: r for r in record["raw"]}
+    assert (ref["mode"], nvme["mode"]) == ("stage3-mem-params", "stage3-nvme-params")
+    # the same math on the same batches: parameters homed on NVMe train exactly like in memory
+    assert nvme["final_loss"] == ref["final_loss"]
+    assert ref["x_params_in_memory"] == 1.0
+    assert nvme["x_params_in_memory"] == pytest.approx(nvme["step_s"] / ref["step_s"], rel=1e-12)
+    assert nvme["compute_s"] == pytest.approx(raw["stage3-mem-params"]["fwd_bwd_s"], rel=1e-12)
+    timed = raw["stage3-nvme-params"]["prefetch_timed"]
+    # every parameter shard lives in a swap file: bf16 bytes of the offloaded (non-persistent) units
+    assert 0 < timed["param_nvme_bytes"] <= 2 * raw["stage3-nvme-params"]["num_params"]
+    assert nvme["param_read_s"] == pytest.approx(timed["param_nvme_bytes"] / timed["read_bytes_per_s"])
+    assert nvme["read_lt_compute"] == (nvme["param_read_s"] < nvme["compute_s"])
+    assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())
+
+
+def test_bench_step_x_plain_pairs_rounds():
+    """With --rounds, x_plain is the median of per-round ratios (each round's slowness hits both
+    modes), not the ratio of each mode's own median round."""
+    from infinity.bench.step import _paired_x
+
+    per_mode = {"plain": [{"step_s": 2.0}, {"step_s": 4.0}, {"step_s": 3.0}],
+                "stage3": [{"step_s": 3.0}, {"step_s": 4.0}, {"step_s": 3.3}],
+                "broken": [{"error": "x"}, {"step_s": 1.0}, {"error": "y"}]}
+    assert _paired_x(per_mode, "stage3", "plain") == pytest.approx(1.1)  # of 1.5, 1.0, 1.1
+    assert _paired_x(per_mode, "broken", "plain") is None  # one pair: no median to take
+    assert _paired_x({"stage3": per_mode["stage3"]}, "stage3", "plain") is None
+
+
+def test_adam_across_processes_reports_the_median_ratio(capsys):
+    """--processes N: each figure is measured in N fresh processes; every target ratio is the
+    median of the N per-process ratios, which the record keeps."""
+    assert main(adam_argv("--json", "--no-save", "--processes", "3")) == 0
+    out, _err = capsys.readouterr()
+    record = parse_single_json(out)
+    per = record["ratios_per_process"]
+    assert len(per) == 3 and record["params"]["processes"] == 3
+    for key, value in record["ratios"].items():
+        assert value == statistics.median(p[key] for p in per), key

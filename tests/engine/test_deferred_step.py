@@ -1,0 +1,176 @@
+"""The deferred NVMe optimizer step ([Note: deferred optimizer step] in
+infinity/optim/_offloaded.py): ``engine.step()`` leaves the updates of units whose parameter shard
+the store holds to the next forward, each run just before that shard is read. Reads are slow
+(every NVMe block sleeps) so that a read of a shard before its update shows up as a wrong number;
+the reference is the same engine with the step run in place, and plain PyTorch + AdamW."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import infinity
+from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
+                                   mark_backward, reference_train, tiny_gpt)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+STEPS = 4
+
+
+def _engine(tmp_path, name: str, *, defer: bool, gas: int = 1, host: int = 120_000):
+    path = str(tmp_path / name)
+    engine = infinity.initialize(tiny_gpt(), engine_config(
+        stage=3, dtype="bf16", gas=gas, clip=0.05,
+        offload_optimizer={"device": "nvme", "nvme_path": path},
+        offload_param={"device": "nvme", "nvme_path": path},
+        memory={"host_budget_bytes": host}, zero={"sub_group_numel": 300}))
+    engine.defer_optimizer_step = defer
+    return engine
+
+
+def _record_pending(engine) -> list[int]:
+    """Pending keys right after each optimizer step and right after the next forward."""
+    seen: list[int] = []
+    step, forward = engine.step, engine.forward
+
+    def recording_step():
+        before = engine.global_steps
+        step()
+        if engine.global_steps > before:  # an optimizer step ran (not a micro-step)
+            seen.append(len(engine.optimizer.pending_keys))
+
+    def recording_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append(-len(engine.optimizer.pending_keys) - 1)  # negative: after a forward
+        return out
+
+    engine.step, engine.forward = recording_step, recording_forward
+    return seen
+
+
+LEAST_HOST = 45056 + 4 * 8192
+"""The least host budget here (``least_host_budget_bytes``): the homed gradient accumulators,
+then two sub-groups, a shard and a spare in 8 KiB slots; nothing is left for host-resident
+sub-groups (the test asserts it)."""
+
+
+@pytest.mark.parametrize("gas, host", [(1, 120_000), (2, 120_000), (2, LEAST_HOST)])
+def test_deferred_step_trains_to_the_bits_of_the_step_run_in_place(tmp_path, slow_reads, gas,
+                                                                    host):
+    data = batches(STEPS, gas)
+    ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype="bf16", clip=0.05)
+    in_place = _engine(tmp_path, "in-place", defer=False, gas=gas, host=host)
+    assert (in_place.offload.optimizer_host_resident_bytes == 0) == (host == LEAST_HOST)
+    try:
+        want_losses = engine_train(in_place, data)
+        want_state = in_place.full_state_dict()
+    finally:
+        in_place.close()
+    deferred = _engine(tmp_path, "deferred", defer=True, gas=gas, host=host)
+    try:
+        pending = _record_pending(deferred)
+        losses = engine_train(deferred, data)
+        state = deferred.full_state_dict()
+        stats = deferred.stats()
+    finally:
+        deferred.close()
+    assert losses == want_losses
+    for k in want_state:
+        assert torch.equal(state[k], want_state[k]), k
+    assert_close_run(losses, state, ref_losses, ref_state, "bf16")
+    assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
+    after_step = [n for n in pending if n >= 0]
+    after_forward = [-n - 1 for n in pending if n < 0]
+    # Every unit with a stored shard waits for the next forward, which runs them all.
+    assert after_step and min(after_step) > 0, pending
+    assert max(after_forward) == 0, pending
+
+
+def test_reads_between_steps_see_the_updated_values(tmp_path, slow_reads):
+    """Right after a deferred step: an evaluation forward, full_state_dict and a checkpoint all
+    see the updated parameters, the same bits as with the step run in place."""
+    data = batches(2, 1)
+    x, _y = batches(1, 1, config=TINY)[0][0]
+    results = {}
+    for defer in (False, True):
+        engine = _engine(tmp_path, f"defer-{defer}", defer=defer)
+        try:
+            engine_train(engine, data)
+            if defer:
+                assert engine.optimizer.pending_keys
+            engine.module.eval()
+            with torch.no_grad():
+                logits = engine(x).float()
+            engine.module.train()
+            engine_train(engine, data)  # pending again
+            state = engine.full_state_dict()
+            engine_train(engine, data)
+            saved = engine.save_checkpoint(str(tmp_path / f"ckpt-{defer}"))
+            results[defer] = (logits, state, saved)
+        finally:
+            engine.close()
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
+    for k, v in results[False][1].items():
+        assert torch.equal(results[True][1][k], v), k
+    restored = {}
+    for defer in (False, True):
+        engine = _engine(tmp_path, f"restore-{defer}", defer=False)
+        try:
+            engine.load_checkpoint(results[defer][2])
+            restored[defer] = engine.full_state_dict()
+        finally:
+            engine.close()
+    for k, v in restored[False].items():
+        assert torch.equal(restored[True][k], v), k
+
+
+def test_checkpoint_load_is_not_overwritten_by_a_pending_update(tmp_path, slow_reads):
+    """A checkpoint loaded while a deferred step is pending wins: the pending updates run first,
+    then the loaded values replace them (nothing stale lands afterwards)."""
+    data = batches(2, 1)
+    source = _engine(tmp_path, "source", defer=False)
+    try:
+        engine_train(source, data)
+        saved = source.save_checkpoint(str(tmp_path / "ckpt"))
+        want = source.full_state_dict()
+    finally:
+        source.close()
+    engine = _engine(tmp_path, "target", defer=True)
+    try:
+        engine_train(engine, batches(3, 1))
+        assert engine.optimizer.pending_keys
+        engine.load_checkpoint(saved)
+        got = engine.full_state_dict()
+    finally:
+        engine.close()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_each_sub_group_is_acquired_once_per_step(tmp_path, slow_reads):
+    """The backward's read-ahead fills the window, so the step starts with its cursor behind
+    items already read; an update must move the cursor past itself, or the next read ahead takes
+    an item already updated again (a second acquire: a read when its copy was evicted, and a
+    window slot pinned until the step ends)."""
+    data = batches(STEPS, 1)
+    engine = _engine(tmp_path, "once", defer=True)
+    mark_backward(engine, slow_reads)
+    acquire, acquires = engine.store.acquire, Counter()
+
+    def counted_acquire(key, tier, **kwargs):
+        if key.startswith("opt/"):
+            acquires[key] += 1
+        return acquire(key, tier, **kwargs)
+
+    engine.store.acquire = counted_acquire
+    try:
+        engine_train(engine, data)
+        engine.optimizer.drain()
+        in_backward = [k for k, bwd in slow_reads["reads"] if bwd and k.startswith("opt/")]
+        assert in_backward, "the window is filled during backward"
+        assert acquires and set(acquires.values()) == {STEPS}, acquires.most_common(3)
+    finally:
+        engine.close()
