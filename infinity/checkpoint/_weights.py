@@ -233,9 +233,11 @@ def _write_group(engine: Any, ckpt: SafetensorsCheckpoint, g: Any, lo: int, n: i
                  staging: _Staging) -> None:
     """Partition ``[lo, lo + n)`` of group ``g``: file values into the compute-dtype parameter
     partition and, window by window (the offloaded optimizer's sub-groups), the fp32 master."""
-    windows = engine.optimizer.master_windows(g.key) if g.requires_grad else \
-        [(0, n, contextlib.nullcontext(None))]
-    with engine.manager.open_param_partition(g) as param_out:
+    masters = engine.optimizer.open_master(g.key) if g.requires_grad else \
+        contextlib.nullcontext([(0, n, contextlib.nullcontext(None))])
+    # The parameter shard closes first (marked dirty, written back), then the masters' write-backs
+    # are waited for.
+    with masters as windows, engine.manager.open_param_partition(g) as param_out:
         for w_lo, w_hi, master_ctx in windows:
             with master_ctx as master:
                 same = master is not None and master.data_ptr() == param_out.data_ptr() and \

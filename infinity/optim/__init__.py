@@ -9,7 +9,7 @@ Interface (every implementation)::
     opt.state_bytes()                      # bytes of Adam moments held
     opt.master_values(key) / opt.state_of(key)   # fp32 values (a copy where offloaded)
     opt.load_state(key, master=, exp_avg=, exp_avg_sq=)   # overwrite (checkpoint loading)
-    opt.master_windows(key)                # open the fp32 master for writing, window by window
+    with opt.open_master(key) as windows:  # the fp32 master for writing, window by window
     opt.step_count, opt.lr
 
 - :class:`InMemoryShardOptimizer` (:mod:`._in_memory`): masters and moments where they were given

@@ -106,8 +106,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.infinity_adam_step.argtypes = [vp, vp, ci, vp, vp, ci, vp, ci, i64, ctypes.POINTER(AdamHyper), ci]
     lib.infinity_adam_step.restype = ci
-    lib.infinity_grad_sumsq.argtypes = [vp, ci, i64, ci, ctypes.POINTER(ctypes.c_double)]
-    lib.infinity_grad_sumsq.restype = ci
     lib.infinity_adam_isa.argtypes = []
     lib.infinity_adam_isa.restype = ci
     return lib

@@ -78,11 +78,12 @@ class InMemoryShardOptimizer:
         self._exp_avg[key].copy_(exp_avg.reshape(-1))
         self._exp_avg_sq[key].copy_(exp_avg_sq.reshape(-1))
 
-    def master_windows(self, key: str) -> Iterator[tuple[int, int, ContextManager[torch.Tensor]]]:
-        """``(first, end, context yielding the live fp32 master of [first, end))``: one window over
-        the whole partition (the interface of :meth:`OffloadedShardOptimizer.master_windows`)."""
+    @contextlib.contextmanager
+    def open_master(self, key: str) -> Iterator[list[tuple[int, int, ContextManager[torch.Tensor]]]]:
+        """The live fp32 master of ``key`` as one window over the whole partition (the interface
+        of :meth:`OffloadedShardOptimizer.open_master`)."""
         master = self._masters[key]
-        yield 0, master.numel(), contextlib.nullcontext(master)
+        yield [(0, master.numel(), contextlib.nullcontext(master))]
 
     def drain(self) -> None:
         """Nothing is ever deferred here (the interface of :meth:`OffloadedShardOptimizer.drain`)."""

@@ -40,7 +40,7 @@ class OffloadedShardOptimizer:
     window of ``window_sub_groups`` (sized by the offload budgets in slots of the largest
     sub-group's extent); the step
     then runs the prefetched keys first, in the order they were prefetched (backward order), and
-    keeps the window full of reads for the rest. The window is sized by the plan so that the
+    keeps the window full of reads for the rest. The window is sized by the offload budgets so that the
     pinned sub-groups leave the host-homed shards and the parameter staging their room; the
     store's budgets are enforced on every read all the same. The update itself still waits for the
     step (exact global-norm clipping needs every gradient first). :meth:`cancel_prefetch` drops
@@ -160,7 +160,7 @@ class OffloadedShardOptimizer:
                 self.host_resident_bytes += nbytes
             else:  # a prefix only: no later, smaller sub-group lands between cached copies
                 self._resident_room_bytes = 0
-            sg = SubGroup(key=key, index=i, lo=lo, hi=hi, store_key=f"opt/{key}/{i}", home=home)
+            sg = SubGroup(key=key, lo=lo, hi=hi, store_key=f"opt/{key}/{i}", home=home)
             self.store.register(sg.store_key, 3 * n, torch.float32, home, initial=initial)
             self._state_bytes += 8 * n
             records.append(sg)
@@ -178,7 +178,8 @@ class OffloadedShardOptimizer:
         return self._param_keys.get(key)
 
     def _numel(self, key: str) -> int:
-        return self._sub_groups[key][-1].hi
+        records = self._sub_groups[key]
+        return records[-1].hi if records else 0
 
     def state_bytes(self) -> int:
         return self._state_bytes
@@ -204,19 +205,17 @@ class OffloadedShardOptimizer:
         for handle in handles:
             handle.wait()
 
-    def master_windows(self, key: str) -> Iterator[tuple[int, int, ContextManager[torch.Tensor]]]:
-        """``(first, end, context yielding the fp32 master of [first, end))`` per sub-group: each
-        opened on HOST, marked dirty and written back to its home when its context exits without
-        an error (the moments keep their bytes). The write-backs are waited for when the
-        iteration ends."""
+    @contextlib.contextmanager
+    def open_master(self, key: str) -> Iterator[list[tuple[int, int, ContextManager[torch.Tensor]]]]:
+        """The fp32 master of ``key`` for writing, as windows ``(first, end, context yielding the
+        master of [first, end))``, one per sub-group: each opened on HOST when its context is
+        entered, marked dirty and written back to its home when it exits without an error (the
+        moments keep their bytes). The write-backs are waited for when this context exits."""
         self.drain()  # a deferred step finishes first
         handles: list[TierHandle] = []
-        try:
-            for sg in self._sub_groups[key]:
-                yield sg.lo, sg.hi, self._open_master(sg, handles)
-        finally:
-            for handle in handles:
-                handle.wait()
+        yield [(sg.lo, sg.hi, self._open_master(sg, handles)) for sg in self._sub_groups[key]]
+        for handle in handles:
+            handle.wait()
 
     @contextlib.contextmanager
     def _open_master(self, sg: SubGroup, handles: list[TierHandle]) -> Iterator[torch.Tensor]:
@@ -257,10 +256,14 @@ class OffloadedShardOptimizer:
     # ------------------------------------------------------------------ reads ahead
 
     def _issue_read(self, sg: SubGroup) -> None:
-        """Acquire ``sg`` into HOST (a pin; TierCapacityError when no room can be made)."""
-        handle = self.store.acquire(sg.store_key, Tier.HOST)
+        """Acquire ``sg`` into HOST (a pin; TierCapacityError when no room can be made). The
+        record changes state first, so an illegal change never leaves a pin behind."""
         sg.transition(SubGroupState.READING)
-        sg.read = handle
+        try:
+            sg.read = self.store.acquire(sg.store_key, Tier.HOST)
+        except BaseException:
+            sg.transition(SubGroupState.AT_REST)  # nothing was pinned
+            raise
         self._reading[sg.store_key] = sg
 
     def prefetch(self, key: str) -> None:
@@ -273,8 +276,8 @@ class OffloadedShardOptimizer:
         if ahead.full:
             return  # what is read ahead stays a prefix of the step's order
         for sg in self._sub_groups[key]:
-            if sg.home is not Tier.NVME:
-                continue  # nothing to read: acquiring it later costs nothing
+            if sg.home is not Tier.NVME or sg.state is not SubGroupState.AT_REST:
+                continue  # nothing to read (acquiring it later costs nothing), or already held
             if len(self._reading) >= self.window_sub_groups:
                 ahead.full = True
                 return
@@ -491,7 +494,7 @@ class OffloadedShardOptimizer:
                     out_ctx = None
             finally:
                 self._drop_reads()
-                for sg in run.items[:run.done]:
+                for sg in run.items:
                     if sg.state in (SubGroupState.UPDATING, SubGroupState.WRITING):
                         sg.writeback = None
                         sg.transition(SubGroupState.AT_REST)
@@ -499,9 +502,12 @@ class OffloadedShardOptimizer:
                 self._to(StepState.IDLE)
             raise
         finally:
-            if out_ctx is not None:
-                out_ctx.__exit__(None, None, None)
-        self._to(StepState.PENDING)
+            try:
+                if out_ctx is not None:  # the last key's shard: marked dirty, maybe written back
+                    out_ctx.__exit__(None, None, None)
+            finally:
+                if self.state is StepState.ADVANCING:  # the updates ran; the step goes on
+                    self._to(StepState.PENDING)
         if run.done == len(run.items):
             self._drop_reads()
             run.pending_params = {}

@@ -60,8 +60,6 @@ class SubGroup:
 
     key: str
     """The optimizer key (a unit flat group) it belongs to."""
-    index: int
-    """Its position among the key's sub-groups."""
     lo: int
     hi: int
     """Its slice ``[lo, hi)`` of the key's fp32 partition."""

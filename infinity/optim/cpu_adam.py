@@ -251,32 +251,6 @@ def _store_stochastic_bf16(dst: torch.Tensor, src_fp32: torch.Tensor, gen: torch
     dst.copy_(src_fp32)  # exact: the low 16 bits are zero
 
 
-def grad_norm_sq(grad: torch.Tensor, grad_scale: float = 1.0, *,
-                 num_threads: int | None = None) -> tuple[float, bool]:
-    """Squared L2 norm of ``grad * grad_scale`` (float64 accumulation) and whether ``grad`` has inf/nan.
-
-    One read of the flat gradient, multi-threaded, GIL released. ``grad`` is a contiguous CPU tensor
-    of dtype fp32, bf16 or fp16.
-    """
-    _check_tensor("grad", grad, None, _GRAD_DTYPES, "grad_norm_sq")
-    if grad.numel() == 0:
-        return 0.0, False
-    lib = _kernel()
-    if lib is None:
-        total = 0.0
-        flat = grad.view(-1)
-        for start in range(0, flat.numel(), _TORCH_CHUNK_NUMEL):
-            chunk = flat[start:start + _TORCH_CHUNK_NUMEL].to(torch.float64)
-            total += float(torch.dot(chunk, chunk))
-    else:
-        result = ctypes.c_double(0.0)
-        lib.infinity_grad_sumsq(grad.data_ptr(), _GRAD_DTYPES[grad.dtype], grad.numel(),
-                                max(1, int(num_threads or torch.get_num_threads())), ctypes.byref(result))
-        total = result.value
-    nonfinite = not math.isfinite(total)
-    return total * float(grad_scale) ** 2, nonfinite
-
-
 # ------------------------------------------------------------------------------------------ optimizer
 # Options of torch.optim.Adam/AdamW that change the math or the execution and that CPUAdam does not
 # implement, with the value that means "off". Passing "off" is accepted (it is what CPUAdam does);

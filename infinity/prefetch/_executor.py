@@ -57,7 +57,7 @@ the store makes is reported with ``on_evicted``. ``begin_step(phase)`` before a 
 prefetched: the optimizer is about to change those bytes). With several ranks, all-gathers are
 issued at fixed positions when ``gather_lead_entries`` is set ([Note: all-gathers at fixed
 positions]; without it they are only kept in trace order, which is not enough when ranks time
-differently and units are skipped); the store must release gathered units only as stage3
+differently and units are skipped); the store must release gathered units only as the parameter manager
 decides, and keep_gathered must decide alike on all ranks, so keep ``max_reuse_distance_bytes``
 byte-based (the default; None is time-based) and give it rank-symmetric ``free_bytes``.
 
@@ -88,7 +88,7 @@ __all__ = ["PrefetchConfig", "PrefetchExecutor", "UnitSizes"]
 
 @dataclass(frozen=True, kw_only=True)
 class PrefetchConfig:
-    """Knobs of :class:`PrefetchExecutor` (stage3 builds it from ``ZeroConfig`` and ``MemoryConfig``)."""
+    """Knobs of :class:`PrefetchExecutor` (the parameter manager's prefetcher builds it from its budgets)."""
 
     host_inflight_budget_bytes: int | None = None
     """Bound on bytes of NVME->HOST fetches in flight (demand and prefetch alike); None: unbounded."""

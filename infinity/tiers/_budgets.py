@@ -132,7 +132,7 @@ class TierBudgets:
         the DEVICE -> HOST part runs, INFLIGHT), a fetch landing in the copy, a copy a move reads
         (busy). Each such move already holds its memory and completes on the store's / swapper's
         threads, which never allocate, so waiting for it cannot deadlock -- and the caller's own move
-        is never among them: it is issued only after ``_reserve`` returns. Refusing instead made
+        is never among them: it is issued only after ``reserve`` returns. Refusing instead made
         write-backs under a tight HOST budget raise while staging copies were about to be freed."""
         for s in self._shards.values():
             copy = s.copies[tier]

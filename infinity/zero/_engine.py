@@ -43,7 +43,7 @@ from torch import nn
 
 from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, load_config
-from infinity.ledger import host_grad_dtype_of
+from infinity.ledger import host_grad_dtype
 from infinity.optim import InMemoryShardOptimizer, OffloadedShardOptimizer
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
@@ -95,8 +95,6 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
     """The parameter manager's settings, resolved from ``config`` once."""
     zero, precision = config.zero, config.precision
     compute = DTYPES[precision.dtype]
-    grad_host = host_grad_dtype_of(precision.dtype, config.gradient_accumulation_steps,
-                                   world_size, precision.reduce_dtype)
 
     def number(value: Any) -> int | None:  # a knob that may be 'auto': the number, or None
         return None if value == AUTO else int(value)
@@ -111,7 +109,7 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         max_live_bytes=number(zero.max_live_bytes),
         max_reuse_distance_bytes=None if reuse is None else reuse * compute.itemsize,
         reduce_dtype=compute if precision.reduce_dtype == "compute" else torch.float32,
-        grad_host_dtype=DTYPES[grad_host])
+        grad_host_dtype=DTYPES[host_grad_dtype(config, world_size)])
 
 
 class InfinityEngine:
@@ -136,8 +134,10 @@ class InfinityEngine:
         self.module = model
         world = self.collectives.world_size
         # Sized on the parameters as they are: a budget error leaves a recorded model untouched.
-        self.offload = resolve_offload(units_of(model, config.zero), config, world_size=world,
-                                       device=self.device)
+        self.offload = None
+        if config.offload_param.device != "none" or config.offload_optimizer.device != "none":
+            self.offload = resolve_offload(units_of(model, config.zero), config, world_size=world,
+                                           device=self.device)
         self.store, self._swapper = None, None
         if self.offload is not None:
             self.store, self._swapper = build_store(self.device, self.offload,
@@ -288,10 +288,10 @@ class InfinityEngine:
         self.manager.begin_backward()
         try:
             (loss * scale if scale != 1.0 else loss).backward()
+            self.manager.finish_backward()
         except BaseException:
             self.manager.abort_backward()
             raise
-        self.manager.finish_backward()
         self.manager.end_prefetch_step()  # before the optimizer step changes the parameters
         self._backward_since_step = True
 

@@ -81,7 +81,7 @@ class FlatGroup:
     grad_acc: torch.Tensor | None = None
     """fp32 gradient summed over micro-batches: shard (stages 2-3) or full (0-1); None when zero."""
     grad_host: torch.Tensor | None = None
-    """Offloaded optimizer: the accumulator (fp32, or the compute dtype: estimate.host_grad_dtype)
+    """Offloaded optimizer: the accumulator (fp32, or the compute dtype: ledger.host_grad_dtype_of)
     over the optimizer's partition in the store's host arena; ``grad_acc`` is it while it holds a
     gradient ([Note: gradient placement])."""
     store_key: str | None = None

@@ -13,7 +13,7 @@ from torch import nn
 
 from infinity.config import DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
-from infinity.ledger import host_grad_dtype_of
+from infinity.ledger import host_grad_dtype
 from infinity.tiers import (HostNeeds, OffloadBudgets, OffloadRequest, StateSizes, StoreConfig,
                             TieredStore, host_needs, least_host_bytes, resolve_offload_budgets)
 from infinity.zero._unit_choice import UnitChoice, units_of
@@ -42,9 +42,7 @@ def state_sizes(choice: UnitChoice, *, stage: int, world_size: int,
 
 def offload_request(config: InfinityConfig, world_size: int) -> OffloadRequest:
     """Where state lives and the budgets asked for, resolved from ``config`` at ``world_size``."""
-    precision = config.precision
-    grad_dtype = host_grad_dtype_of(precision.dtype, config.gradient_accumulation_steps,
-                                    world_size, precision.reduce_dtype)
+    grad_dtype = host_grad_dtype(config, world_size)
     nvme_paths = [s.nvme_path for s in (config.offload_param, config.offload_optimizer)
                   if s.device == "nvme"]
     return OffloadRequest(param_home=config.offload_param.home_tier,

@@ -124,7 +124,8 @@ TRAINING_TRANSITIONS = TransitionTable("parameter manager", {
     (_F, _A): "a forward with grad enabled ended: a backward is expected",
     (_F, _I): "a forward without grad ended (evaluation), or a forward raised",
     (_A, _B): "engine.backward(loss) starts",
-    (_I, _B): "a backward of a forward that called the module directly (hooks only)",
+    (_I, _B): "a backward with no forward of the engine since the last one (the module called "
+              "directly, hooks only; an evaluation forward in between; retain_graph)",
     (_B, _I): "the backward ended (finish_backward) or raised (abort_backward)",
 })
 """The manager's allowed :class:`TrainingState` changes, each with why."""
@@ -501,37 +502,45 @@ class ParameterManager:
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:
         """Wraps one ``engine(...)`` call: the first forward per grad mode runs the outside-use
-        detector; an exception leaves no unit acquired."""
+        detector; an exception (any, a keyboard interrupt too) leaves no unit acquired. An engine
+        call nested inside another (a model calling the engine) is part of the outer one."""
+        if self.state is TrainingState.FORWARD:
+            yield
+            return
         mode = torch.is_grad_enabled()
         trace = self.stage == 3 and mode not in self._traced_modes and any(
             not u.always_gathered for u in self.units)
         self._to(TrainingState.FORWARD)
-        if mode:
-            self._forward_order = {}
-        if self._fetcher is not None:
-            # Separate traces per phase: an evaluation forward must not replace the training trace.
-            self.end_prefetch_step()
-            self._fetcher.begin_step(("train" if self.module.training else "eval-grad") if mode
-                                     else "eval")
+        finished = False
         try:
+            if mode:
+                self._forward_order = {}
+            if self._fetcher is not None:
+                # Separate traces per phase: an evaluation forward must not replace the training
+                # trace.
+                self.end_prefetch_step()
+                self._fetcher.begin_step(("train" if self.module.training else "eval-grad")
+                                         if mode else "eval")
             if trace:
                 with OutsideUseDetector(self._check_outside_use):
                     yield
                 self._traced_modes.add(mode)
             else:
                 yield
-        except Exception:
+            finished = True
+        except BaseException:
             for unit in self.units:
                 unit.refcount = 0
                 self._maybe_release(unit)
-            self._to(TrainingState.IDLE)
             raise
         finally:
+            # A forward with grad leaves a graph for a backward; one without, or one that raised,
+            # leaves nothing to wait for.
+            self._to(TrainingState.AWAITING_BACKWARD if finished and mode else TrainingState.IDLE)
             if not mode:
                 self.end_prefetch_step()  # no backward follows: the step ends with the forward
                 if self._fetcher is not None:
                     self._fetcher.warm_next_step()
-        self._to(TrainingState.AWAITING_BACKWARD if mode else TrainingState.IDLE)
 
     def begin_backward(self) -> None:
         """``engine.backward(loss)`` is about to run autograd: gathers now are backward gathers."""
@@ -554,12 +563,11 @@ class ParameterManager:
         self._to(TrainingState.IDLE)
 
     def abort_backward(self) -> None:
-        """The backward raised: drop its holds and its partial gradients (nothing was reduced for
-        the units that had not completed), so the next forward starts clean."""
-        for g in self.trainable_groups():
-            g.grad_staging = None
-        self._drop_holds()
-        self._to(TrainingState.IDLE)
+        """The backward (or its end, :meth:`finish_backward`) raised: back to IDLE, so that the
+        engine can go on. Holds and staged gradients are left as they are: the next
+        :meth:`finish_backward` reduces what was staged and drops the holds."""
+        if self.state is TrainingState.BACKWARD:
+            self._to(TrainingState.IDLE)
 
     def _drop_holds(self) -> None:
         for unit in self.units:

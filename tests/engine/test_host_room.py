@@ -4,7 +4,7 @@
   pipeline's window homes whole optimizer sub-groups on HOST; they are never read from or written
   to NVMe, training matches plain PyTorch + AdamW, and the memory ledger moves those bytes from
   its NVMe row to its HOST row as the engine reports them.
-- ``OffloadPlan.device_holds_params``: when the device budget holds every parameter shard, an
+- ``OffloadBudgets.device_holds_params``: when the device budget holds every parameter shard, an
   updated shard stays dirty on the device; its swap file keeps the old bytes until a flush
   writes the new ones (read back from disk here). A device that cannot hold them all writes
   every updated shard back after its update, as before.

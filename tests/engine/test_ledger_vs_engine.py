@@ -153,5 +153,5 @@ def test_offloaded_optimizer_takes_gradients_off_the_device(tmp_path):
     assert offloaded["bytes"]["DEVICE"]["peak"] <= params + unit_numel * (4 + 2)
     assert on_device["bytes"]["DEVICE"]["peak"] >= params + numel * 4  # the fp32 accumulator
     # ... and the host holds it: 12 B of optimizer state per parameter and the gradient, in bf16
-    # here (one rank, one micro-batch: estimate.host_grad_dtype), not fp32.
+    # here (one rank, one micro-batch: ledger.host_grad_dtype_of), not fp32.
     assert numel * (2 + 12) <= offloaded["bytes"]["HOST"]["peak"] < numel * (4 + 12)

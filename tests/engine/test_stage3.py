@@ -311,3 +311,38 @@ def test_module_state_dict_between_steps_refuses_released_parameters(stage):
         for k, v in model.state_dict().items():
             assert torch.equal(v, full[k]), k
     engine.close()
+
+
+def test_training_goes_on_after_a_forward_and_a_backward_that_raised():
+    """A forward interrupted (KeyboardInterrupt in a block, as from a notebook) and a backward
+    that raised before any gradient reached a parameter leave the manager IDLE; training then
+    matches plain PyTorch on the batches that did train, and releases every unit as usual."""
+    from infinity.zero._param_manager import TrainingState
+
+    data = batches(STEPS, 1)
+    ref_losses, ref_state = reference_train(tiny_gpt(), data)
+    engine = infinity.initialize(tiny_gpt(), engine_config(stage=3))
+    block = engine.module.blocks[1]
+    real_forward = block.forward
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    block.forward = interrupted
+    x, y = data[0][0]
+    with pytest.raises(KeyboardInterrupt):
+        engine(x, y)
+    block.forward = real_forward
+    loss = engine(x, y)
+
+    def failing(grad):
+        raise RuntimeError("injected backward failure")
+
+    loss.register_hook(failing)
+    with pytest.raises(RuntimeError, match="injected backward failure"):
+        engine.backward(loss)
+    assert engine.manager.state is TrainingState.IDLE
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    assert all(u.state is UnitState.RELEASED for u in engine.manager.units
+               if not u.always_gathered)

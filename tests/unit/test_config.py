@@ -215,3 +215,28 @@ def test_deepspeed_communication_data_type_other_than_fp32_or_compute_is_refused
                      "communication_data_type": "fp16"})
     with pytest.raises(ValueError, match="precision.reduce_dtype"):
         load_config({"precision": {"dtype": "bf16", "reduce_dtype": "bf16"}})
+
+
+def test_bf16_moments_with_an_offloaded_optimizer_are_refused_at_validation():
+    with pytest.raises(ValueError, match=r"optimizer\.state_dtype.*offload_optimizer"):
+        load_config({"optimizer": {"state_dtype": "bf16"},
+                     "offload_optimizer": {"device": "cpu"}})
+    assert load_config({"optimizer": {"state_dtype": "bf16"}}).optimizer.state_dtype == "bf16"
+
+
+def test_two_swap_directories_are_refused_at_validation(tmp_path):
+    with pytest.raises(ValueError, match="nvme_path differ"):
+        load_config({"offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+                     "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")}})
+
+
+def test_auto_values_are_valid_config_but_not_a_running_engine():
+    config = load_config({"optimizer": {"type": "AdamW", "params": {"lr": "auto",
+                                                                      "weight_decay": "auto"}},
+                          "gradient_accumulation_steps": "auto"})
+    with pytest.raises(ValueError, match=r"optimizer\.params lr, weight_decay: 'auto'.*initialize"):
+        config.check_resolved("initialize")
+    config = config.replace(optimizer=config.optimizer.__class__(lr=1e-3, weight_decay=0.0))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps: 'auto'"):
+        config.check_resolved("initialize")
+    config.replace(gradient_accumulation_steps=2).check_resolved("initialize")  # no error

@@ -16,7 +16,7 @@ import torch
 
 from infinity import _common
 from infinity.optim import _cpu_adam_ext, cpu_adam
-from infinity.optim.cpu_adam import CPUAdam, adam_step_flat, grad_norm_sq
+from infinity.optim.cpu_adam import CPUAdam, adam_step_flat
 
 BACKENDS = ["native", "scalar", "torch"]
 
@@ -463,20 +463,6 @@ def test_optimizer_rejects_bad_params():
 
 
 # ------------------------------------------------------------------------------------------ misc
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_grad_norm_sq(backend, dtype):
-    g = (torch.randn((1 << 18) + 3, generator=torch.Generator().manual_seed(1)) * 10).to(dtype)
-    total, nonfinite = grad_norm_sq(g, grad_scale=0.5)
-    expected = (g.double() ** 2).sum().item() * 0.25
-    assert not nonfinite and total == pytest.approx(expected, rel=1e-9)
-    for bad in (float("inf"), float("nan")):
-        h = g.clone()
-        h[-1] = bad
-        assert grad_norm_sq(h)[1]
-    big = torch.full((4,), 3e38)  # finite values whose fp32 squares would overflow
-    assert grad_norm_sq(big) == (pytest.approx(4 * 9e76, rel=1e-6), False)
-
-
 def test_fallback_without_compiler_warns_once_and_is_correct(monkeypatch):
     monkeypatch.setenv(cpu_adam.BACKEND_ENV, "auto")
     monkeypatch.setattr(_cpu_adam_ext, "load", lambda *a, **k: None)

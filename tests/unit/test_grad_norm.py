@@ -31,6 +31,15 @@ def test_sum_of_squares_keeps_shape_and_non_finite_values():
     assert math.isnan(float(sum_of_squares(g)))
 
 
-def test_sum_of_squares_of_finite_values_whose_fp32_squares_overflow():
-    g = torch.full((4,), 3e38)  # fp32 squares would be inf: the sum is accumulated in fp64
-    assert float(sum_of_squares(g)) == pytest.approx(4 * 9e76, rel=1e-6)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sum_of_squares_across_chunk_bounds_and_of_non_finite_values(dtype):
+    """Merged from cpu_adam's removed grad_norm_sq test: a length that is not a multiple of the
+    chunk, against fp64, and inf/nan anywhere give a non-finite sum."""
+    g = (torch.randn((1 << 18) + 3, generator=torch.Generator().manual_seed(1)) * 10).to(dtype)
+    want = float(g.double().square().sum())
+    assert float(sum_of_squares(g)) == pytest.approx(want, rel=1e-5)
+    for bad in (float("inf"), float("nan")):
+        h = g.clone()
+        h[-1] = bad
+        assert not math.isfinite(float(sum_of_squares(h)))

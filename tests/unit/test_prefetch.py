@@ -262,7 +262,7 @@ def run_instant_step(ex, levels, seq, phase="train"):
     for u in seq:
         ex.pre_hook(u)
         assert levels[u] is G
-        if not ex.keep_gathered(u):  # stage3's order: decide, release, then post_hook plans
+        if not ex.keep_gathered(u):  # the manager's order: decide, release, then post_hook plans
             levels[u] = Level.DEVICE
             ex.on_evicted(u, 400, G)
         ex.post_hook(u)

@@ -201,13 +201,6 @@ void adam_scalar(float* p, const G* g, S* m, S* v, O* out, int64_t b, int64_t e,
   }
 }
 
-template <typename G>
-void sumsq_scalar(const G* g, int64_t b, int64_t e, double* acc) {
-  double s = 0.0;
-  for (int64_t i = b; i < e; ++i) { const double x = load_s(g, i); s += x * x; }
-  *acc = s;
-}
-
 #ifdef INFINITY_AVX512
 // ---------------------------------------------------------------- AVX-512 path
 // kFull: a whole vector of 16 elements, plain loads/stores. Otherwise the tail, with masked ones
@@ -403,21 +396,6 @@ void adam_avx512(float* p, const G* g, S* m, S* v, O* out, int64_t b, int64_t e,
   if (i < e) adam16<false>(p, g, m, v, out, i, __mmask16((1u << (e - i)) - 1u), c, rng);
   if (c.stream_out) _mm_sfence();  // order the streaming stores before the job is reported done
 }
-
-template <typename G>
-void sumsq_avx512(const G* g, int64_t b, int64_t e, double* acc) {
-  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
-  for (int64_t i = b; i < e; i += 16) {
-    const __mmask16 k = e - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (e - i)) - 1u);
-    const __m512 x = load_v<false>(g + i, k);
-    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-    const __m512d hi = _mm512_cvtps_pd(
-        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    s0 = _mm512_fmadd_pd(lo, lo, s0);
-    s1 = _mm512_fmadd_pd(hi, hi, s1);
-  }
-  *acc = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
-}
 #endif
 
 template <typename G, typename S, typename O>
@@ -427,15 +405,6 @@ void adam_range(float* p, const G* g, S* m, S* v, O* out, int64_t b, int64_t e,
   adam_avx512(p, g, m, v, out, b, e, h);
 #else
   adam_scalar(p, g, m, v, out, b, e, h);
-#endif
-}
-
-template <typename G>
-void sumsq_range(const G* g, int64_t b, int64_t e, double* acc) {
-#ifdef INFINITY_AVX512
-  sumsq_avx512(g, b, e, acc);
-#else
-  sumsq_scalar(g, b, e, acc);
 #endif
 }
 
@@ -496,23 +465,6 @@ int infinity_adam_step(float* param, const void* grad, int grad_dtype, void* exp
         return 0;
       });
     });
-  });
-}
-
-// Sum of squares of a flat gradient, accumulated in float64 (so it is non-finite exactly when an
-// element is inf/nan: the squares of finite fp32 values cannot overflow a float64 sum).
-int infinity_grad_sumsq(const void* grad, int grad_dtype, int64_t n, int threads, double* result) {
-  return with_grad_type(grad_dtype, [&](auto* gt) {
-    using G = std::remove_pointer_t<decltype(gt)>;
-    // one partial per chunk, summed in order: the result does not depend on the thread count
-    std::vector<double> partial(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);
-    parallel_chunks(n, threads, [&](int64_t c, int64_t b, int64_t e) {
-      sumsq_range(static_cast<const G*>(grad), b, e, &partial[static_cast<size_t>(c)]);
-    });
-    double s = 0.0;
-    for (double x : partial) s += x;
-    *result = s;
-    return 0;
   });
 }
 
