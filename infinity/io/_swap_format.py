@@ -53,10 +53,12 @@ class FileState(enum.Enum):
 
 _W, _V, _F, _X = FileState.WRITING, FileState.VALID, FileState.FAILED, FileState.REMOVED
 TRANSITIONS = TransitionTable("swap file", {
+    (_W, _F): "a write failed (short write, ENOSPC, an I/O error): the file is deleted, and "
+              "swap-ins of the key raise until it is written again",
     (_W, _V): "every payload write succeeded and the new header is written",
-    (_W, _F): "a write failed: the file is deleted, swap-ins raise until the key is written again",
     (_V, _W): "a new swap-out of the key starts (the header is invalidated first)",
-    (_F, _W): "the key is written again after a failure",
+    (_F, _W): "the key is written again after a failure, under a new generation (a header from "
+              "an earlier write can never pass for it)",
     (_V, _X): "remove(key): the file is deleted",
     (_F, _X): "remove(key) of a key whose last write failed",
 })

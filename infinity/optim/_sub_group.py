@@ -54,7 +54,7 @@ SUB_GROUP_TRANSITIONS = TransitionTable("optimizer sub-group", {
 """The allowed :class:`SubGroupState` changes of a sub-group, each with why."""
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, kw_only=True)
 class SubGroup:
     """One sub-group of one key's optimizer state (see the module docstring)."""
 
@@ -106,7 +106,8 @@ STEP_TRANSITIONS = TransitionTable("optimizer step", {
     (_A, _I): "an update raised: the step ends there, the keys not updated keep their old state",
     (_P, _I): "drain(): every update ran and every write-back was waited for",
 })
-"""The allowed :class:`StepState` changes of the offloaded optimizer, each with why."""
+"""The allowed :class:`StepState` changes of the offloaded optimizer, each with why (the record of
+the step itself is :class:`StepRun`)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,7 +117,9 @@ class StepRun:
     step: int
     """Adam's step number (bias correction) of this run."""
     lr: float
+    """The learning rate of this step (a scheduler may have set it since the last one)."""
     grad_scale: float
+    """Applied to every gradient: the loss scale's inverse times the clip coefficient."""
     grads: Mapping[str, torch.Tensor]
     items: list[SubGroup]
     """Sub-groups in update order, one key's together (its parameter shard is opened once)."""

@@ -100,20 +100,18 @@ class ManagerConfig:
 
 class TrainingState(enum.Enum):
     """Where the manager is in the training loop (which units hold their full buffers on the
-    device in each state is the unit's own :class:`UnitState`).
-
-    IDLE: between steps (before the first forward, after a backward or an evaluation forward):
-        only always-gathered units (and units the prefetcher warmed as shard copies) hold bytes.
-    FORWARD: inside ``forward_scope``: units are gathered around their modules.
-    AWAITING_BACKWARD: a forward with grad enabled ended; its graph holds the units' saved views.
-    BACKWARD: between ``begin_backward`` and ``finish_backward``: units are gathered for their
-        gradients and released once those are reduced.
-    """
+    device in each state is the unit's own :class:`UnitState`)."""
 
     IDLE = "idle"
+    """Between steps (before the first forward, after a backward or an evaluation forward): only
+    always-gathered units (and units the prefetcher warmed as shard copies) hold bytes."""
     FORWARD = "forward"
+    """Inside ``forward_scope``: units are gathered around their modules."""
     AWAITING_BACKWARD = "awaiting-backward"
+    """A forward with grad enabled ended; its graph holds the units' saved views."""
     BACKWARD = "backward"
+    """Between ``begin_backward`` and ``finish_backward``: units are gathered for their gradients
+    and released once those are reduced."""
 
 
 _I, _F, _A, _B = (TrainingState.IDLE, TrainingState.FORWARD, TrainingState.AWAITING_BACKWARD,
