@@ -13,7 +13,8 @@ Module DAG inside the package: ``_checks`` <- ``_sections`` <- ``_native`` <- ``
 """
 
 from infinity.config._checks import AUTO
-from infinity.config._deepspeed import DS_ONLY_TOP_KEYS, config_from_deepspeed, config_to_deepspeed
+from infinity.config._deepspeed import (DS_ONLY_TOP_KEYS, config_from_deepspeed,
+                                        config_to_deepspeed)
 from infinity.config._load import is_deepspeed_config, load_config
 from infinity.config._native import config_from_native, did_you_mean, unknown_key_error
 from infinity.config._sections import (DTYPE_BYTES, ActivationCheckpointingConfig, DTypeName,

@@ -40,7 +40,7 @@ def worker_parity(rank: int, world_size: int, out_dir: str) -> dict:
 
 
 def test_two_ranks_match_plain_pytorch_on_the_global_batch():
-    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
 
     results = launch(__file__, "worker_parity", timeout_s=240)
     for name, stage, dtype, gas, clip in CONFIGS:
@@ -84,7 +84,7 @@ def worker_offload(rank: int, world_size: int, out_dir: str) -> dict:
 
 
 def test_two_ranks_with_offload_match_plain_pytorch():
-    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
 
     results = launch(__file__, "worker_offload", timeout_s=240)
     for name, stage, dtype, gas, clip, opt, param, host in OFFLOAD_CONFIGS:
@@ -221,7 +221,7 @@ def test_torchrun_without_init_process_group_uses_the_launcher_environment(tmp_p
 
     import torch
 
-    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
 
     script = tmp_path / "train.py"
     script.write_text(_TORCHRUN_SCRIPT)
@@ -332,7 +332,7 @@ def test_gradients_cross_ranks_in_the_compute_dtype_when_asked():
     """precision.reduce_dtype 'compute' (DeepSpeed's communication_data_type = bf16): each
     gradient reduction sends bf16, exactly half the fp32 bytes, and training still matches plain
     PyTorch within the bf16 tolerance."""
-    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
 
     results = launch(__file__, "worker_reduce_dtype", timeout_s=240)
     for name, _stage in REDUCE_CASES:

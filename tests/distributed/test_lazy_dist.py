@@ -42,7 +42,7 @@ def worker(rank: int, world_size: int, out_dir: str, root: str) -> dict:
 def test_lazy_model_on_two_ranks_equals_rank0_eager_model(tmp_path):
     import torch
 
-    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
 
     results = launch(__file__, "worker", world_size=2, timeout_s=240,
                      args={"root": str(tmp_path)})

@@ -75,7 +75,7 @@ def test_each_rank_reads_its_half_and_trains_like_pytorch(tmp_path):
     pytest.importorskip("safetensors")
     import torch
 
-    from tests._support.engine import (assert_close_run, batches, reference_train, tiny_gpt)
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
 
     source = tiny_gpt(seed=0)
     saved = {k: v.detach().clone() for k, v in source.state_dict().items()}

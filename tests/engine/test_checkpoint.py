@@ -23,9 +23,9 @@ from torch import nn
 
 import infinity
 from infinity import checkpoint as ckpt
-from infinity.checkpoint import _save as save_module
 from infinity.checkpoint import (CheckpointError, consolidate, load_checkpoint, param_ranges,
                                  save_checkpoint)
+from infinity.checkpoint import _save as save_module
 from infinity.cli._consolidate import parse_bytes
 from tests._support.engine import (assert_exactly_equal, batches, engine_config, engine_train,
                                    offload_config, tiny_gpt)

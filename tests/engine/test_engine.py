@@ -16,7 +16,7 @@ import torch
 import infinity
 from infinity.config import PrecisionConfig
 from infinity.zero._loss_scale import LossScaler
-from tests._support.engine import (assert_parity, batches, engine_config, engine_train, tiny_gpt)
+from tests._support.engine import assert_parity, batches, engine_config, engine_train, tiny_gpt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

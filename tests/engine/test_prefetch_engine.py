@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import infinity
 from infinity.io import Swapper
-from tests._support.engine import (assert_close_run, engine_config, engine_train, reference_train)
+from tests._support.engine import assert_close_run, engine_config, engine_train, reference_train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -317,7 +317,7 @@ def test_training_goes_on_after_a_forward_and_a_backward_that_raised():
     """A forward interrupted (KeyboardInterrupt in a block, as from a notebook) and a backward
     that raised before any gradient reached a parameter leave the manager IDLE; training then
     matches plain PyTorch on the batches that did train, and releases every unit as usual."""
-    from infinity.zero._param_manager import TrainingState
+    from infinity.zero._training_state import TrainingState
 
     data = batches(STEPS, 1)
     ref_losses, ref_state = reference_train(tiny_gpt(), data)
