@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     unit_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     stats = engine.stats()
     ledger = estimate_from_config(config, numel, stats["world_size"], unit_numel=unit_numel,
-                                  optimizer_host_resident_bytes=stats["optimizer_host_resident_bytes"])
+                                  optimizer_host_resident_bytes=stats["optimizer_host_resident_bytes"],
+                                  grads_on_nvme=stats["grads_on_nvme"])
 
     micro_steps = args.steps * args.grad_accum
     bar = progress(args.steps, desc="train")

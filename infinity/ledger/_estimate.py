@@ -46,11 +46,12 @@ Where the accumulator lives:
   (``memory.host_budget_bytes`` covers them, DESIGN decision 7), and ``cpu_adam`` reads them in
   place. The fp32 masters such an optimizer takes over are built in host memory too, so neither
   gradients nor masters ever sit on the device as a whole.
-* With the optimizer on NVMe the gradients still accumulate in host memory, not on NVMe (DeepSpeed
-  swaps them out with each sub-group): writing 4 B per parameter during backward and reading it back
-  at the step would add 8 B to the step's 24 B of NVMe traffic (+33 % on the slowest link) and contend
-  with the parameter reads of the backward, to save 4 B per parameter of host RAM per node (28 GB for
-  7B parameters). ``infinity plan`` counts that RAM, so a host too small for it is refused, not hit.
+* With the optimizer on NVMe the gradients accumulate in host memory while the host budget holds
+  them beside a comfortable pipeline: writing 4 B per parameter during backward and reading it back
+  at the step would add 8 B to the step's 24 B of NVMe traffic (+33 % on the slowest link) and
+  contend with the parameter reads of the backward. Where the budget cannot hold them (a large
+  model), they are NVMe-homed slices instead, and only a few slices sit in host memory
+  (``grads_on_nvme``; [Note: gradients on NVMe] in infinity/zero/_grad_reducer.py).
 * Those host accumulators hold the compute dtype instead of fp32 when nothing is summed into them
   in fp32 (:func:`host_grad_dtype`: one micro-batch per step, and one rank or a compute-dtype
   reduction): the value each element receives is already a bf16/fp16 number (autograd's
@@ -294,8 +295,14 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
                           gpus_per_node: int | None = None, sub_group_numel: int | None = None,
                           unit_numel: int | None = None,
                           prefetch_units: int = DEFAULT_PREFETCH_UNITS,
-                          optimizer_host_resident_bytes: int = 0) -> Ledger:
+                          optimizer_host_resident_bytes: int = 0,
+                          grads_on_nvme: bool = False) -> Ledger:
     """The per-rank ledger of ``numel`` parameters at ZeRO ``stage`` over ``world_size`` ranks.
+
+    ``grads_on_nvme`` (optimizer on NVMe): the gradient accumulators are NVMe-homed slices, as
+    the engine's offload budgets choose when the host cannot hold them (``OffloadBudgets``): the
+    gradient term moves from the HOST to the NVMe row, and the host holds slices of it as
+    staging.
 
     ``optimizer_host_resident_bytes``: optimizer state the engine homes on HOST out of an NVMe
     home when the host budget has room beyond its pipeline (``OffloadBudgets`` of
@@ -326,10 +333,12 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     stepped = numel if stage == 0 else shard
     # [Note: gradient placement]: the accumulator sits beside the optimizer, in host memory when
     # the optimizer is offloaded (to 'cpu' or 'nvme'), holding just the part the optimizer steps.
+    if grads_on_nvme and opt_tier is not Tier.NVME:
+        raise ValueError(f"grads_on_nvme needs offload_optimizer 'nvme', got {offload_optimizer!r}")
     if opt_tier is Tier.DEVICE:
         put("grads", Tier.DEVICE, (shard if stage >= 2 else numel) * terms.grad_bytes)
     else:
-        put("grads", Tier.HOST, stepped * terms.optimizer_grad_bytes)
+        put("grads", Tier.NVME if grads_on_nvme else Tier.HOST, stepped * terms.optimizer_grad_bytes)
     resident = min(max(0, int(optimizer_host_resident_bytes)), stepped * terms.optimizer_bytes) \
         if opt_tier is Tier.NVME else 0
     put("optimizer", opt_tier, stepped * terms.optimizer_bytes - resident)
@@ -343,6 +352,9 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
         group = min(sub_group_numel or DEFAULT_SUB_GROUP_NUMEL, stepped)
         buffers.setdefault(Tier.HOST, {})["optimizer_staging"] = ceil_bytes(
             OPTIMIZER_STAGING_SUBGROUPS * group * terms.optimizer_bytes)
+        if grads_on_nvme:  # a slice beside each sub-group, and the one being accumulated
+            buffers[Tier.HOST]["gradient_staging"] = ceil_bytes(
+                (OPTIMIZER_STAGING_SUBGROUPS + 1) * group * terms.optimizer_grad_bytes)
     if unit_numel:
         _add_unit_buffers(buffers, stage=stage, world_size=world_size, terms=terms,
                           unit_numel=unit_numel, prefetch_units=prefetch_units,
@@ -380,9 +392,11 @@ def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_
 def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
                          gpus_per_node: int | None = None, optimizer: str = "adam",
                          unit_numel: int | None = None,
-                         optimizer_host_resident_bytes: int = 0) -> Ledger:
+                         optimizer_host_resident_bytes: int = 0,
+                         grads_on_nvme: bool = False) -> Ledger:
     """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size);
-    ``optimizer_host_resident_bytes`` as in :func:`estimate_model_states` (the engine's plan)."""
+    ``optimizer_host_resident_bytes`` and ``grads_on_nvme`` as in :func:`estimate_model_states`
+    (the engine's plan)."""
     z = config.zero
     sub_group = z.sub_group_numel if isinstance(z.sub_group_numel, int) else None
     prefetch_units = DEFAULT_PREFETCH_UNITS
@@ -394,7 +408,7 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
         offload_param=config.offload_param.device if z.stage == 3 else "none",
         offload_optimizer=config.offload_optimizer.device, gpus_per_node=gpus_per_node,
         sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units,
-        optimizer_host_resident_bytes=optimizer_host_resident_bytes)
+        optimizer_host_resident_bytes=optimizer_host_resident_bytes, grads_on_nvme=grads_on_nvme)
 
 
 def paper_bytes_per_device(numel: float, stage: int, world_size: int, k: float = 12.0,

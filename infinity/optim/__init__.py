@@ -6,6 +6,7 @@ Interface (every implementation)::
                                            # param_out: the low-precision shard to write, or None
                                            #            when the master *is* the parameter (fp32)
     opt.step(grads, grad_scale=, lr=)      # grads: {key: fp32 flat gradient shard}
+                                           #   (offloaded: or a StoredGrad, slices in the store)
     opt.state_bytes()                      # bytes of Adam moments held
     opt.master_values(key) / opt.state_of(key)   # fp32 values (a copy where offloaded)
     opt.load_state(key, master=, exp_avg=, exp_avg_sq=)   # overwrite (checkpoint loading)
@@ -27,8 +28,8 @@ Knows no hooks and no units: the parameter manager hands it flat tensors and par
 
 from infinity.optim._in_memory import InMemoryShardOptimizer
 from infinity.optim._offloaded import OffloadedShardOptimizer
-from infinity.optim._partition import open_param_out
+from infinity.optim._partition import StoredGrad, open_param_out
 from infinity.optim._reference import adam_kernel_for, adam_step_flat_reference
 
-__all__ = ["InMemoryShardOptimizer", "OffloadedShardOptimizer", "adam_kernel_for",
+__all__ = ["InMemoryShardOptimizer", "OffloadedShardOptimizer", "StoredGrad", "adam_kernel_for",
            "adam_step_flat_reference", "open_param_out"]

@@ -14,7 +14,7 @@ import torch
 
 from infinity.config import OptimizerConfig
 from infinity.errors import TierCapacityError
-from infinity.optim._partition import check_numel, open_param_out
+from infinity.optim._partition import StoredGrad, check_numel, open_param_out
 from infinity.optim._reference import adam_kernel_for
 from infinity.optim._sub_group import (STEP_TRANSITIONS, ReadAhead, StepRun, StepState, SubGroup,
                                        SubGroupState)
@@ -256,15 +256,36 @@ class OffloadedShardOptimizer:
     # ------------------------------------------------------------------ reads ahead
 
     def _issue_read(self, sg: SubGroup) -> None:
-        """Acquire ``sg`` into HOST (a pin; TierCapacityError when no room can be made). The
-        record changes state first, so an illegal change never leaves a pin behind."""
+        """Acquire ``sg`` into HOST (a pin; TierCapacityError when no room can be made), with its
+        gradient slice when the step under way has a :class:`StoredGrad` for its key. The record
+        changes state first, so an illegal change never leaves a pin behind."""
         sg.transition(SubGroupState.READING)
         try:
             sg.read = self.store.acquire(sg.store_key, Tier.HOST)
         except BaseException:
             sg.transition(SubGroupState.AT_REST)  # nothing was pinned
             raise
+        try:
+            grad = self._run.grads.get(sg.key) if self._run is not None else None
+            if isinstance(grad, StoredGrad):
+                sg.grad_read = self.store.acquire(grad.store_key_of(sg.lo, sg.hi), Tier.HOST)
+        except BaseException:
+            handle, sg.read = sg.read, None
+            self._unpin(handle)
+            sg.transition(SubGroupState.AT_REST)
+            raise
         self._reading[sg.store_key] = sg
+
+    def _unpin(self, handle: TierHandle | None) -> bool:
+        """Release the pin of an acquire (one whose read failed holds none: False)."""
+        if handle is None:
+            return False
+        try:
+            handle.wait()
+        except Exception:  # noqa: BLE001 - a failed read holds no pin; its user reported it
+            return False
+        self.store.release(handle.key, Tier.HOST)
+        return True
 
     def prefetch(self, key: str) -> None:
         """The gradient of ``key`` is final for this step: start reading its sub-groups into HOST
@@ -295,13 +316,11 @@ class OffloadedShardOptimizer:
     def _drop_reads(self) -> None:
         reading, self._reading = self._reading, {}
         for sg in reading.values():
-            handle, sg.read = sg.read, None
+            handles = (sg.read, sg.grad_read)
+            sg.read = sg.grad_read = None
             sg.transition(SubGroupState.AT_REST)
-            try:
-                handle.wait()
-            except Exception:  # noqa: BLE001 - a failed read holds no pin; the step reported it
-                continue
-            self.store.release(sg.store_key, Tier.HOST)
+            for handle in handles:
+                self._unpin(handle)
 
     def read_ahead(self, order: Iterable[str]) -> None:
         """Start reading sub-groups into HOST, in ``order``, while the read-ahead window has room
@@ -463,6 +482,7 @@ class OffloadedShardOptimizer:
                 self.wait_s += time.perf_counter() - t0
                 sg.transition(SubGroupState.UPDATING)
                 updated = False
+                grad_handle, sg.grad_read = sg.grad_read, None
                 try:
                     if sg.key != open_key:  # one key's parameter shard is open (pinned) at a time
                         if out_ctx is not None:
@@ -471,7 +491,17 @@ class OffloadedShardOptimizer:
                         open_key = sg.key
                         out_ctx = open_param_out(self._outs[sg.key], overwrite=True)
                         out = out_ctx.__enter__()
-                    self._update(buf, run.grads.get(sg.key), out, sg.lo, sg.hi, run)
+                    grad = run.grads.get(sg.key)
+                    if isinstance(grad, StoredGrad):
+                        if grad_handle is None:
+                            grad_handle = self.store.acquire(grad.store_key_of(sg.lo, sg.hi),
+                                                             Tier.HOST)
+                        t0 = time.perf_counter()
+                        g = grad_handle.wait()
+                        self.wait_s += time.perf_counter() - t0
+                    else:
+                        g = None if grad is None else grad[sg.lo:sg.hi]
+                    self._update(buf, g, out, sg.lo, sg.hi, run)
                     self.store.mark_dirty(sg.store_key, Tier.HOST)
                     updated = True
                 finally:
@@ -479,6 +509,7 @@ class OffloadedShardOptimizer:
                     self.store.set_next_use(sg.store_key, None)  # stepped: no longer needed soon
                     if not (updated and sg.home is Tier.NVME):
                         sg.transition(SubGroupState.AT_REST)
+                    self._done_with_grad(grad_handle, consumed=updated)
                 run.done = j + 1
                 if sg.home is Tier.NVME:  # its write overlaps the next update
                     sg.writeback = self.store.write_back(sg.store_key)
@@ -516,16 +547,22 @@ class OffloadedShardOptimizer:
             run.pending_params = {sk: k for sk, k in run.pending_params.items() if k in pending}
             self._top_up()
 
+    def _done_with_grad(self, handle: TierHandle | None, *, consumed: bool) -> None:
+        """Unpin a stored gradient slice; once its update ran, drop its HOST copy too (it is
+        never read again: the next backward overwrites it), so its room goes to the next reads."""
+        if self._unpin(handle) and consumed:
+            self.store.evict(handle.key, Tier.HOST)
+
     def _update(self, buf: torch.Tensor, grad: torch.Tensor | None, out: torch.Tensor | None,
                 lo: int, hi: int, run: StepRun) -> None:
+        """Adam on the pinned sub-group ``buf`` of ``[lo, hi)`` with its gradient slice ``grad``
+        (already that slice; None: zero), writing the new parameters into ``out[lo:hi]``."""
         n = hi - lo
         master, exp_avg, exp_avg_sq = buf[:n], buf[n:2 * n], buf[2 * n:]
         if grad is None:
             g = torch.zeros(n, dtype=torch.float32)
         else:
-            g = grad[lo:hi]
-            if g.device.type != "cpu":
-                g = g.to("cpu")
+            g = grad if grad.device.type == "cpu" else grad.to("cpu")
         low = out is not None and out.dtype in (torch.bfloat16, torch.float16)
         staging = None
         if low:

@@ -1,13 +1,40 @@
-"""What a shard optimizer writes and checks for one key: the parameter partition it writes the new
-values into (a tensor, nothing, or a stored shard opened on demand) and the size checks of state
-loaded into it."""
+"""What a shard optimizer reads, writes and checks for one key: its gradient (a tensor, or slices
+held by the tiered store), the parameter partition it writes the new values into (a tensor,
+nothing, or a stored shard opened on demand) and the size checks of state loaded into it."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator
 
 import torch
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class StoredGrad:
+    """A key's gradient partition held in the tiered store as slices, one per optimizer
+    sub-group (the same ``[lo, hi)`` bounds), homed on NVMe ([Note: gradients on NVMe] in
+    infinity/zero/_grad_reducer.py). The offloaded optimizer acquires each slice into HOST with
+    its sub-group and evicts it once stepped (a consumed gradient is never read again)."""
+
+    store_keys: tuple[str, ...]
+    bounds: tuple[tuple[int, int], ...]
+    """``[lo, hi)`` of each slice in the partition, in order."""
+    live: bool = False
+    """The slices hold this accumulation window's sum (False: the next micro-batch overwrites
+    them without reading)."""
+    sum_sq: float = 0.0
+    """Sum of squares of the accumulated values (fp64 sum; the global norm without reading the
+    slices back)."""
+
+    def store_key_of(self, lo: int, hi: int) -> str:
+        """The store key of the slice ``[lo, hi)``; ValueError when no slice has these bounds."""
+        for bounds, key in zip(self.bounds, self.store_keys):
+            if bounds == (lo, hi):
+                return key
+        raise ValueError(f"stored gradient: no slice [{lo}, {hi}) among {list(self.bounds)}; the "
+                         f"gradient slices must follow the optimizer's sub-groups")
 
 
 def check_numel(key: str, numel: int, *tensors: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from typing import Mapping
 import torch
 
 from infinity._transitions import TransitionTable
+from infinity.optim._partition import StoredGrad
 from infinity.tiers import Tier, TierHandle
 
 
@@ -70,6 +71,9 @@ class SubGroup:
     state: SubGroupState = SubGroupState.AT_REST
     read: TierHandle | None = None
     """READING: the acquire's handle (``wait()`` gives the pinned HOST tensor)."""
+    grad_read: TierHandle | None = None
+    """READING, when the step's gradient of its key is a :class:`StoredGrad`: the acquire of
+    its gradient slice into HOST, pinned with it (None: acquired at its update)."""
     writeback: TierHandle | None = None
     """WRITING: the write-back's handle."""
 
@@ -120,7 +124,7 @@ class StepRun:
     """The learning rate of this step (a scheduler may have set it since the last one)."""
     grad_scale: float
     """Applied to every gradient: the loss scale's inverse times the clip coefficient."""
-    grads: Mapping[str, torch.Tensor]
+    grads: Mapping[str, torch.Tensor | StoredGrad]
     items: list[SubGroup]
     """Sub-groups in update order, one key's together (its parameter shard is opened once)."""
     window: int

@@ -84,7 +84,8 @@ of a never-written NVME shard moves nothing); ``fetch_hits``, ``fetch_late``, ``
 """
 
 from infinity.tiers._arena import Extent, HostArena
-from infinity.tiers._offload_budgets import (AUTO_SUB_GROUP_NUMEL, OPTIMIZER_WINDOW_SLOTS,
+from infinity.tiers._offload_budgets import (AUTO_HOST_RAM_FRACTION, AUTO_SUB_GROUP_NUMEL,
+                                             OPTIMIZER_WINDOW_SLOTS,
                                              SUB_GROUP_BYTES_PER_NUMEL, HostNeeds, OffloadBudgets,
                                              OffloadRequest, StateSizes, extent_bytes, host_needs,
                                              least_host_bytes, resolve_offload_budgets)
@@ -92,7 +93,7 @@ from infinity.tiers._records import STATS_KEYS, StoreConfig, TierHandle
 from infinity.tiers.residency import TRANSITIONS, Residency, Tier
 from infinity.tiers.store import TieredStore
 
-__all__ = ["AUTO_SUB_GROUP_NUMEL", "OPTIMIZER_WINDOW_SLOTS", "STATS_KEYS",
+__all__ = ["AUTO_HOST_RAM_FRACTION", "AUTO_SUB_GROUP_NUMEL", "OPTIMIZER_WINDOW_SLOTS", "STATS_KEYS",
            "SUB_GROUP_BYTES_PER_NUMEL", "TRANSITIONS", "Extent", "HostArena", "HostNeeds",
            "OffloadBudgets", "OffloadRequest", "Residency", "StateSizes", "StoreConfig", "Tier",
            "TierHandle", "TieredStore", "extent_bytes", "host_needs", "least_host_bytes",

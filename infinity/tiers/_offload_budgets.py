@@ -35,6 +35,9 @@ _AUTO_LEAST_FLOOR_NUMEL = 2 ** 14
 OPTIMIZER_WINDOW_SLOTS = 3
 """Read-ahead slots the NVMe optimizer keeps before host room goes to host-resident sub-groups
 ([Note: host-resident sub-groups])."""
+AUTO_HOST_RAM_FRACTION = 0.125
+"""An 'auto' host budget keeps an NVMe optimizer's gradients in host memory only while the whole
+budget stays within this fraction of the machine's RAM ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py)."""
 _CPU_DEVICE_MARGIN_BYTES = 64 * 2 ** 20
 _CUDA_FREE_FRACTION = 0.8
 
@@ -67,6 +70,9 @@ class OffloadRequest:
     """Bytes per element of the host gradient accumulators an offloaded optimizer reads
     ([Note: gradient placement] in infinity/ledger/_estimate.py)."""
     nvme_path: str | None = None
+    host_ram_bytes: int | None = None
+    """The machine's RAM: an 'auto' host budget holds an NVMe optimizer's gradients only while
+    it stays within AUTO_HOST_RAM_FRACTION of it; None: they go to NVMe under 'auto'."""
 
     @property
     def offloaded(self) -> bool:
@@ -104,6 +110,10 @@ class OffloadBudgets:
     """Parameters offloaded and the device budget holds every parameter shard at once: once
     fetched they stay on the device, so the host needs no parameter staging in the step, and
     with the optimizer on NVMe updated shards go home lazily (on eviction or flush)."""
+    grads_on_nvme: bool = False
+    """Optimizer on NVMe and the host budget cannot hold every gradient accumulator beside a
+    comfortable pipeline: the accumulators are NVMe-homed slices of ``sub_group_numel`` elements
+    ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py)."""
 
 
 def extent_bytes(nbytes: int) -> int:
@@ -117,7 +127,8 @@ def _sub_group_shards(sizes: StateSizes, sub: int) -> list[int]:
             for part in sizes.optimizer_partition_numel for lo in range(0, part, sub)]
 
 
-def host_needs(sizes: StateSizes, request: OffloadRequest, sub: int) -> HostNeeds:
+def host_needs(sizes: StateSizes, request: OffloadRequest, sub: int, *,
+               grads_on_nvme: bool = False) -> HostNeeds:
     """(bytes of shards homed on the host, the least budget that works, a comfortable budget).
 
     The least: the host-homed shards, plus room for two optimizer sub-groups (the one stepped and
@@ -125,21 +136,29 @@ def host_needs(sizes: StateSizes, request: OffloadRequest, sub: int) -> HostNeed
     extent. Every staging slot is counted at the size of the largest extent, so that arena holes
     left by copies of different sizes can never leave a pinned pipeline without a fitting hole.
     Comfortable: a third sub-group (the previous one being written) and a second parameter shard
-    (a prefetch), so that reads and writes overlap compute."""
+    (a prefetch), so that reads and writes overlap compute. ``grads_on_nvme`` (optimizer on
+    NVMe): the gradient accumulators are not homed on the host; each optimizer sub-group in
+    flight takes a second slot for its gradient slice (a slot, not the slice's own smaller
+    extent, for the same reason: extents of mixed sizes once left a parameter shard no hole),
+    and one more slot takes the slice being accumulated in backward ([Note: gradients on NVMe]
+    in infinity/zero/_grad_reducer.py)."""
     opt_home, param_home = request.optimizer_home, request.param_home
-    opt_shards = _sub_group_shards(sizes, sub)
     opt_nvme, param_nvme = opt_home is Tier.NVME, param_home is Tier.NVME
+    if grads_on_nvme and not opt_nvme:
+        raise ValueError("host_needs: gradients go to NVMe only with the optimizer there")
+    opt_shards = _sub_group_shards(sizes, sub)
     slot = max(extent_bytes(max(opt_shards, default=0)) if opt_nvme else 0,
                extent_bytes(max(sizes.param_shard_bytes, default=0)) if param_nvme else 0)
     homed = (sum(map(extent_bytes, opt_shards)) if opt_home is Tier.HOST else 0) + (
         sum(map(extent_bytes, sizes.param_shard_bytes)) if param_home is Tier.HOST else 0)
-    if opt_home is not Tier.DEVICE:  # the gradient accumulators ([Note: gradient placement])
+    if opt_home is not Tier.DEVICE and not grads_on_nvme:  # [Note: gradient placement]
         homed += sum(extent_bytes(request.grad_accumulator_bytes * part)
                      for part in sizes.optimizer_partition_numel)
     if not slot:
         return HostNeeds(homed, homed, homed)
-    least = homed + slot * (2 * opt_nvme + param_nvme + 1)
-    comfortable = homed + slot * (3 * opt_nvme + 2 * param_nvme + 1)
+    per_sub_group = opt_nvme * (1 + grads_on_nvme)
+    least = homed + slot * (2 * per_sub_group + param_nvme + 1 + grads_on_nvme)
+    comfortable = homed + slot * (3 * per_sub_group + 2 * param_nvme + 1 + grads_on_nvme)
     return HostNeeds(homed, least, comfortable)
 
 
@@ -149,48 +168,86 @@ def _auto_candidates(floor: int) -> list[int]:
             if AUTO_SUB_GROUP_NUMEL >> k >= floor]
 
 
+def _grad_choices(request: OffloadRequest) -> tuple[bool, ...]:
+    """Where the gradient accumulators may go, preferred first: host memory (no NVMe traffic for
+    them), then NVMe when the optimizer is there ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py)."""
+    return (False, True) if request.optimizer_home is Tier.NVME else (False,)
+
+
 def least_host_bytes(sizes: StateSizes, request: OffloadRequest) -> int:
     """The smallest ``memory.host_budget_bytes`` that :func:`resolve_offload_budgets` accepts (at
     the request's sub-group size, or the smallest 'auto' one): what must live in host memory
-    plus the least NVMe staging. 0 when nothing is offloaded."""
+    plus the least NVMe staging (gradients on NVMe where the optimizer is). 0 when nothing is
+    offloaded."""
     if not request.offloaded:
         return 0
     sub = request.sub_group_numel
     subs = [int(sub)] if sub != "auto" else _auto_candidates(_AUTO_LEAST_FLOOR_NUMEL)
-    return min(host_needs(sizes, request, s).least_bytes for s in subs)
+    return min(host_needs(sizes, request, s, grads_on_nvme=grads).least_bytes
+               for s in subs for grads in _grad_choices(request))
 
 
-def _resolve_host_budget(sizes: StateSizes, request: OffloadRequest) -> tuple[int, int, bool]:
-    """(host budget bytes, sub-group numel, room to overlap).
+class _HostChoice(NamedTuple):
+    host_budget_bytes: int
+    sub_group_numel: int
+    overlap: bool
+    grads_on_nvme: bool
+
+
+def _with_margin(nbytes: int) -> int:
+    """An 'auto' host budget: the comfortable staging plus 10 % and 1 MiB."""
+    return nbytes + nbytes // 10 + 2 ** 20
+
+
+def _resolve_host_budget(sizes: StateSizes, request: OffloadRequest) -> _HostChoice:
+    """The host budget, sub-group size, room to overlap, and where the gradients go.
 
     An explicit ``zero.sub_group_numel`` is kept, and overlap is on when the budget holds its
     comfortable staging. 'auto' takes the largest size (down to _AUTO_OVERLAP_FLOOR_NUMEL) whose
     comfortable staging fits, and only when none does, the largest (down to
     _AUTO_LEAST_FLOOR_NUMEL) whose least staging fits, without overlap. Taking the largest size
     that merely fits would turn overlap off at budgets where a smaller sub-group leaves room for
-    it, and back on at larger ones: overlap would not grow with the budget."""
+    it, and back on at larger ones: overlap would not grow with the budget. The gradients stay
+    in host memory whenever an explicit budget holds them (so every budget that holds them runs
+    as it did before gradients could move), and go to NVMe (optimizer there) only when it does
+    not ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py): their 2-4 B per
+    parameter written and read back each step are the price of a model larger than the host.
+
+    An 'auto' budget is the comfortable one plus a margin, with the gradients in host memory
+    while that stays within AUTO_HOST_RAM_FRACTION of the RAM, on NVMe beyond (where that
+    budget is the smaller one: a small model's gradients take less than the slices' staging),
+    so that host memory does not grow with the model."""
     host = request.host_budget_bytes
     if request.sub_group_numel != "auto":
         overlap_sizes = least_sizes = [int(request.sub_group_numel)]
     else:
         overlap_sizes = _auto_candidates(_AUTO_OVERLAP_FLOOR_NUMEL)
         least_sizes = _auto_candidates(_AUTO_LEAST_FLOOR_NUMEL)
-    needs = {sub: host_needs(sizes, request, sub) for sub in {*overlap_sizes, *least_sizes}}
+    choices = _grad_choices(request)
+    needs = {(sub, grads): host_needs(sizes, request, sub, grads_on_nvme=grads)
+             for sub in {*overlap_sizes, *least_sizes} for grads in choices}
     if host == "auto":
-        comfortable = needs[overlap_sizes[0]].comfortable_bytes
-        return comfortable + comfortable // 10 + 2 ** 20, overlap_sizes[0], True
-    for sub in overlap_sizes:
-        if needs[sub].comfortable_bytes <= host:
-            return host, sub, True
-    for sub in least_sizes:
-        if needs[sub].least_bytes <= host:
-            return host, sub, False
+        sub = overlap_sizes[0]
+        budgets = {grads: _with_margin(needs[sub, grads].comfortable_bytes) for grads in choices}
+        ram = request.host_ram_bytes
+        grads = (len(choices) > 1 and budgets[True] < budgets[False]
+                 and (ram is None or budgets[False] > AUTO_HOST_RAM_FRACTION * ram))
+        return _HostChoice(budgets[grads], sub, True, grads)
+    for grads in choices:
+        for sub in overlap_sizes:
+            if needs[sub, grads].comfortable_bytes <= host:
+                return _HostChoice(host, sub, True, grads)
+        for sub in least_sizes:
+            if needs[sub, grads].least_bytes <= host:
+                return _HostChoice(host, sub, False, grads)
     sub = least_sizes[-1]
-    homed, least, _comfortable = needs[sub]
+    grads = min(choices, key=lambda g: needs[sub, g].least_bytes)
+    homed, least, _comfortable = needs[sub, grads]
+    where = "gradient slices" if grads else "one parameter shard"
     raise ValueError(
         f"memory.host_budget_bytes={host} cannot hold what must live in host memory: {least} "
         f"bytes ({homed} of shards homed on the host, {least - homed} of NVMe staging: two "
-        f"optimizer sub-groups of {sub} elements, one parameter shard and a spare); raise it to "
+        f"optimizer sub-groups of {sub} elements, {where} and a spare); raise it to "
         f"at least {least}, lower zero.sub_group_numel, or home more state on 'nvme'")
 
 
@@ -201,7 +258,7 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
     if not request.offloaded:
         return None
     largest_unit = max(sizes.unit_bytes, default=0)
-    host, sub, overlap = _resolve_host_budget(sizes, request)
+    host, sub, overlap, grads_on_nvme = _resolve_host_budget(sizes, request)
     device_budget = request.device_budget_bytes
     device_needed = largest_unit + 2 * max(sizes.param_shard_bytes, default=0)
     if device_budget == "auto":
@@ -214,16 +271,18 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
     # Every shard fits at once: after the first fetch of each, nothing is evicted from the device.
     holds_params = bool(sizes.param_shard_bytes) and device_budget >= sum(sizes.param_shard_bytes)
     window, resident = _optimizer_host_room(sizes, request, sub, host,
-                                            device_holds_params=holds_params)
+                                            device_holds_params=holds_params,
+                                            grads_on_nvme=grads_on_nvme)
     return OffloadBudgets(device_budget_bytes=int(device_budget), host_budget_bytes=int(host),
                           nvme_path=request.nvme_path, sub_group_numel=sub,
                           largest_unit_bytes=largest_unit, overlap=overlap,
                           optimizer_window_sub_groups=window,
-                          optimizer_host_resident_bytes=resident, device_holds_params=holds_params)
+                          optimizer_host_resident_bytes=resident, device_holds_params=holds_params,
+                          grads_on_nvme=grads_on_nvme)
 
 
 def _optimizer_host_room(sizes: StateSizes, request: OffloadRequest, sub: int, host: int, *,
-                         device_holds_params: bool) -> tuple[int, int]:
+                         device_holds_params: bool, grads_on_nvme: bool) -> tuple[int, int]:
     """(read-ahead window in sub-groups, host-resident bytes) of the NVMe optimizer; (2, 0)
     otherwise.
 
@@ -248,18 +307,21 @@ def _optimizer_host_room(sizes: StateSizes, request: OffloadRequest, sub: int, h
     """
     if request.optimizer_home is not Tier.NVME:
         return 2, 0
-    homed = host_needs(sizes, request, sub).homed_bytes
+    homed = host_needs(sizes, request, sub, grads_on_nvme=grads_on_nvme).homed_bytes
     opt_slot = extent_bytes(SUB_GROUP_BYTES_PER_NUMEL
                             * min(sub, max(sizes.optimizer_partition_numel, default=0)))
     param_nvme = request.param_home is Tier.NVME
     slot = max(opt_slot, extent_bytes(max(sizes.param_shard_bytes, default=0)) if param_nvme else 0)
     # Whole slots: sub-groups and parameter shards of different sizes fragment the arena, and
-    # counting finer let a parameter shard find no hole beside a full window.
-    staged = 0 if device_holds_params else 2 * param_nvme
-    slots = (host - homed) // slot - staged - 1 if slot else 0
+    # counting finer let a parameter shard find no hole beside a full window. Gradients on NVMe:
+    # a slot for the slice being accumulated, and two slots per sub-group (its gradient slice).
+    param_staged = 0 if device_holds_params else 2 * param_nvme
+    slots = (host - homed) // slot - param_staged - grads_on_nvme - 1 if slot else 0
+    slots //= 1 + grads_on_nvme
     # An 'auto' budget is the pipeline's need plus a margin: nothing to spare. Parameters read
     # from NVMe every step need the spare room as their host cache (it saves their reads).
-    spare = request.host_budget_bytes != "auto" and not staged
+    # Gradients on NVMe mean the host is short of room: nothing to spare either.
+    spare = request.host_budget_bytes != "auto" and not param_staged and not grads_on_nvme
     resident = 0
     if slots > OPTIMIZER_WINDOW_SLOTS and spare:
         resident, slots = (slots - OPTIMIZER_WINDOW_SLOTS) * slot, OPTIMIZER_WINDOW_SLOTS

@@ -44,16 +44,19 @@ from torch import nn
 from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, load_config
 from infinity.ledger import host_grad_dtype
-from infinity.optim import InMemoryShardOptimizer, OffloadedShardOptimizer
+from infinity.optim import InMemoryShardOptimizer, OffloadedShardOptimizer, StoredGrad
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
 from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
 from infinity.zero._grad_norm import sum_of_squares
+from infinity.zero._host_malloc import fix_mmap_threshold
 from infinity.zero._lazy import materialise_placeholders, recording_of
 from infinity.zero._loss_scale import LossScaler
 from infinity.zero._managed import check_not_wrapped
+from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._offload import build_store, resolve_offload
-from infinity.zero._param_manager import ManagerConfig, ParameterManager, ParamWriteback
+from infinity.zero._param_manager import ParameterManager
+from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_choice import units_of
 
 logger = logging.getLogger(__name__)
@@ -109,7 +112,9 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         max_live_bytes=number(zero.max_live_bytes),
         max_reuse_distance_bytes=None if reuse is None else reuse * compute.itemsize,
         reduce_dtype=compute if precision.reduce_dtype == "compute" else torch.float32,
-        grad_host_dtype=DTYPES[host_grad_dtype(config, world_size)])
+        grad_host_dtype=DTYPES[host_grad_dtype(config, world_size)],
+        stored_grad_slice_numel=(offload.sub_group_numel
+                                 if offload is not None and offload.grads_on_nvme else None))
 
 
 class InfinityEngine:
@@ -140,6 +145,7 @@ class InfinityEngine:
                                            device=self.device)
         self.store, self._swapper = None, None
         if self.offload is not None:
+            fix_mmap_threshold()  # [Note: freed buffers leave the process] in infinity/zero/_host_malloc.py
             self.store, self._swapper = build_store(self.device, self.offload,
                                                     swapper_config=config.swapper,
                                                     rank=self.collectives.rank)
@@ -341,12 +347,15 @@ class InfinityEngine:
             self.flush_offload()
         self.manager.after_step()
 
-    def _global_norm_sq(self, grads: Mapping[str, torch.Tensor]) -> tuple[float, bool]:
+    def _global_norm_sq(self, grads: Mapping[str, torch.Tensor | StoredGrad]
+                        ) -> tuple[float, bool]:
         """Sum of squares over the optimizer partitions, summed over ranks when they are sharded
-        (stage 0 partitions are replicated: each rank already holds every gradient once)."""
+        (stage 0 partitions are replicated: each rank already holds every gradient once). A
+        stored gradient brings its own, taken as it was accumulated ([Note: gradients on NVMe]
+        in infinity/zero/_grad_reducer.py)."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in grads.values():
-            total += sum_of_squares(g)
+            total += g.sum_sq if isinstance(g, StoredGrad) else sum_of_squares(g)
         if self.manager.stage > 0:
             self.collectives.all_reduce_sum(total, context="global gradient norm")
         value = float(total.item())
@@ -375,6 +384,9 @@ class InfinityEngine:
         if self.config.offload_param.device == "nvme":
             nvme += sum(g.shard_numel * self.compute_dtype.itemsize for u in self.manager.units
                         for g in u.groups if g.store_key is not None)
+        grads_on_nvme = self.offload is not None and self.offload.grads_on_nvme
+        if grads_on_nvme:  # [Note: gradients on NVMe] in infinity/zero/_grad_reducer.py
+            nvme += self.manager.grad_accumulator_bytes()
         return {
             "world_size": self.collectives.world_size,
             "stage": self.manager.stage,
@@ -399,6 +411,7 @@ class InfinityEngine:
             "optimizer_read_wait_s": self.optimizer.wait_s,
             # [Note: host-resident sub-groups]: optimizer state homed on HOST out of an NVMe home.
             "optimizer_host_resident_bytes": self.optimizer.host_resident_bytes,
+            "grads_on_nvme": grads_on_nvme,
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.scale,

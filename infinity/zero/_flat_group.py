@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from infinity._transitions import TransitionTable
+from infinity.optim import StoredGrad
 
 
 @dataclasses.dataclass
@@ -84,6 +85,10 @@ class FlatGroup:
     """Offloaded optimizer: the accumulator (fp32, or the compute dtype: ledger.host_grad_dtype_of)
     over the optimizer's partition in the store's host arena; ``grad_acc`` is it while it holds a
     gradient ([Note: gradient placement])."""
+    grad_stored: StoredGrad | None = None
+    """Offloaded optimizer on NVMe with gradients there: the accumulator as NVMe-homed slices in
+    the store, in place of ``grad_host`` ([Note: gradients on NVMe] in
+    infinity/zero/_grad_reducer.py)."""
     store_key: str | None = None
     """Key of the parameter shard in the tiered store (parameter offload), else None."""
 

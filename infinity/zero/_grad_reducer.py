@@ -14,6 +14,23 @@ or host memory when the optimizer is offloaded) is [Note: gradient placement] in
 infinity/ledger/_estimate.py. Units with parameters unused in this backward are reduced at the end
 of backward, in unit order, after the ranks agree (one small all-reduce) on which units still hold
 gradients.
+
+[Note: gradients on NVMe]
+Host accumulators hold 2-4 B per parameter for the whole model until the step: 6.6-13 GB at 3.3B
+parameters, which alone breaks "host memory does not grow with the model". So when the optimizer
+is on NVMe and the host budget cannot hold every accumulator beside a comfortable pipeline (an
+explicit budget, or an 'auto' one that would pass AUTO_HOST_RAM_FRACTION of the RAM; the offload
+budgets decide, :mod:`infinity.tiers._offload_budgets`), each accumulator is a
+:class:`~infinity.optim.StoredGrad`: NVMe-homed slices of the store, one per optimizer sub-group.
+The reduced gradient of a unit is written slice by slice into a HOST copy (the first micro-batch
+overwrites it without reading, later ones read and add), marked dirty and written back at once,
+so the store may evict it under the budget like any clean copy; the optimizer acquires each
+slice with its sub-group and drops it once stepped. This is ZeRO-Infinity's choice (gradient
+partitions go to NVMe) over fusing the update into backward, which cannot clip by the exact
+global norm: that needs every gradient first. The norm needs no read-back either: each slice's
+sum of squares is taken while it is in memory, after the last addition (``StoredGrad.sum_sq``).
+The price is the gradient's bytes written once and read once per step (+2-4 B per parameter of
+NVMe traffic against the optimizer's 24), paid only where the host cannot hold them.
 """
 
 from __future__ import annotations
@@ -23,9 +40,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from infinity.tiers import Tier, TieredStore
+from infinity.optim import StoredGrad
+from infinity.tiers import Tier, TieredStore, TierHandle
 from infinity.zero._collectives import Collectives
 from infinity.zero._flat_group import FlatGroup, ParamSlot
+from infinity.zero._grad_norm import sum_of_squares
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +57,9 @@ class ReducerConfig:
     """What gradients cross ranks in: fp32, or the compute dtype (``precision.reduce_dtype``)."""
     host_dtype: torch.dtype
     """Dtype of the host accumulators of an offloaded optimizer (``ledger.host_grad_dtype_of``)."""
+    stored_slice_numel: int | None = None
+    """The optimizer's sub-group size when the accumulators are NVMe-homed slices of it
+    ([Note: gradients on NVMe]); None: whole HOST-homed accumulators."""
 
 
 class GradientReducer:
@@ -59,6 +81,9 @@ class GradientReducer:
         self.host_store = host_store
         """Holds the host accumulators of an offloaded optimizer; None: on the device."""
         self.on_ready = on_ready
+        self._writebacks: list[TierHandle] = []
+        """Write-backs of stored gradient slices issued in this accumulation window (their
+        errors are raised by :meth:`partitions`)."""
 
     @property
     def offloaded(self) -> bool:
@@ -68,12 +93,21 @@ class GradientReducer:
         """[Note: gradient placement]: one accumulator per trainable group over the optimizer's
         partition (fp32, or the compute dtype where nothing is summed in fp32: ``host_dtype``),
         homed in the store's host arena (so ``memory.host_budget_bytes`` covers it), allocated
-        once and never evicted (a HOST home copy stays put)."""
+        once and never evicted (a HOST home copy stays put); or, with ``stored_slice_numel``,
+        NVMe-homed slices of it ([Note: gradients on NVMe])."""
+        sub = self.config.stored_slice_numel
         for g in groups:
             key = f"grad/{g.key}"
             numel = g.padded_numel if self.config.stage == 0 else g.shard_numel
-            self.host_store.register(key, numel, self.config.host_dtype, Tier.HOST)
-            g.grad_host = self.host_store.get(key, Tier.HOST)
+            if sub is None:
+                self.host_store.register(key, numel, self.config.host_dtype, Tier.HOST)
+                g.grad_host = self.host_store.get(key, Tier.HOST)
+                continue
+            bounds = tuple((lo, min(numel, lo + sub)) for lo in range(0, numel, sub))
+            keys = tuple(f"{key}/{i}" for i in range(len(bounds)))
+            for (lo, hi), k in zip(bounds, keys):  # zeros, no file until first written
+                self.host_store.register(k, hi - lo, self.config.host_dtype, Tier.NVME)
+            g.grad_stored = StoredGrad(store_keys=keys, bounds=bounds)
 
     def stage(self, group: FlatGroup, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add one parameter's ``grad`` into its group's staging buffer (created on first use)."""
@@ -132,7 +166,10 @@ class GradientReducer:
     def _accumulate(self, g: FlatGroup, part: torch.Tensor) -> None:
         """Add one micro-batch's reduced gradient into the accumulator: on the device, or, with an
         offloaded optimizer, into the host buffer, dropping the device copy
-        ([Note: gradient placement] in infinity/ledger/_estimate.py)."""
+        ([Note: gradient placement] in infinity/ledger/_estimate.py), or into its stored slices."""
+        if g.grad_stored is not None:
+            self._accumulate_stored(g.grad_stored, part)
+            return
         if g.grad_host is None:
             if g.grad_acc is None:
                 g.grad_acc = part
@@ -149,14 +186,45 @@ class GradientReducer:
         else:  # a blocking copy: it also waits for the earlier copies on the stream
             g.grad_acc.add_(part.to(g.grad_host.device))
 
-    def partitions(self, groups: Iterable[FlatGroup]) -> dict[str, torch.Tensor]:
+    def _accumulate_stored(self, stored: StoredGrad, part: torch.Tensor) -> None:
+        """[Note: gradients on NVMe]: add ``part`` into the stored slices (the first micro-batch
+        of a window overwrites them unread), each written back at once; the sum of squares is
+        taken while each slice is in memory."""
+        store, total = self.host_store, 0.0
+        for (lo, hi), key in zip(stored.bounds, stored.store_keys):
+            buf = store.acquire(key, Tier.HOST, overwrite=not stored.live).wait()
+            try:
+                if stored.live:
+                    buf.add_(part[lo:hi].to(buf.device))
+                else:  # a blocking copy: the write-back's thread reads the bytes next
+                    buf.copy_(part[lo:hi])
+                total += float(sum_of_squares(buf))
+                store.mark_dirty(key, Tier.HOST)
+            except BaseException:
+                store.release(key, Tier.HOST)
+                if not stored.live:  # overwrite's contract: a failed write leaves no copy
+                    store.evict(key, Tier.HOST)
+                raise
+            store.release(key, Tier.HOST)
+            self._writebacks.append(store.write_back(key))
+        stored.live, stored.sum_sq = True, total
+
+    def partitions(self, groups: Iterable[FlatGroup]) -> dict[str, torch.Tensor | StoredGrad]:
         """Gradient per trainable group over the optimizer's partition (fp32, or the host
-        accumulators' ``host_dtype``); absent when zero."""
+        accumulators' ``host_dtype``; a :class:`StoredGrad` where they are stored slices);
+        absent when zero. Raises the error of any stored slice's write-back."""
         device = self.config.device
         if self.offloaded and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # host copies have landed
+        writebacks, self._writebacks = self._writebacks, []
+        for handle in writebacks:
+            handle.wait()
         out = {}
         for g in groups:
+            if g.grad_stored is not None:
+                if g.grad_stored.live:
+                    out[g.key] = g.grad_stored
+                continue
             if g.grad_acc is None:
                 continue
             if self.config.stage == 1 and g.grad_acc is not g.grad_host:
@@ -168,6 +236,9 @@ class GradientReducer:
 
     @staticmethod
     def zero(groups: Iterable[FlatGroup]) -> None:
-        """Forget the accumulated gradients (the host buffers stay allocated, to be overwritten)."""
+        """Forget the accumulated gradients (the host buffers stay allocated, to be overwritten;
+        stored slices are overwritten unread by the next micro-batch)."""
         for g in groups:
             g.grad_acc = None
+            if g.grad_stored is not None:
+                g.grad_stored.live = False

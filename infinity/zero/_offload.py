@@ -8,6 +8,7 @@ once, so the engine, ``infinity train`` and the benchmarks size offload the same
 
 from __future__ import annotations
 
+import psutil
 import torch
 from torch import nn
 
@@ -51,7 +52,8 @@ def offload_request(config: InfinityConfig, world_size: int) -> OffloadRequest:
                           device_budget_bytes=config.memory.device_budget_bytes,
                           sub_group_numel=config.zero.sub_group_numel,
                           grad_accumulator_bytes=DTYPE_BYTES[grad_dtype],
-                          nvme_path=nvme_paths[0] if nvme_paths else None)
+                          nvme_path=nvme_paths[0] if nvme_paths else None,
+                          host_ram_bytes=psutil.virtual_memory().total)
 
 
 def _sizes_of(module: nn.Module, config: InfinityConfig, world_size: int) -> StateSizes:

@@ -17,7 +17,9 @@ Collaborators, each owned here: :class:`~infinity.zero._unit_builder.UnitBuilder
 :class:`~infinity.zero._grad_reducer.GradientReducer` reduces and accumulates their gradients
 ([Note: gradient ledger]), :class:`~infinity.zero._prefetcher.ParamPrefetcher` brings offloaded
 shards up ahead of use, :class:`~infinity.zero._outside_use.OutsideUseDetector` watches the first
-forward ([Note: parameters used outside their module]).
+forward ([Note: parameters used outside their module]). Its settings are a
+:class:`~infinity.zero._manager_config.ManagerConfig`; where it is in the training loop, a
+:class:`~infinity.zero._training_state.TrainingState` changed only through its table.
 
 [Note: release keeps parameter identity]
 Each parameter is, once and for all at set-up, made a view of its unit's full flat buffer
@@ -46,8 +48,6 @@ called twice gathers again on its second call.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import logging
 from typing import Any, Callable, Iterator
 
@@ -55,88 +55,22 @@ import torch
 from torch import nn
 
 from infinity._common import warn_once
-from infinity._transitions import TransitionTable
+from infinity.optim import StoredGrad
 from infinity.prefetch import Level
 from infinity.tiers import Tier, TieredStore
 from infinity.zero._collectives import Collectives, Phase, check_env_enabled
 from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
 from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
 from infinity.zero._managed import check_not_wrapped, mark_managed
+from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._outside_use import OutsideUseDetector, tensors_in
-from infinity.zero._prefetcher import ParamPrefetcher, PrefetchUnit, disabled_stats, prefetch_config
+from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
+                                       prefetch_config)
+from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
 from infinity.zero._unit_builder import BuildSettings, InitialValues, UnitBuilder
 from infinity.zero._unit_choice import UnitChoice
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ManagerConfig:
-    """The settings of one :class:`ParameterManager`, resolved by the engine (no 'auto' left)."""
-
-    stage: int
-    device: torch.device
-    compute_dtype: torch.dtype
-    param_home: Tier = Tier.DEVICE
-    """Home of the shards of units gathered on demand (stage 3): DEVICE keeps them on the device;
-    HOST or NVME puts them in the tiered store (parameter offload)."""
-    optimizer_offloaded: bool = False
-    """The optimizer lives off the device: masters are built in host memory for it, and gradient
-    accumulators live in the store's host arena ([Note: gradient placement])."""
-    prefetch: bool = True
-    """Read the next units' offloaded shards ahead of use (the host budget has room for it)."""
-    prefetch_lookahead_bytes: int | None = None
-    """Bytes of prefetches in flight ahead of compute at most; None: from bandwidth and trace."""
-    max_live_bytes: int | None = None
-    """Gathered unit bytes resident at once at most; None: only the device budget's limit."""
-    max_reuse_distance_bytes: int | None = None
-    """Keep a unit gathered when the trace reuses it within this many bytes of other units;
-    None: the largest unit's gathered bytes."""
-    reduce_dtype: torch.dtype = torch.float32
-    """What gradients cross ranks in (``precision.reduce_dtype``)."""
-    grad_host_dtype: torch.dtype = torch.float32
-    """Dtype of an offloaded optimizer's host gradient accumulators (``ledger.host_grad_dtype_of``)."""
-
-
-class TrainingState(enum.Enum):
-    """Where the manager is in the training loop (which units hold their full buffers on the
-    device in each state is the unit's own :class:`UnitState`)."""
-
-    IDLE = "idle"
-    """Between steps (before the first forward, after a backward or an evaluation forward): only
-    always-gathered units (and units the prefetcher warmed as shard copies) hold bytes."""
-    FORWARD = "forward"
-    """Inside ``forward_scope``: units are gathered around their modules."""
-    AWAITING_BACKWARD = "awaiting-backward"
-    """A forward with grad enabled ended; its graph holds the units' saved views."""
-    BACKWARD = "backward"
-    """Between ``begin_backward`` and ``finish_backward``: units are gathered for their gradients
-    and released once those are reduced."""
-
-
-_I, _F, _A, _B = (TrainingState.IDLE, TrainingState.FORWARD, TrainingState.AWAITING_BACKWARD,
-                  TrainingState.BACKWARD)
-TRAINING_TRANSITIONS = TransitionTable("parameter manager", {
-    (_I, _F): "a forward through the engine starts",
-    (_A, _F): "another forward before the backward (several losses summed into one)",
-    (_F, _A): "a forward with grad enabled ended: a backward is expected",
-    (_F, _I): "a forward without grad ended (evaluation), or a forward raised",
-    (_A, _B): "engine.backward(loss) starts",
-    (_I, _B): "a backward with no forward of the engine since the last one (the module called "
-              "directly, hooks only; an evaluation forward in between; retain_graph)",
-    (_B, _I): "the backward ended (finish_backward) or raised (abort_backward)",
-})
-"""The manager's allowed :class:`TrainingState` changes, each with why."""
-
-
-class ParamWriteback(enum.Enum):
-    """When a stored parameter shard the optimizer updated goes back to its home tier."""
-
-    EAGER = "eager"
-    """Right after the update (its write overlaps the updates of later keys)."""
-    LAZY = "lazy"
-    """On eviction or a flush (checkpoints, weights): the device holds every stored shard and
-    the optimizer step is deferred ([Note: deferred optimizer step])."""
 
 
 class ParameterManager:
@@ -195,7 +129,8 @@ class ParameterManager:
             g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups}
         self.reducer = GradientReducer(
             ReducerConfig(stage=config.stage, device=config.device,
-                          reduce_dtype=config.reduce_dtype, host_dtype=config.grad_host_dtype),
+                          reduce_dtype=config.reduce_dtype, host_dtype=config.grad_host_dtype,
+                          stored_slice_numel=config.stored_grad_slice_numel),
             collectives=collectives, host_store=store if config.optimizer_offloaded else None,
             on_ready=on_grad_ready)
         if config.optimizer_offloaded:
@@ -587,9 +522,16 @@ class ParameterManager:
         if self._fetcher is not None:
             self._fetcher.warm_next_step()  # the shards are final: the next step's first units
 
-    def grad_partitions(self) -> dict[str, torch.Tensor]:
-        """Gradient per trainable group over the optimizer's partition; absent when zero."""
+    def grad_partitions(self) -> dict[str, torch.Tensor | StoredGrad]:
+        """Gradient per trainable group over the optimizer's partition (a tensor, or slices in
+        the store: :meth:`GradientReducer.partitions`); absent when zero."""
         return self.reducer.partitions(self.trainable_groups())
+
+    def grad_accumulator_bytes(self) -> int:
+        """Bytes of the offloaded optimizer's gradient accumulators (host or stored slices)."""
+        per = self.config.grad_host_dtype.itemsize
+        return sum((g.padded_numel if self.stage == 0 else g.shard_numel) * per
+                   for g in self.trainable_groups())
 
     def zero_grads(self) -> None:
         self.reducer.zero(self.trainable_groups())

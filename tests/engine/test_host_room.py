@@ -21,8 +21,8 @@ import infinity
 from infinity.io import aligned_empty
 from infinity.ledger import estimate_from_config
 from infinity.tiers import Tier
-from infinity.zero import least_host_budget_bytes
-from infinity.zero._param_manager import ParamWriteback
+from infinity.zero import host_needs_of
+from infinity.zero._training_state import ParamWriteback
 from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
                                    reference_train, tiny_gpt)
 
@@ -65,7 +65,8 @@ def test_host_resident_sub_groups_train_like_adamw_and_skip_nvme(tmp_path):
     ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype="bf16", clip=0.05)
     probe = _engine(tmp_path / "probe")  # the 'auto' budget: the pipeline's own need
     assert probe.offload.optimizer_host_resident_bytes == 0  # 'auto' keeps its margin
-    least = least_host_budget_bytes(probe.module, probe.config)
+    # The least budget with the gradients on the host (below it they would go to NVMe).
+    least = host_needs_of(probe.module, probe.config, 300).least_bytes
     probe.close()
     # Slots of 8 KiB (a block's parameter shard; a sub-group of 300 fp32 x 3 takes 4 KiB): the
     # least budget holds 4 of them, this one 12: one spare, a window of 3, and 8 slots for

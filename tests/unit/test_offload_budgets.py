@@ -8,18 +8,27 @@ the gradient accumulators, bf16 here (2 bytes an element: one rank, one micro-ba
 summed in fp32). Overlap needs six slots (the read of i+1,
 the update of i, the write of i-1, two parameter shards, a spare); the least that works, four
 (two sub-groups, one parameter shard, a spare).
+
+Where the budget cannot hold the accumulators so, they are NVMe-homed slices ([Note: gradients
+on NVMe] in infinity/zero/_grad_reducer.py): nothing is homed on the host, each optimizer
+sub-group in flight takes a second slot for its gradient slice, and one more slot takes the slice
+being accumulated: ten slots for overlap, seven at the least. The gradients stay on the host
+whenever the budget holds them there.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from infinity.config import load_config
 from infinity.models.gpt import GPT, PRESETS
-from infinity.tiers import AUTO_SUB_GROUP_NUMEL
+from infinity.tiers import (AUTO_HOST_RAM_FRACTION, AUTO_SUB_GROUP_NUMEL, StateSizes,
+                            resolve_offload_budgets)
 from infinity.zero import least_host_budget_bytes
-from infinity.zero._offload import resolve_offload
+from infinity.zero._offload import offload_request, resolve_offload
 from infinity.zero._unit_choice import choose_units, units_of
 
 CPU = torch.device("cpu")
@@ -54,16 +63,33 @@ def _extent(nbytes):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """sub -> (homed bytes, least budget, budget with overlap), from the units' element counts."""
+    """(sub, gradients on NVMe) -> (homed bytes, least budget, budget with overlap), from the
+    units' element counts."""
     numels = [sum(p.numel() for _, p in u.params) for u in choose_units(model, **UNITS).units]
     assert len(numels) >= 5 and sum(numels) == sum(p.numel() for p in model.parameters())
-    homed = sum(_extent(2 * n) for n in numels)  # bf16 gradient accumulators
     param_slot = _extent(2 * max(numels))
 
-    def needs(sub):
-        slot = max(_extent(12 * min(sub, max(numels))), param_slot)
+    def needs(sub, grads_on_nvme=False):
+        n = min(sub, max(numels))
+        slot = max(_extent(12 * n), param_slot)
+        if grads_on_nvme:
+            return 0, 7 * slot, 10 * slot
+        homed = sum(_extent(2 * n) for n in numels)  # bf16 gradient accumulators
         return homed, homed + 4 * slot, homed + 6 * slot
     return needs
+
+
+def _expected(reference, host, sub="auto"):
+    """(sub, overlap, grads on NVMe) the documented rule picks for an explicit ``host`` budget
+    ('auto' or one sub-group size); None when nothing fits."""
+    overlap_sizes = [s for s in AUTO_SIZES if s >= OVERLAP_FLOOR] if sub == "auto" else [sub]
+    least_sizes = AUTO_SIZES if sub == "auto" else [sub]
+    for grads in (False, True):
+        for level, sizes in ((2, overlap_sizes), (1, least_sizes)):
+            for sub in sizes:
+                if reference(sub, grads)[level] <= host:
+                    return sub, level == 2, grads
+    return None
 
 
 def plan_offload(model, config, *, world_size, device):
@@ -82,58 +108,86 @@ def _plan(model, host, sub="auto"):
 
 
 def _sweep_budgets(reference):
-    least = reference(LEAST_FLOOR)[1]
+    least = min(reference(LEAST_FLOOR, g)[1] for g in (False, True))
     full = reference(AUTO_SUB_GROUP_NUMEL)[2]
     budgets = {least + (full - least) * i // 60 for i in range(61)}
     for sub in AUTO_SIZES:  # every threshold, exactly and one byte short
-        for b in reference(sub)[1:]:
-            budgets |= {b - 1, b}
+        for grads in (False, True):
+            for b in reference(sub, grads)[1:]:
+                budgets |= {b - 1, b}
     return sorted(b for b in budgets if least <= b <= full)
 
 
 def test_auto_overlap_is_monotonic_in_the_host_budget(model, reference):
+    """Overlap grows with the budget on each side of the least budget that holds the gradients
+    on the host: below it they go to NVMe, from it on they stay on the host."""
     budgets = _sweep_budgets(reference)
-    overlaps = []
-    for host in budgets:
-        plan = _plan(model, host)
-        assert plan.host_budget_bytes == host
-        sub = plan.sub_group_numel
-        assert sub in AUTO_SIZES
-        homed, least, comfortable = reference(sub)
-        if plan.overlap:
-            assert sub >= OVERLAP_FLOOR and comfortable <= host, (host, sub)
-            if sub < AUTO_SUB_GROUP_NUMEL:  # the largest size that fits with overlap
-                assert reference(2 * sub)[2] > host, (host, sub)
-        else:
-            assert least <= host, (host, sub)
-            assert all(reference(s)[2] > host for s in AUTO_SIZES if s >= OVERLAP_FLOOR), host
-            if sub < AUTO_SUB_GROUP_NUMEL:
-                assert reference(2 * sub)[1] > host, (host, sub)
-        overlaps.append(plan.overlap)
-    first_on = overlaps.index(True)
-    assert 0 < first_on and all(overlaps[first_on:]) and not any(overlaps[:first_on]), \
-        list(zip(budgets, overlaps))
-    # the threshold is the least budget with overlap at the smallest size allowed for it
-    assert budgets[first_on] == min(reference(s)[2] for s in AUTO_SIZES if s >= OVERLAP_FLOOR)
+    host_least = reference(LEAST_FLOOR)[1]
+    for grads in (True, False):
+        side = [b for b in budgets if (b < host_least) == grads]
+        overlaps = []
+        for host in side:
+            plan = _plan(model, host)
+            assert plan.host_budget_bytes == host
+            assert (plan.sub_group_numel, plan.overlap, plan.grads_on_nvme) == \
+                (*_expected(reference, host)[:2], grads), host
+            overlaps.append(plan.overlap)
+        # the threshold: the least budget with overlap at the smallest size allowed for it
+        threshold = min(reference(s, grads)[2] for s in AUTO_SIZES if s >= OVERLAP_FLOOR)
+        if threshold > side[-1]:  # this small model: no overlap before the gradients fit
+            assert grads and not any(overlaps)
+            continue
+        first_on = overlaps.index(True)
+        assert 0 < first_on and all(overlaps[first_on:]) and not any(overlaps[:first_on]), \
+            list(zip(side, overlaps))
+        assert side[first_on] == threshold, grads
 
 
 def test_auto_budget_below_the_least_is_an_error_naming_the_fix(model, reference):
-    least = reference(LEAST_FLOOR)[1]
+    least = reference(LEAST_FLOOR, True)[1]
+    assert least < reference(LEAST_FLOOR)[1]  # the gradients' room is what NVMe saves
     with pytest.raises(ValueError, match=_too_small(least)):
         _plan(model, least - 1)
-    assert not _plan(model, least).overlap
+    plan = _plan(model, least)
+    assert not plan.overlap and plan.grads_on_nvme
+
+
+@pytest.mark.parametrize("ram_gib, on_nvme", [(64, False), (2, True)])
+def test_auto_host_budget_keeps_gradients_on_the_host_only_within_a_fraction_of_ram(
+        ram_gib, on_nvme):
+    """'auto': the comfortable budget plus a margin, gradients on the host while that is within
+    AUTO_HOST_RAM_FRACTION of the RAM, so that host memory does not grow with the model. A
+    160M-parameter model of 40 units (bf16 gradients: 320 MiB; sub-groups of 4 Mi elements): on
+    the host with 64 GiB of RAM, on NVMe with 2 GiB."""
+    numel, units = AUTO_SUB_GROUP_NUMEL, 40
+    sizes = StateSizes(unit_bytes=(2 * numel,) * units, param_shard_bytes=(2 * numel,) * units,
+                       optimizer_partition_numel=(numel,) * units)
+    request = dataclasses.replace(offload_request(_config("auto"), 1),
+                                  host_ram_bytes=ram_gib * 2 ** 30)
+    plan = resolve_offload_budgets(sizes, request, device=CPU)
+    state_slot, grad_slot = 12 * numel, 2 * numel  # already whole extents
+    with_host_grads = units * grad_slot + 6 * state_slot
+    with_nvme_grads = 10 * state_slot
+    comfortable = with_nvme_grads if on_nvme else with_host_grads
+    assert plan.grads_on_nvme is on_nvme and plan.sub_group_numel == numel and plan.overlap
+    assert plan.host_budget_bytes == comfortable + comfortable // 10 + 2 ** 20
+    assert with_nvme_grads < with_host_grads  # NVMe is chosen only where it saves host room
+    assert (with_host_grads * 1.1 > AUTO_HOST_RAM_FRACTION * ram_gib * 2 ** 30) is on_nvme
 
 
 @pytest.mark.parametrize("sub", [2 ** 20, 3000])
 def test_explicit_sub_group_numel_is_kept(model, reference, sub):
     _homed, least, comfortable = reference(sub)
-    for host in sorted({least, (least + comfortable) // 2, comfortable - 1, comfortable,
+    _, least_nvme, comfortable_nvme = reference(sub, True)
+    for host in sorted({least_nvme, comfortable_nvme - 1, comfortable_nvme, least,
+                        (least + comfortable) // 2, comfortable - 1, comfortable,
                         2 * comfortable}):
         plan = _plan(model, host, sub)
         assert plan.sub_group_numel == sub and plan.host_budget_bytes == host
-        assert plan.overlap == (comfortable <= host), host
-    with pytest.raises(ValueError, match=_too_small(least)):
-        _plan(model, least - 1, sub)
+        assert plan.overlap == (min(comfortable, comfortable_nvme) <= host), host
+        assert (sub, plan.overlap, plan.grads_on_nvme) == _expected(reference, host, sub), host
+    with pytest.raises(ValueError, match=_too_small(min(least, least_nvme))):
+        _plan(model, min(least, least_nvme) - 1, sub)
     auto = _plan(model, "auto", sub)
     assert auto.sub_group_numel == sub and auto.overlap and auto.host_budget_bytes >= comfortable
 

@@ -1,0 +1,40 @@
+"""The parameter manager's settings, resolved by the engine from the config once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from infinity.tiers import Tier
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """The settings of one :class:`ParameterManager`, resolved by the engine (no 'auto' left)."""
+
+    stage: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    param_home: Tier = Tier.DEVICE
+    """Home of the shards of units gathered on demand (stage 3): DEVICE keeps them on the device;
+    HOST or NVME puts them in the tiered store (parameter offload)."""
+    optimizer_offloaded: bool = False
+    """The optimizer lives off the device: masters are built in host memory for it, and gradient
+    accumulators live in the store's host arena ([Note: gradient placement])."""
+    prefetch: bool = True
+    """Read the next units' offloaded shards ahead of use (the host budget has room for it)."""
+    prefetch_lookahead_bytes: int | None = None
+    """Bytes of prefetches in flight ahead of compute at most; None: from bandwidth and trace."""
+    max_live_bytes: int | None = None
+    """Gathered unit bytes resident at once at most; None: only the device budget's limit."""
+    max_reuse_distance_bytes: int | None = None
+    """Keep a unit gathered when the trace reuses it within this many bytes of other units;
+    None: the largest unit's gathered bytes."""
+    reduce_dtype: torch.dtype = torch.float32
+    """What gradients cross ranks in (``precision.reduce_dtype``)."""
+    grad_host_dtype: torch.dtype = torch.float32
+    """Dtype of an offloaded optimizer's host gradient accumulators (``ledger.host_grad_dtype_of``)."""
+    stored_grad_slice_numel: int | None = None
+    """The optimizer's sub-group size when the gradient accumulators are NVMe-homed slices
+    ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py); None: in host memory."""
