@@ -37,7 +37,8 @@ OPTIMIZER_WINDOW_SLOTS = 3
 ([Note: host-resident sub-groups])."""
 AUTO_HOST_RAM_FRACTION = 0.125
 """An 'auto' host budget keeps an NVMe optimizer's gradients in host memory only while the whole
-budget stays within this fraction of the machine's RAM ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py)."""
+budget stays within this fraction of the machine's RAM ([Note: gradients on NVMe] in
+infinity/zero/_grad_reducer.py)."""
 _CPU_DEVICE_MARGIN_BYTES = 64 * 2 ** 20
 _CUDA_FREE_FRACTION = 0.8
 
@@ -111,8 +112,8 @@ class OffloadBudgets:
     fetched they stay on the device, so the host needs no parameter staging in the step, and
     with the optimizer on NVMe updated shards go home lazily (on eviction or flush)."""
     grads_on_nvme: bool = False
-    """Optimizer on NVMe and the host budget cannot hold every gradient accumulator beside a
-    comfortable pipeline: the accumulators are NVMe-homed slices of ``sub_group_numel`` elements
+    """Optimizer on NVMe and the host budget cannot hold every gradient accumulator beside the
+    NVMe staging: the accumulators are NVMe-homed slices of ``sub_group_numel`` elements
     ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py)."""
 
 
@@ -170,7 +171,8 @@ def _auto_candidates(floor: int) -> list[int]:
 
 def _grad_choices(request: OffloadRequest) -> tuple[bool, ...]:
     """Where the gradient accumulators may go, preferred first: host memory (no NVMe traffic for
-    them), then NVMe when the optimizer is there ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py)."""
+    them), then NVMe when the optimizer is there ([Note: gradients on NVMe] in
+    infinity/zero/_grad_reducer.py)."""
     return (False, True) if request.optimizer_home is Tier.NVME else (False,)
 
 

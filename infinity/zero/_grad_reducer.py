@@ -18,9 +18,9 @@ gradients.
 [Note: gradients on NVMe]
 Host accumulators hold 2-4 B per parameter for the whole model until the step: 6.6-13 GB at 3.3B
 parameters, which alone breaks "host memory does not grow with the model". So when the optimizer
-is on NVMe and the host budget cannot hold every accumulator beside a comfortable pipeline (an
-explicit budget, or an 'auto' one that would pass AUTO_HOST_RAM_FRACTION of the RAM; the offload
-budgets decide, :mod:`infinity.tiers._offload_budgets`), each accumulator is a
+is on NVMe and the host budget cannot hold every accumulator beside the NVMe staging (an explicit
+budget too small for them, or an 'auto' one that would pass AUTO_HOST_RAM_FRACTION of the RAM;
+the offload budgets decide, :mod:`infinity.tiers._offload_budgets`), each accumulator is a
 :class:`~infinity.optim.StoredGrad`: NVMe-homed slices of the store, one per optimizer sub-group.
 The reduced gradient of a unit is written slice by slice into a HOST copy (the first micro-batch
 overwrites it without reading, later ones read and add), marked dirty and written back at once,
@@ -201,9 +201,10 @@ class GradientReducer:
                 total += float(sum_of_squares(buf))
                 store.mark_dirty(key, Tier.HOST)
             except BaseException:
+                # The copy's bytes may be half written: drop it (overwrite's contract too), so
+                # the home keeps the last sum that was marked dirty.
                 store.release(key, Tier.HOST)
-                if not stored.live:  # overwrite's contract: a failed write leaves no copy
-                    store.evict(key, Tier.HOST)
+                store.evict(key, Tier.HOST)
                 raise
             store.release(key, Tier.HOST)
             self._writebacks.append(store.write_back(key))
