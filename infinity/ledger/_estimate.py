@@ -47,7 +47,7 @@ Where the accumulator lives:
   place. The fp32 masters such an optimizer takes over are built in host memory too, so neither
   gradients nor masters ever sit on the device as a whole.
 * With the optimizer on NVMe the gradients accumulate in host memory while the host budget holds
-  them beside a comfortable pipeline: writing 4 B per parameter during backward and reading it back
+  them beside the NVMe staging: writing 4 B per parameter during backward and reading it back
   at the step would add 8 B to the step's 24 B of NVMe traffic (+33 % on the slowest link) and
   contend with the parameter reads of the backward. Where the budget cannot hold them (a large
   model), they are NVMe-homed slices instead, and only a few slices sit in host memory

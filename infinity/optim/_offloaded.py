@@ -266,15 +266,22 @@ class OffloadedShardOptimizer:
             sg.transition(SubGroupState.AT_REST)  # nothing was pinned
             raise
         try:
-            grad = self._run.grads.get(sg.key) if self._run is not None else None
-            if isinstance(grad, StoredGrad):
-                sg.grad_read = self.store.acquire(grad.store_key_of(sg.lo, sg.hi), Tier.HOST)
+            if self._run is not None:
+                sg.grad_read = self._acquire_grad(self._run, sg)
         except BaseException:
             handle, sg.read = sg.read, None
             self._unpin(handle)
             sg.transition(SubGroupState.AT_REST)
             raise
         self._reading[sg.store_key] = sg
+
+    def _acquire_grad(self, run: StepRun, sg: SubGroup) -> TierHandle | None:
+        """Acquire ``sg``'s gradient slice into HOST when ``run``'s gradient of its key is a
+        :class:`StoredGrad`; None when the gradient is a tensor (or absent)."""
+        grad = run.grads.get(sg.key)
+        if not isinstance(grad, StoredGrad):
+            return None
+        return self.store.acquire(grad.store_key_of(sg.lo, sg.hi), Tier.HOST)
 
     def _unpin(self, handle: TierHandle | None) -> bool:
         """Release the pin of an acquire (one whose read failed holds none: False)."""
@@ -491,15 +498,14 @@ class OffloadedShardOptimizer:
                         open_key = sg.key
                         out_ctx = open_param_out(self._outs[sg.key], overwrite=True)
                         out = out_ctx.__enter__()
-                    grad = run.grads.get(sg.key)
-                    if isinstance(grad, StoredGrad):
-                        if grad_handle is None:
-                            grad_handle = self.store.acquire(grad.store_key_of(sg.lo, sg.hi),
-                                                             Tier.HOST)
+                    if grad_handle is None:  # not read ahead with its sub-group
+                        grad_handle = self._acquire_grad(run, sg)
+                    if grad_handle is not None:
                         t0 = time.perf_counter()
                         g = grad_handle.wait()
                         self.wait_s += time.perf_counter() - t0
                     else:
+                        grad = run.grads.get(sg.key)
                         g = None if grad is None else grad[sg.lo:sg.hi]
                     self._update(buf, g, out, sg.lo, sg.hi, run)
                     self.store.mark_dirty(sg.store_key, Tier.HOST)

@@ -73,7 +73,8 @@ class OffloadRequest:
     nvme_path: str | None = None
     host_ram_bytes: int | None = None
     """The machine's RAM: an 'auto' host budget holds an NVMe optimizer's gradients only while
-    it stays within AUTO_HOST_RAM_FRACTION of it; None: they go to NVMe under 'auto'."""
+    it stays within AUTO_HOST_RAM_FRACTION of it; None: no such bound (they go to NVMe under
+    'auto' wherever that is the smaller budget)."""
 
     @property
     def offloaded(self) -> bool:
@@ -128,6 +129,17 @@ def _sub_group_shards(sizes: StateSizes, sub: int) -> list[int]:
             for part in sizes.optimizer_partition_numel for lo in range(0, part, sub)]
 
 
+def _slot_bytes(sizes: StateSizes, request: OffloadRequest, sub: int) -> int:
+    """One staging slot: the largest extent staged through the host (an NVMe optimizer's
+    sub-group, an NVMe parameter shard); 0 when nothing is staged."""
+    opt_numel = min(sub, max(sizes.optimizer_partition_numel, default=0))
+    opt = (extent_bytes(SUB_GROUP_BYTES_PER_NUMEL * opt_numel)
+           if request.optimizer_home is Tier.NVME else 0)
+    param = (extent_bytes(max(sizes.param_shard_bytes, default=0))
+             if request.param_home is Tier.NVME else 0)
+    return max(opt, param)
+
+
 def host_needs(sizes: StateSizes, request: OffloadRequest, sub: int, *,
                grads_on_nvme: bool = False) -> HostNeeds:
     """(bytes of shards homed on the host, the least budget that works, a comfortable budget).
@@ -148,8 +160,7 @@ def host_needs(sizes: StateSizes, request: OffloadRequest, sub: int, *,
     if grads_on_nvme and not opt_nvme:
         raise ValueError("host_needs: gradients go to NVMe only with the optimizer there")
     opt_shards = _sub_group_shards(sizes, sub)
-    slot = max(extent_bytes(max(opt_shards, default=0)) if opt_nvme else 0,
-               extent_bytes(max(sizes.param_shard_bytes, default=0)) if param_nvme else 0)
+    slot = _slot_bytes(sizes, request, sub)
     homed = (sum(map(extent_bytes, opt_shards)) if opt_home is Tier.HOST else 0) + (
         sum(map(extent_bytes, sizes.param_shard_bytes)) if param_home is Tier.HOST else 0)
     if opt_home is not Tier.DEVICE and not grads_on_nvme:  # [Note: gradient placement]
@@ -310,10 +321,8 @@ def _optimizer_host_room(sizes: StateSizes, request: OffloadRequest, sub: int, h
     if request.optimizer_home is not Tier.NVME:
         return 2, 0
     homed = host_needs(sizes, request, sub, grads_on_nvme=grads_on_nvme).homed_bytes
-    opt_slot = extent_bytes(SUB_GROUP_BYTES_PER_NUMEL
-                            * min(sub, max(sizes.optimizer_partition_numel, default=0)))
     param_nvme = request.param_home is Tier.NVME
-    slot = max(opt_slot, extent_bytes(max(sizes.param_shard_bytes, default=0)) if param_nvme else 0)
+    slot = _slot_bytes(sizes, request, sub)
     # Whole slots: sub-groups and parameter shards of different sizes fragment the arena, and
     # counting finer let a parameter shard find no hole beside a full window. Gradients on NVMe:
     # a slot for the slice being accumulated, and two slots per sub-group (its gradient slice).

@@ -145,7 +145,8 @@ class InfinityEngine:
                                            device=self.device)
         self.store, self._swapper = None, None
         if self.offload is not None:
-            fix_mmap_threshold()  # [Note: freed buffers leave the process] in infinity/zero/_host_malloc.py
+            # [Note: freed buffers leave the process] in infinity/zero/_host_malloc.py
+            fix_mmap_threshold()
             self.store, self._swapper = build_store(self.device, self.offload,
                                                     swapper_config=config.swapper,
                                                     rank=self.collectives.rank)

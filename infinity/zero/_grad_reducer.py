@@ -98,7 +98,7 @@ class GradientReducer:
         sub = self.config.stored_slice_numel
         for g in groups:
             key = f"grad/{g.key}"
-            numel = g.padded_numel if self.config.stage == 0 else g.shard_numel
+            numel = self.accumulator_numel(g)
             if sub is None:
                 self.host_store.register(key, numel, self.config.host_dtype, Tier.HOST)
                 g.grad_host = self.host_store.get(key, Tier.HOST)
@@ -108,6 +108,15 @@ class GradientReducer:
             for (lo, hi), k in zip(bounds, keys):  # zeros, no file until first written
                 self.host_store.register(k, hi - lo, self.config.host_dtype, Tier.NVME)
             g.grad_stored = StoredGrad(store_keys=keys, bounds=bounds)
+
+    def accumulator_numel(self, g: FlatGroup) -> int:
+        """Elements of ``g``'s accumulator of an offloaded optimizer: the optimizer's partition
+        (the whole padded buffer at stage 0, this rank's shard from stage 1 on)."""
+        return g.padded_numel if self.config.stage == 0 else g.shard_numel
+
+    def accumulator_bytes(self, groups: Iterable[FlatGroup]) -> int:
+        """Bytes of the accumulators of ``groups`` (host buffers or stored slices alike)."""
+        return sum(self.accumulator_numel(g) for g in groups) * self.config.host_dtype.itemsize
 
     def stage(self, group: FlatGroup, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add one parameter's ``grad`` into its group's staging buffer (created on first use)."""

@@ -529,9 +529,7 @@ class ParameterManager:
 
     def grad_accumulator_bytes(self) -> int:
         """Bytes of the offloaded optimizer's gradient accumulators (host or stored slices)."""
-        per = self.config.grad_host_dtype.itemsize
-        return sum((g.padded_numel if self.stage == 0 else g.shard_numel) * per
-                   for g in self.trainable_groups())
+        return self.reducer.accumulator_bytes(self.trainable_groups())
 
     def zero_grads(self) -> None:
         self.reducer.zero(self.trainable_groups())
