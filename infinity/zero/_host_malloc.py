@@ -6,10 +6,11 @@ glibc serves an allocation of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB at st
 of such a block raises it to that block's size (up to 32 MiB), so after the first unit buffer
 is freed, every later unit buffer, staging copy and gathered gradient below that size comes
 from the heap, and freed heap memory mostly stays in the process. On the 2-core VM (a GPT of
-1.8M-parameter fp32 blocks, parameters and optimizer on NVMe, fixed budgets) that made the
-process grow with the model: 16 blocks peaked 184 MB above 5 blocks over the same steps, ~9 B
-per parameter more, although every budget was the same. With the threshold fixed at 128 KiB
-(which turns the dynamic adjustment off) the two peaks were within 12 MB. Done only with
+1.8M-parameter fp32 blocks, parameters and optimizer on NVMe, fixed budgets; the peak RSS of
+the training steps as tests/engine/test_grads_on_nvme.py measures it) that made the process grow
+with the model: 16 blocks peaked 163 MB above 5 blocks, ~8 B per parameter more, although every
+budget was the same. With the threshold fixed at 128 KiB (which turns the dynamic adjustment
+off) the two peaks were 13 MB apart. Done only with
 offload (where host memory is budgeted), only on glibc, and never over a user's own
 ``MALLOC_MMAP_THRESHOLD_``.
 """
