@@ -45,6 +45,7 @@ from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, load_config
 from infinity.ledger import host_grad_dtype
 from infinity.optim import InMemoryShardOptimizer, OffloadedShardOptimizer, StoredGrad
+from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
 from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
@@ -168,6 +169,9 @@ class InfinityEngine:
             model, config.activation_checkpointing,
             unit_module_names=[u.name for u in self.manager.units])
         self.optimizer = self._build_optimizer()
+        self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
+        """The config's ``scheduler`` over ``engine.optimizer`` (None without one), stepped after
+        every optimizer step that is not skipped, as DeepSpeed's engine does."""
         self.scaler = LossScaler(config.precision)
         self.micro_steps = 0
         """engine.step() calls so far (micro-batches)."""
@@ -347,6 +351,8 @@ class InfinityEngine:
             self.optimizer.step(grads, grad_scale=inv_scale * coef)
             self.flush_offload()
         self.manager.after_step()
+        if self.lr_scheduler is not None:  # not after a skipped step (the return above)
+            self.lr_scheduler.step()
 
     def _global_norm_sq(self, grads: Mapping[str, torch.Tensor | StoredGrad]
                         ) -> tuple[float, bool]:
@@ -457,7 +463,9 @@ class InfinityEngine:
         return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "last_grad_norm": self.last_grad_norm,
                 "optimizer_step_count": self.optimizer.step_count, "lr": self.optimizer.lr,
-                "loss_scaler": self.scaler.state_dict()}
+                "loss_scaler": self.scaler.state_dict(),
+                "lr_scheduler": (None if self.lr_scheduler is None
+                                 else self.lr_scheduler.state_dict())}
 
     def load_step_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`step_state_dict` returned (between steps)."""
@@ -469,6 +477,8 @@ class InfinityEngine:
         self.optimizer.step_count = int(state["optimizer_step_count"])
         self.optimizer.lr = float(state["lr"])
         self.scaler.load_state_dict(state["loss_scaler"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])  # sets the groups' lr too
 
     def close(self) -> None:
         """Stop the store's threads and delete swap files (also done when the engine is
