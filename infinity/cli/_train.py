@@ -30,6 +30,7 @@ from infinity._common import format_bytes
 from infinity.bench.progress import progress
 from infinity.bench.report import format_table
 from infinity.bench.roofline import gpt_compute_s, nvme_minimum_bytes, probe_disk, roofline
+from infinity.cli._consolidate import parse_bytes
 from infinity.config import load_config
 from infinity.ledger import Tier, estimate_from_config
 from infinity.models.data import VOCAB_SIZE, text_batch, text_corpus
@@ -67,10 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host budget as a fraction of the full training state (default 0.4: "
                         "the gradient accumulators live on the host, bf16 with one micro-batch "
                         "per step and fp32 with accumulation, and the NVMe pipeline needs staging)")
+    parser.add_argument("--host-budget", type=_host_budget, default=None, metavar="auto|BYTES",
+                        help="instead of --host-budget-fraction: 'auto' (the engine's default "
+                        "rule) or a size such as 4GiB (raised to the least that works, with a "
+                        "warning)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--config", help="a config file (native or DeepSpeed) instead of the flags")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _host_budget(text: str) -> str | int:
+    return "auto" if text == "auto" else parse_bytes(text)
 
 
 def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
@@ -92,16 +101,19 @@ def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
         off = {"device": args.offload, **({"nvme_path": path} if args.offload == "nvme" else {})}
         config["offload_param"] = dict(off)
         config["offload_optimizer"] = dict(off)
-    if args.offload == "nvme":
+    if args.offload == "nvme" and args.host_budget == "auto":
+        config["memory"] = {"host_budget_bytes": "auto"}
+    elif args.offload == "nvme":
         numel = sum(p.numel() for p in model.parameters())
-        wanted = int(full_state_bytes(config, numel) * args.host_budget_fraction)
+        flag = "--host-budget" if args.host_budget is not None else "--host-budget-fraction"
+        wanted = (args.host_budget if args.host_budget is not None
+                  else int(full_state_bytes(config, numel) * args.host_budget_fraction))
         # A small model's state can sit below the fixed NVMe staging the pipeline needs: raise
         # the budget to the least that works rather than refuse the flag.
         least = least_host_budget_bytes(model, load_config(config))
         if wanted < least:
-            logger.warning("--host-budget-fraction %.2f gives %d bytes, below the %d the NVMe "
-                           "pipeline needs for this model; using %d", args.host_budget_fraction,
-                           wanted, least, least)
+            logger.warning("%s gives %d bytes, below the %d the NVMe pipeline needs for this "
+                           "model; using %d", flag, wanted, least, least)
         config["memory"] = {"host_budget_bytes": max(wanted, least)}
     return config
 
@@ -152,11 +164,13 @@ def run(args: argparse.Namespace) -> int:
         return synthetic_batch(gpt_config, args.batch_size, args.seq_len, seed=seed)
 
     torch.manual_seed(args.seed)
+    t_init = time.perf_counter()
     with init():  # built on meta; initialize materialises it unit by unit (same values)
         model = GPT(gpt_config)
     numel = sum(p.numel() for p in model.parameters())
     raw_config = _config(args, model)
     engine = initialize(model, raw_config)
+    init_s = time.perf_counter() - t_init
     config = engine.config
     unit_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     stats = engine.stats()
@@ -196,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         summary = _summary(engine, ledger, numel, losses, step_times, time.perf_counter() - t_start,
                            args)
+        summary["init_s"] = init_s
         summary["peak_rss_bytes"] = peak_rss_bytes()  # before the probes below allocate
         summary["nvme_per_step"] = _nvme_per_step(step_moved, engine.stats())
         if not args.no_roofline and args.offload == "nvme":
@@ -297,7 +312,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         {"where the time went": "  of which stalled on data", "seconds": t["stall_s"]},
     ]))
     print(f"stall fraction {t['stall_fraction']:.1%}")
-    print(f"peak RSS {format_bytes(summary['peak_rss_bytes'])} "
+    print(f"init {summary['init_s']:.1f} s; peak RSS {format_bytes(summary['peak_rss_bytes'])} "
           f"({summary['peak_rss_bytes'] / psutil.virtual_memory().total:.1%} of RAM)")
     n = summary["nvme_per_step"]
     print(f"NVMe per step: read {format_bytes(n['read_bytes'])}, write {format_bytes(n['write_bytes'])}"
