@@ -419,20 +419,25 @@ class InfinityEngine:
             "store": store,
         }
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]:
         """The model's full state dict (fp32 masters for trained parameters), keyed like
-        ``model.state_dict()``; a collective: call it on every rank."""
+        ``model.state_dict()``; ``keys``: only those entries (e.g. a LoRA adapter's, without
+        gathering the frozen base). A collective: call it on every rank with the same keys."""
         self.optimizer.drain()  # a deferred step's updates land first
         if self.collectives.world_size > 1:
             self._broadcast_buffers()
-        return self.manager.full_state_dict(master_of=self.optimizer.master_values)
+        return self.manager.full_state_dict(master_of=self.optimizer.master_values, keys=keys)
 
-    def load_weights(self, path: str, *, strict: bool = True) -> dict[str, list[str]]:
+    def load_weights(self, path: str, *, strict: bool = True,
+                     key_map: Mapping[str, str] | None = None,
+                     optional_keys: Any = ()) -> dict[str, list[str]]:
         """Load model weights from a safetensors file, a directory, or a Hugging Face sharded
         index straight into the shards (each rank reads only its ranges; optimizer moments are
-        left as they are); see :mod:`infinity.checkpoint`. A collective: call it on every rank."""
+        left as they are; ``key_map`` / ``optional_keys``: a wrapped model's names, see
+        :func:`infinity.checkpoint.load_weights`). A collective: call it on every rank."""
         self.optimizer.drain()  # a deferred step's updates land first
-        return load_weights(self, path, strict=strict)
+        return load_weights(self, path, strict=strict, key_map=key_map,
+                            optional_keys=optional_keys)
 
     def save_checkpoint(self, directory: str) -> str:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);

@@ -596,18 +596,32 @@ class ParameterManager:
         self.coll.all_gather(out, src, context=f"state-dict gather of {group.key}")
         return out.float()
 
-    def full_state_dict(self, master_of: Any = None) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, master_of: Any = None, keys: Any = None) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` keys; parameters from ``master_of(group key)`` (fp32 masters)
-        where it returns a tensor, else from the parameter shards. Collective; on every rank."""
+        where it returns a tensor, else from the parameter shards. ``keys``: only these entries
+        (an adapter's: only the flat groups holding them are gathered); a ``ValueError`` names
+        one that is not in the state dict. Collective; on every rank, with the same keys."""
+        state = self.module.state_dict(keep_vars=True)
+        if keys is not None:
+            keys = list(keys)
+            unknown = [k for k in keys if k not in state]
+            if unknown:
+                raise ValueError(f"full_state_dict(keys=...): {unknown[:5]} not in the model's "
+                                 f"state_dict ({len(state)} keys, e.g. {list(state)[:3]}); pass "
+                                 f"keys of engine.module.state_dict()")
+            state = {k: state[k] for k in keys}
+        wanted = {id(v) for v in state.values()}
         values: dict[int, torch.Tensor] = {}
         for unit in self.units:
             for g in unit.groups:
+                if not any(id(s.param) in wanted for s in g.slots):
+                    continue
                 master = master_of(g.key) if (master_of is not None and g.requires_grad) else None
                 flat = self.full_flat(g, master)
                 for s in g.slots:
                     values[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape)
         out = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
+        for key, value in state.items():
             if id(value) in values:
                 out[key] = values[id(value)]
             else:
