@@ -54,7 +54,7 @@ from infinity.zero._lazy import materialise_placeholders, recording_of
 from infinity.zero._loss_scale import LossScaler
 from infinity.zero._managed import check_not_wrapped
 from infinity.zero._manager_config import ManagerConfig
-from infinity.zero._offload import build_store, resolve_offload
+from infinity.zero._offload import build_store, check_nvme_space_for, resolve_offload
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_choice import units_of
@@ -151,6 +151,10 @@ class InfinityEngine:
                                                     swapper_config=config.swapper,
                                                     rank=self.collectives.rank)
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
+        # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
+        if self._swapper is not None:
+            check_nvme_space_for(units_of(model, config.zero), config, self.offload,
+                                 world_size=world, store=self.store)
         recording = recording_of(model)  # built under infinity.init: values come unit by unit
         initial_values = None if recording is None else materialise_placeholders(model, recording)
         _move_buffers(model, self.device, self.compute_dtype)
