@@ -5,6 +5,8 @@
   expected and actual sizes).
 - :class:`TierCapacityError` (a ``RuntimeError``): a tier's byte budget cannot hold a request
   (tier, requested, used and budget bytes).
+- :class:`DiskSpaceError` (a ``RuntimeError``): a file system has less free space than what is about
+  to be written there (path, needed and free bytes); raised before anything is written.
 - :class:`IllegalTransitionError` (a ``RuntimeError``): a state machine was asked for an edge its
   transition table does not have (a bug in the package, never a user mistake); raised by
   :class:`infinity._transitions.TransitionTable`, the one checker every state machine uses.
@@ -60,6 +62,20 @@ class TierCapacityError(InfinityError, RuntimeError):
                 f"used_bytes={self.used_bytes}, budget_bytes={self.budget_bytes})")
 
 
+class DiskSpaceError(InfinityError, RuntimeError):
+    """A directory's file system has less free space than what is about to be written there;
+    raised before the first byte is written, so nothing is left half-written."""
+
+    def __init__(self, message: str, *, path: str, needed_bytes: int, free_bytes: int):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+    def __str__(self) -> str:
+        return (f"{self.message} (path={self.path!r}, needed_bytes={self.needed_bytes}, "
+                f"free_bytes={self.free_bytes})")
 
 
 class IllegalTransitionError(InfinityError, RuntimeError):

@@ -22,6 +22,8 @@ from infinity.zero import host_needs_of, init, initialize
 PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
 """Parameters on NVMe against the same configuration with every parameter in memory (issue #5)."""
 NVME_MODES = ("stage3-nvme", "stage3-nvme-params")
+USER_MODE = "user-config"
+"""The engine under the user's ``--ds-config`` file, as written (see step.py)."""
 
 
 def _peak_rss_bytes() -> int:
@@ -48,9 +50,10 @@ def _plain(model: GPT, spec: dict[str, Any]):
         masters = params
     opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
 
-    def step(x, y) -> float:
-        loss = model(x, y)
-        loss.backward()
+    def step(micro_batches) -> float:
+        for x, y in micro_batches:  # gradient accumulation: summed in param.grad, as users do
+            loss = model(x, y)
+            (loss / len(micro_batches)).backward()
         if masters is not params:
             for m, p in zip(masters, params):
                 m.grad = p.grad.float()
@@ -128,11 +131,14 @@ def _params_config(model: GPT, spec: dict[str, Any], config: dict[str, Any]) -> 
 
 def _ours(model: GPT, spec: dict[str, Any]):
     mode = spec["mode"]
+    if mode == USER_MODE:  # the user's file as written: units, budgets, offload are its own
+        return _engine_runner(initialize(model, spec["ds_config"]))
     config: dict[str, Any] = {
         "zero": {"stage": 3, "unit_class_names": ["Block"]},
         "precision": {"dtype": spec["dtype"]},
         "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
         "gradient_clipping": 1.0,
+        "gradient_accumulation_steps": spec.get("gradient_accumulation_steps", 1),  # --ds-config's
     }
     if mode == "stage3-cpu":
         config["offload_param"] = {"device": "cpu"}
@@ -151,12 +157,17 @@ def _ours(model: GPT, spec: dict[str, Any]):
             config["memory"]["device_budget_bytes"] = _cpu_device_budget(model, spec)
     elif mode in PARAMS_MODES:
         spec["host_param_room_bytes"] = _params_config(model, spec, config)
-    engine = initialize(model, config)
+    return _engine_runner(initialize(model, config))
 
-    def step(x, y) -> float:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+
+def _engine_runner(engine):
+    """One optimizer step per call: each micro-batch's forward, backward and ``engine.step()``
+    (the engine steps the optimizer at the last of ``gradient_accumulation_steps`` of them)."""
+    def step(micro_batches) -> float:
+        for x, y in micro_batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
         return loss.item()
 
     return step, engine.stats, engine.close
@@ -219,9 +230,11 @@ def main() -> None:
         before = stats() or {}
         if i == spec["warmup"]:
             warm = before
-        x, y = synthetic_batch(cfg, spec["batch_size"], spec["seq_len"], seed=i)
+        gas = spec.get("gradient_accumulation_steps", 1)
+        micro = [synthetic_batch(cfg, spec["batch_size"], spec["seq_len"], seed=i * gas + m)
+                 for m in range(gas)]  # gas 1: seed i, as before accumulation was measured
         t0 = time.perf_counter()
-        loss = runner(x, y)
+        loss = runner(micro)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
             # The optimizer step's share (NVMe optimizer state is read and written there, which

@@ -12,6 +12,14 @@ the fp32 model never exists in full), with bitwise the same initial values.
 The prefetcher alone (issue #5): ``--modes stage3-mem-params,stage3-nvme-params`` runs parameters
 on NVMe against the same configuration with the parameters in memory (see PARAMS_MODES), and
 reports the time to read the parameters from NVMe next to the reference's compute time.
+
+A user's config (issue #15): ``--ds-config ds_config.json`` runs the ``user-config`` mode, the
+engine under that very file (DeepSpeed-style or native, units as it chooses them), beside plain
+PyTorch in the same run (``--modes`` defaults to ``plain,user-config`` then). The file's
+precision, micro-batch size and gradient accumulation drive every mode, so x_plain compares one
+optimizer step of each on the same batches: ``infinity bench step --model 135m --ds-config
+ds_config.json --rounds 3``. ``--modes plain,stage3`` with it adds the tuned native config
+(Block units) to compare with.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ host memory, the device budget bounded) against the same configuration with ever
 host memory; ``x_params_in_memory`` is the first's step time over the second's."""
 PARAMS_REF = "stage3-mem-params"
 DS_MODES = ("ds-stage3", "ds-stage3-cpu", "ds-stage3-nvme")
+USER_MODE = "user-config"
+"""The engine under ``--ds-config FILE`` as the user wrote it."""
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_DTYPE = "bf16"
 DEFAULT_DS_PYTHON = "/root/dsvenv/bin/python"
 # `infinity bench all --quick`: the tiny preset, plain PyTorch against ours, a few steps.
 QUICK_ARGS = ("--model", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1",
@@ -44,14 +56,22 @@ QUICK_ARGS = ("--model", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small", help="GPT preset (tiny, small, medium, 135m, "
                         "gpt2-124m, 350m, 1b); default small")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"micro-batch size; default {DEFAULT_BATCH_SIZE}, or the --ds-config "
+                        "file's train_micro_batch_size_per_gpu")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                        help=f"default {DEFAULT_DTYPE}, or the --ds-config file's precision")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--modes", default=",".join(("plain",) + OURS_MODES + PARAMS_MODES + DS_MODES),
+    parser.add_argument("--modes", default=None,
                         help="comma-separated subset of plain, "
-                        + ", ".join(OURS_MODES + PARAMS_MODES + DS_MODES))
+                        + ", ".join(OURS_MODES + PARAMS_MODES + DS_MODES + (USER_MODE,))
+                        + f"; default all but {USER_MODE}, with --ds-config plain,{USER_MODE}")
+    parser.add_argument("--ds-config", default=None, metavar="FILE",
+                        help=f"a DeepSpeed-style or native config (JSON) for the {USER_MODE} mode, "
+                        "measured beside plain PyTorch; its precision, micro-batch size and "
+                        "gradient accumulation apply to every mode")
     parser.add_argument("--dir", default="./infinity-data/bench-step", help="NVMe swap directory")
     parser.add_argument("--host-budget-fraction", type=float, default=0.5,
                         help="NVMe modes: host budget as a fraction of the model's training state "
@@ -72,7 +92,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _worker_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
             "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup, "dir": args.dir,
-            "host_budget_fraction": args.host_budget_fraction}
+            "host_budget_fraction": args.host_budget_fraction,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "ds_config": args.ds_config}
+
+
+def resolve_modes(args: argparse.Namespace) -> list[str]:
+    """The modes to run, and the settings ``--ds-config`` decides (dtype, micro-batch size,
+    gradient accumulation), written back into ``args``. The file is read and validated here, so
+    a bad config fails before any worker starts. Raises ``ValueError`` naming the option."""
+    known = ("plain",) + OURS_MODES + PARAMS_MODES + DS_MODES + (USER_MODE,)
+    if args.modes is None:
+        modes = ["plain", USER_MODE] if args.ds_config else [m for m in known if m != USER_MODE]
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in known]
+        if unknown:
+            raise ValueError(f"--modes: unknown mode {unknown[0]!r}; known: {', '.join(known)}")
+        if args.ds_config and USER_MODE not in modes:
+            modes.append(USER_MODE)
+    args.gradient_accumulation_steps = 1
+    if not args.ds_config:
+        if USER_MODE in modes:
+            raise ValueError(f"--modes {USER_MODE} needs --ds-config FILE (the config to measure)")
+        args.dtype = args.dtype or DEFAULT_DTYPE
+        args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+        return modes
+    from infinity.config import load_config  # deferred: the CLI imports no torch until run
+
+    args.ds_config = os.path.abspath(args.ds_config)
+    config = load_config(args.ds_config)
+    dtype = config.precision.dtype
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"--ds-config {args.ds_config}: precision {dtype!r} is not measured "
+                         f"(plain PyTorch runs bf16 or fp32 here); enable bf16 or neither")
+    if args.dtype is not None and args.dtype != dtype:
+        raise ValueError(f"--dtype {args.dtype} contradicts --ds-config {args.ds_config} "
+                         f"({dtype}); drop --dtype (the file decides)")
+    args.dtype = dtype
+    micro = config.train_micro_batch_size_per_gpu
+    args.batch_size = args.batch_size or (micro if isinstance(micro, int) else DEFAULT_BATCH_SIZE)
+    gas = config.gradient_accumulation_steps
+    args.gradient_accumulation_steps = gas if isinstance(gas, int) else 1
+    ds = [m for m in modes if m in DS_MODES]
+    if ds and args.gradient_accumulation_steps > 1:
+        raise ValueError(f"--modes {ds[0]}: the DeepSpeed reference steps once per micro-batch, "
+                         f"but --ds-config accumulates {args.gradient_accumulation_steps}; drop "
+                         f"the ds-* modes or set gradient_accumulation_steps 1 in the file")
+    return modes
 
 
 def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -96,7 +163,7 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = resolve_modes(args)
     rounds = max(1, args.rounds)
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     bar = progress(len(modes) * rounds, desc="bench step")
@@ -115,14 +182,21 @@ def run(args: argparse.Namespace) -> int:
     rows = [_row(r, plain, _params_ratio(per_mode, r["mode"]), _paired_x(per_mode, r["mode"], "plain"))
             for r in results]
     columns = list(dict.fromkeys(k for row in rows for k in row))  # later rows may add columns
+    gas = args.gradient_accumulation_steps
     report = Report(name="step", title=f"infinity bench step: GPT {args.model}, {args.dtype}, "
-                    f"batch {args.batch_size} x {args.seq_len}, median of {args.steps} steps"
+                    f"batch {args.batch_size} x {args.seq_len}"
+                    + (f" x {gas} micro-batches" if gas > 1 else "")
+                    + (f", {USER_MODE} {os.path.basename(args.ds_config)}" if args.ds_config else "")
+                    + f", median of {args.steps} steps"
                     + (f", median of {rounds} rounds" if rounds > 1 else ""),
-                    rows=rows, columns=columns, params={**_worker_args(args), "rounds": rounds},
+                    rows=rows, columns=columns, params={**_worker_args(args), "rounds": rounds, "modes": modes},
                     extra={"raw": results} if rounds == 1 else {
                         "raw": results, "rounds_raw": [r for m in modes for r in per_mode[m]]},
                     notes=["x_plain: step time / plain PyTorch step time (same run; with --rounds, "
                            "the median of the per-round ratios)",
+                           *([f"{USER_MODE}: the engine under {args.ds_config} as written; a step "
+                              f"is one optimizer step ({gas} micro-batch(es)) in every mode"]
+                             if args.ds_config else []),
                            "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
                            "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
                            *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])

@@ -29,7 +29,8 @@ from infinity.checkpoint._layout import (BUFFERS_FILE, TRAIN_KINDS, dtype_name, 
 from infinity.checkpoint._ranks import on_every_rank
 from infinity.checkpoint._reader import FORMAT, LATEST_NAME, MANIFEST_NAME, VERSION, tensor_name
 from infinity.checkpoint._rng import rng_state
-from infinity.io import fsync_dir, write_safetensors
+from infinity.errors import DiskSpaceError
+from infinity.io import free_disk_bytes, fsync_dir, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike[str]) -> str:
             f"save_checkpoint: micro-step {engine.micro_steps} is inside a gradient accumulation "
             f"window ({engine.gradient_accumulation_steps} micro-batches per step) and partial "
             f"gradients are not saved; save right after the engine.step() that ran the optimizer")
+    _check_free_space(engine, directory)  # [Note: space before a save]
     name = _agree_on_name(engine, directory)
     step_dir = os.path.join(directory, name)
     on_every_rank(engine, f"writing checkpoint {step_dir}",
@@ -52,6 +54,60 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike[str]) -> str:
                   else None)
     logger.info("checkpoint saved: %s", step_dir)
     return step_dir
+
+
+HEADER_BYTES_PER_TENSOR = 160
+"""Safetensors header bytes per tensor beyond its name (dtype, shape, offsets: ~70 in practice)."""
+FIXED_BYTES = 1 << 20
+"""Per rank: manifest, ``latest``, RNG states and file headers' fixed parts (a few KiB in
+practice; rounded up so the check never passes a save that then fails on the last file)."""
+MANIFEST_BYTES_PER_PARAM = 512
+"""Manifest JSON per parameter (name, shape, kinds, ranges of each shard)."""
+
+
+def save_bytes(engine: Any) -> int:
+    """Bytes this rank's files of a save will take (an upper bound within a few KiB), from the
+    layout alone: no tensor is read ([Note: space before a save])."""
+    m = engine.manager
+    param_itemsize = engine.compute_dtype.itemsize
+    total = FIXED_BYTES
+    for unit in m.units:
+        for group in unit.groups:
+            kinds = [4] * len(TRAIN_KINDS) if group.requires_grad else []
+            if not group.requires_grad or engine.compute_dtype != torch.float32:
+                kinds.append(param_itemsize)
+            lo, hi = m.rank * group.shard_numel, (m.rank + 1) * group.shard_numel
+            for s, a, b in param_ranges(group.slots, lo, hi):
+                total += (b - a) * sum(kinds)
+                total += len(kinds) * (len(tensor_name(s.name, "exp_avg_sq", a))
+                                       + HEADER_BYTES_PER_TENSOR)
+            if m.rank == 0:
+                total += MANIFEST_BYTES_PER_PARAM * len(group.slots)
+    if m.rank == 0:
+        total += sum(v.numel() * v.element_size() + len(k) + HEADER_BYTES_PER_TENSOR
+                     for k, v in module_buffers(m.module))
+    return total
+
+
+def _check_free_space(engine: Any, directory: str) -> None:
+    """[Note: space before a save]: raise DiskSpaceError on every rank when the save's files
+    would not fit in ``directory``'s file system; writes nothing."""
+    needed = torch.tensor([save_bytes(engine)], dtype=torch.int64, device=engine.device)
+    if engine.collectives.world_size > 1:
+        engine.collectives.all_reduce_sum(needed, context="checkpoint size")
+    needed_bytes = int(needed.item())
+
+    def check() -> None:
+        free = free_disk_bytes(directory)
+        if needed_bytes > free:
+            raise DiskSpaceError(
+                f"save_checkpoint: the save needs {needed_bytes / 1e9:.2f} GB under {directory!r} "
+                f"and its file system has {free / 1e9:.2f} GB free; nothing was written. Free "
+                f"{(needed_bytes - free) / 1e9:.2f} GB (older saves are the step-* folders "
+                f"there), or save to a directory on another disk",
+                path=directory, needed_bytes=needed_bytes, free_bytes=free)
+
+    on_every_rank(engine, f"checking free space for a checkpoint in {directory}", check)
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -106,7 +162,7 @@ def _write_rank_files(engine: Any, step_dir: str) -> None:
 
 def _group_tensors(engine: Any, group: Any) -> list[tuple[str, torch.Tensor]]:
     """This rank's save slice of ``group`` ([Note: ranges per parameter])."""
-    m, opt = engine.manager, engine.optimizer
+    m, opt = engine.manager, engine.shard_optimizer
     lo, hi = m.rank * group.shard_numel, (m.rank + 1) * group.shard_numel
     ranges = param_ranges(group.slots, lo, hi)
     if not ranges:

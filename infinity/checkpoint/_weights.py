@@ -24,6 +24,10 @@ training state instead.
 
 Everything is validated on every rank before anything changes (keys, shapes, dtypes, files
 present and long enough); any problem raises on every rank and leaves the engine as it was.
+
+A wrapped model loads its unwrapped model's checkpoint through ``key_map`` (model key -> the
+name in the file) and ``optional_keys`` (model keys a strict load may miss): a peft model's base
+weights (``infinity.integrations.peft.load_base_weights`` makes both from peft's naming).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator, Mapping
 
 import torch
 
@@ -74,15 +78,20 @@ class _Plan:
     """Largest stored byte range one parameter read asks for (sizes the staging buffer)."""
 
 
-def load_weights(engine: Any, path: str | os.PathLike[str], *, strict: bool = True
-                 ) -> dict[str, list[str]]:
+def load_weights(engine: Any, path: str | os.PathLike[str], *, strict: bool = True,
+                 key_map: Mapping[str, str] | None = None,
+                 optional_keys: Collection[str] = ()) -> dict[str, list[str]]:
     """Load ``path`` (safetensors file, directory, or HF index) into ``engine``'s shards; call on
     every rank. ``strict``: as in ``load_state_dict``, missing or unexpected keys raise (before
-    any change); otherwise what matches is loaded. Returns ``{"missing_keys", "unexpected_keys"}``.
-    Shape or dtype mismatches always raise. See the module docstring for what is written."""
+    any change); otherwise what matches is loaded. ``key_map``: model state_dict key -> its name
+    in the file, for keys named differently there. ``optional_keys``: model keys that a strict
+    load does not require (still listed as missing). Returns ``{"missing_keys",
+    "unexpected_keys"}`` (missing: model keys; unexpected: file names). Shape or dtype
+    mismatches always raise. See the module docstring for what is written."""
     path = os.fspath(path)
     what = f"loading weights from {path}"
-    ckpt, plan = on_every_rank(engine, what, lambda: _open_and_plan(engine, path, strict),
+    names = _Names(dict(key_map or {}), frozenset(optional_keys))
+    ckpt, plan = on_every_rank(engine, what, lambda: _open_and_plan(engine, path, strict, names),
                                 cleanup=lambda r: r[0].close() if r is not None else None)
     try:
         _write(engine, ckpt, plan)  # collectives inside (after_step): not under on_every_rank
@@ -99,11 +108,23 @@ def load_weights(engine: Any, path: str | os.PathLike[str], *, strict: bool = Tr
 # Validation (nothing changes here)
 
 
-def _open_and_plan(engine: Any, path: str, strict: bool) -> tuple[SafetensorsCheckpoint, _Plan]:
+@dataclass(frozen=True)
+class _Names:
+    """How model keys are named in the file (see ``load_weights``)."""
+
+    key_map: dict[str, str]
+    optional: frozenset[str]
+
+    def file_name(self, key: str) -> str:
+        return self.key_map.get(key, key)
+
+
+def _open_and_plan(engine: Any, path: str, strict: bool, names: _Names
+                   ) -> tuple[SafetensorsCheckpoint, _Plan]:
     _check_between_steps(engine, path)
     ckpt = SafetensorsCheckpoint(path)  # parses every header; a truncated file raises here
     try:
-        plan = _plan(engine, ckpt, strict)
+        plan = _plan(engine, ckpt, strict, names)
     except BaseException:
         ckpt.close()
         raise
@@ -123,16 +144,22 @@ def _check_between_steps(engine: Any, path: str) -> None:
                            f"backward; load between steps", path=path)
 
 
-def _plan(engine: Any, ckpt: SafetensorsCheckpoint, strict: bool) -> _Plan:
+def _plan(engine: Any, ckpt: SafetensorsCheckpoint, strict: bool, names: _Names) -> _Plan:
     m = engine.manager
     slot_of = {id(s.param): s for u in m.units for g in u.groups for s in g.slots}
     aliases: dict[int, list[str]] = {}
+    """id(parameter) -> the file names of its state_dict keys."""
+    model_keys: dict[str, str] = {}
+    """File name -> the model key it stands for (error messages name model keys)."""
     buffers: dict[str, torch.Tensor] = {}
+    """File name -> the module buffer."""
     for key, value in m.module.state_dict(keep_vars=True).items():
+        name = names.file_name(key)
+        model_keys[name] = key
         if isinstance(value, torch.Tensor) and id(value) in slot_of:
-            aliases.setdefault(id(value), []).append(key)
+            aliases.setdefault(id(value), []).append(name)
         elif isinstance(value, torch.Tensor):
-            buffers[key] = value
+            buffers[name] = value
     entries = ckpt.entries
     missing: list[str] = []
     sources: dict[int, str] = {}
@@ -148,13 +175,15 @@ def _plan(engine: Any, ckpt: SafetensorsCheckpoint, strict: bool) -> _Plan:
         else:
             missing += keys
     missing += [k for k in buffers if k not in entries]
+    missing = [model_keys[k] for k in missing]
     known = {k for keys in aliases.values() for k in keys} | set(buffers)
     unexpected = [k for k in entries if k not in known]
-    if strict and (missing or unexpected):
+    required = [k for k in missing if k not in names.optional]
+    if strict and (required or unexpected):
         raise WeightsError(f"{ckpt.path}: does not match the model (strict=True): missing keys "
-                           f"{_some(missing)}, unexpected keys {_some(unexpected)}; fix the "
-                           f"names, or pass strict=False to load the keys that match",
-                           path=ckpt.path)
+                           f"{_some(required)}, unexpected keys {_some(unexpected)}; fix the "
+                           f"names, or pass strict=False to load the keys that match"
+                           f"{_wrapped_hint(required, unexpected)}", path=ckpt.path)
     max_range = 0
     for pid, name in sources.items():
         slot = slot_of[pid]
@@ -179,6 +208,14 @@ def _check_entry(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],
         raise WeightsError(f"{entry.path}: {what} {name!r} is stored as {entry.dtype}, the model "
                            f"holds a {'floating-point' if floating else 'non-floating'} tensor "
                            f"there", path=entry.path)
+
+
+def _wrapped_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A base model's checkpoint loaded into its peft wrapping: name the loader that maps it."""
+    if missing and unexpected and all(k.startswith("base_model.model.") for k in missing):
+        return (" (a base model's checkpoint for a peft model? load it with "
+                "infinity.integrations.peft.load_base_weights(engine, path))")
+    return ""
 
 
 def _some(keys: list[str]) -> str:
@@ -233,7 +270,7 @@ def _write_group(engine: Any, ckpt: SafetensorsCheckpoint, g: Any, lo: int, n: i
                  staging: _Staging) -> None:
     """Partition ``[lo, lo + n)`` of group ``g``: file values into the compute-dtype parameter
     partition and, window by window (the offloaded optimizer's sub-groups), the fp32 master."""
-    masters = engine.optimizer.open_master(g.key) if g.requires_grad else \
+    masters = engine.shard_optimizer.open_master(g.key) if g.requires_grad else \
         contextlib.nullcontext([(0, n, contextlib.nullcontext(None))])
     # The parameter shard closes first (marked dirty, written back), then the masters' write-backs
     # are waited for.

@@ -16,6 +16,7 @@ import sys
 
 from infinity.bench import adam as bench_adam
 from infinity.bench import io as bench_io
+from infinity.bench import scale as bench_scale
 from infinity.bench import step as bench_step
 from infinity.cli import _consolidate, _estimate, _plan, _train
 
@@ -23,6 +24,7 @@ BENCHES = {
     "io": (bench_io, "NVMe swapper bandwidth against raw direct I/O, fio and DeepSpeed aio"),
     "adam": (bench_adam, "CPU Adam throughput against torch fused AdamW and DeepSpeed"),
     "step": (bench_step, "training step time, stall fraction and memory per offload mode"),
+    "scale": (bench_scale, "model size swept at a fixed host budget: peak RSS, step vs roofline"),
 }
 COMMANDS = {
     "estimate": (_estimate, "memory ledger per ZeRO stage and tier"),

@@ -19,18 +19,22 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import time
 from typing import Any
 
+import psutil
 import torch
 
 from infinity._common import format_bytes
 from infinity.bench.progress import progress
 from infinity.bench.report import format_table
+from infinity.bench.roofline import gpt_compute_s, nvme_minimum_bytes, probe_disk, roofline
+from infinity.cli._consolidate import parse_bytes
 from infinity.config import load_config
 from infinity.ledger import Tier, estimate_from_config
 from infinity.models.data import VOCAB_SIZE, text_batch, text_corpus
-from infinity.models.gpt import GPT, PRESETS, synthetic_batch
+from infinity.models.gpt import GPT, PRESETS, GPTConfig, gpt_for_params, synthetic_batch
 from infinity.zero import init, initialize, least_host_budget_bytes
 
 logger = logging.getLogger(__name__)
@@ -40,7 +44,15 @@ DEFAULT_DIR = "./infinity-data/train"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="GPT preset: demo (default, byte-level), tiny, "
-                        "small, medium, 135m, gpt2-124m, 350m, 1b")
+                        "small, medium, 135m, gpt2-124m, 350m, 1b, 3b (3.3B: 53 GB of state)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--params", type=float, help="instead of --model: a GPT of about this many "
+                      "parameters (e.g. 1e9), in the 3b preset's shape")
+    size.add_argument("--state-ram-multiple", type=float, help="instead of --model: a GPT whose "
+                      "training state (16 B per parameter) is this multiple of the machine's RAM "
+                      "(e.g. 2)")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the roofline probes (a "
+                        "256 MiB raw disk probe of --dir and one block's compute, a few seconds)")
     parser.add_argument("--data", choices=("auto", "text", "synthetic"), default="auto",
                         help="text: the project's own source as bytes (byte-level models); synthetic: "
                         "generated tokens; auto: text when the model's vocabulary is 256")
@@ -56,10 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host budget as a fraction of the full training state (default 0.4: "
                         "the gradient accumulators live on the host, bf16 with one micro-batch "
                         "per step and fp32 with accumulation, and the NVMe pipeline needs staging)")
+    parser.add_argument("--host-budget", type=_host_budget, default=None, metavar="auto|BYTES",
+                        help="instead of --host-budget-fraction: 'auto' (the engine's default "
+                        "rule) or a size such as 4GiB (raised to the least that works, with a "
+                        "warning)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--config", help="a config file (native or DeepSpeed) instead of the flags")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _host_budget(text: str) -> str | int:
+    return "auto" if text == "auto" else parse_bytes(text)
 
 
 def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
@@ -81,16 +101,19 @@ def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
         off = {"device": args.offload, **({"nvme_path": path} if args.offload == "nvme" else {})}
         config["offload_param"] = dict(off)
         config["offload_optimizer"] = dict(off)
-    if args.offload == "nvme":
+    if args.offload == "nvme" and args.host_budget == "auto":
+        config["memory"] = {"host_budget_bytes": "auto"}
+    elif args.offload == "nvme":
         numel = sum(p.numel() for p in model.parameters())
-        wanted = int(full_state_bytes(config, numel) * args.host_budget_fraction)
+        flag = "--host-budget" if args.host_budget is not None else "--host-budget-fraction"
+        wanted = (args.host_budget if args.host_budget is not None
+                  else int(full_state_bytes(config, numel) * args.host_budget_fraction))
         # A small model's state can sit below the fixed NVMe staging the pipeline needs: raise
         # the budget to the least that works rather than refuse the flag.
         least = least_host_budget_bytes(model, load_config(config))
         if wanted < least:
-            logger.warning("--host-budget-fraction %.2f gives %d bytes, below the %d the NVMe "
-                           "pipeline needs for this model; using %d", args.host_budget_fraction,
-                           wanted, least, least)
+            logger.warning("%s gives %d bytes, below the %d the NVMe pipeline needs for this "
+                           "model; using %d", flag, wanted, least, least)
         config["memory"] = {"host_budget_bytes": max(wanted, least)}
     return config
 
@@ -100,10 +123,31 @@ def full_state_bytes(raw_config: dict[str, Any], numel: int) -> int:
     return estimate_from_config(load_config(raw_config), numel, 1).total_bytes
 
 
-def run(args: argparse.Namespace) -> int:
+STATE_BYTES_PER_PARAM = 16
+"""bf16 parameters and gradients, fp32 master and moments: what --state-ram-multiple sizes by."""
+
+
+def _model_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPT to train: a preset, or one sized by --params / --state-ram-multiple (whose name
+    then replaces ``args.model`` in the summary)."""
+    numel = args.params
+    if args.state_ram_multiple is not None:
+        if args.state_ram_multiple <= 0:
+            raise ValueError(f"--state-ram-multiple must be > 0, got {args.state_ram_multiple}")
+        numel = args.state_ram_multiple * psutil.virtual_memory().total / STATE_BYTES_PER_PARAM
+    if numel is not None:
+        if numel < 1e6:
+            raise ValueError(f"--params: expected at least 1e6 parameters, got {numel:g}")
+        config = gpt_for_params(numel)
+        args.model = f"gpt-{config.num_params / 1e9:.2f}b"
+        return config
     if args.model not in PRESETS:
         raise ValueError(f"--model: expected one of {', '.join(PRESETS)}, got {args.model!r}")
-    gpt_config = PRESETS[args.model]
+    return PRESETS[args.model]
+
+
+def run(args: argparse.Namespace) -> int:
+    gpt_config = _model_config(args)
     if args.seq_len > gpt_config.block_size:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the {args.model} preset's block_size "
                          f"{gpt_config.block_size}")
@@ -120,11 +164,13 @@ def run(args: argparse.Namespace) -> int:
         return synthetic_batch(gpt_config, args.batch_size, args.seq_len, seed=seed)
 
     torch.manual_seed(args.seed)
+    t_init = time.perf_counter()
     with init():  # built on meta; initialize materialises it unit by unit (same values)
         model = GPT(gpt_config)
     numel = sum(p.numel() for p in model.parameters())
     raw_config = _config(args, model)
     engine = initialize(model, raw_config)
+    init_s = time.perf_counter() - t_init
     config = engine.config
     unit_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     stats = engine.stats()
@@ -136,9 +182,12 @@ def run(args: argparse.Namespace) -> int:
     bar = progress(args.steps, desc="train")
     step_times: list[float] = []
     losses: list[float] = []
+    step_moved: list[tuple[int, int]] = []
+    """NVMe bytes (read, written) of each step."""
     t_start = time.perf_counter()
     try:
         t0 = time.perf_counter()
+        moved = engine.stats()["bytes_moved"]
         for i in range(micro_steps):
             x, y = batch(i)
             loss = engine(x, y)
@@ -149,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
                 step_times.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 s = engine.stats()
-                moved = s["bytes_moved"]
+                before, moved = moved, s["bytes_moved"]
+                step_moved.append((moved["NVME->HOST"] - before["NVME->HOST"],
+                                   moved["HOST->NVME"] - before["HOST->NVME"]))
                 elapsed = time.perf_counter() - t_start
                 bar.set_postfix(loss=f"{losses[-1]:.4g}", step_s=f"{step_times[-1]:.3g}",
                                 nvme_read=format_bytes(moved.get("NVME->HOST", 0)),
@@ -159,6 +210,11 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         summary = _summary(engine, ledger, numel, losses, step_times, time.perf_counter() - t_start,
                            args)
+        summary["init_s"] = init_s
+        summary["peak_rss_bytes"] = peak_rss_bytes()  # before the probes below allocate
+        summary["nvme_per_step"] = _nvme_per_step(step_moved, engine.stats())
+        if not args.no_roofline and args.offload == "nvme":
+            summary["roofline"] = _roofline(args, gpt_config, summary)
     finally:
         engine.close()
         if args.offload == "nvme" and not args.config:
@@ -168,6 +224,44 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(summary)
     return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's high-water mark of resident memory (VmHWM), since it started."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM line in /proc/self/status")
+
+
+def _nvme_per_step(step_moved: list[tuple[int, int]], stats: dict[str, Any]) -> dict[str, Any]:
+    """Median NVMe bytes per step (the first step excluded where there are more: it also reads
+    what set-up left cold) against the least a step can move."""
+    steady = step_moved[1:] if len(step_moved) > 1 else step_moved
+    least = nvme_minimum_bytes(stats)
+    read = statistics.median(r for r, _ in steady) if steady else 0
+    write = statistics.median(w for _, w in steady) if steady else 0
+    return {"read_bytes": read, "write_bytes": write, "minimum_read_bytes": least["read_bytes"],
+            "minimum_write_bytes": least["write_bytes"],
+            "x_minimum": (read + write) / max(1, least["read_bytes"] + least["write_bytes"])}
+
+
+def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str, Any]
+              ) -> dict[str, Any]:
+    """The step against max(CPU time, disk time), both measured here ([roofline] module)."""
+    disk = probe_disk(os.path.abspath(args.dir))
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    compute = gpt_compute_s(gpt_config, batch_size=args.batch_size, seq_len=args.seq_len,
+                            dtype=dtype)
+    per_step = summary["nvme_per_step"]
+    cpu_s = compute["forward_backward_s"] * args.grad_accum + compute["adam_s"]
+    line = roofline(cpu_s=cpu_s, read_bytes=per_step["read_bytes"],
+                    write_bytes=per_step["write_bytes"], disk=disk)
+    return {**line, **compute, "cpu_s": cpu_s, "disk_read_bytes_per_s": disk.read_bytes_per_s,
+            "disk_write_bytes_per_s": disk.write_bytes_per_s, "direct_io": disk.direct,
+            "median_step_s": summary["median_step_s"],
+            "x_roofline": summary["median_step_s"] / max(line["roofline_s"], 1e-9)}
 
 
 def _summary(engine: Any, ledger: Any, numel: int, losses: list[float], step_times: list[float],
@@ -218,3 +312,22 @@ def _print_summary(summary: dict[str, Any]) -> None:
         {"where the time went": "  of which stalled on data", "seconds": t["stall_s"]},
     ]))
     print(f"stall fraction {t['stall_fraction']:.1%}")
+    print(f"init {summary['init_s']:.1f} s; peak RSS {format_bytes(summary['peak_rss_bytes'])} "
+          f"({summary['peak_rss_bytes'] / psutil.virtual_memory().total:.1%} of RAM)")
+    n = summary["nvme_per_step"]
+    print(f"NVMe per step: read {format_bytes(n['read_bytes'])}, write {format_bytes(n['write_bytes'])}"
+          f"; least {format_bytes(n['minimum_read_bytes'])} each way ({n['x_minimum']:.2f}x)")
+    r = summary.get("roofline")
+    if r:
+        print()
+        print(format_table([
+            {"roofline": "compute: forward + backward (per unit)", "seconds": r["forward_backward_s"]},
+            {"roofline": "compute: CPU Adam", "seconds": r["adam_s"]},
+            {"roofline": "disk: read at the probed bandwidth", "seconds": r["disk_read_s"]},
+            {"roofline": "disk: write at the probed bandwidth", "seconds": r["disk_write_s"]},
+            {"roofline": f"roofline max(cpu, disk): {r['bound']}-bound", "seconds": r["roofline_s"]},
+            {"roofline": "median step", "seconds": r["median_step_s"]},
+        ]))
+        print(f"step / roofline {r['x_roofline']:.2f}x (disk probed at "
+              f"{r['disk_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
+              f"{r['disk_write_bytes_per_s'] / 1e9:.2f} GB/s write)")

@@ -112,9 +112,12 @@ class ZeroConfig:
     stage: int = 3
     """0: replicate all; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
     unit_class_names: tuple[str, ...] = ()
-    """Module class names that form one unit each (e.g. ``("LlamaDecoderLayer",)``); empty: by size."""
-    unit_min_numel: int = 1_000_000
-    """When choosing units by size, a module becomes a unit once its subtree holds this many elements."""
+    """Module class names that form one unit each (e.g. ``("LlamaDecoderLayer",)``); empty: see
+    ``unit_min_numel``."""
+    unit_min_numel: int | Literal["auto"] = AUTO
+    """Without class names: choose units by size, a module becoming a unit once its subtree holds
+    this many elements; 'auto': the model's repeated blocks (transformer layers), by size at 1e6
+    elements when it has none (``infinity.zero._unit_choice.block_class_names``)."""
     persistence_threshold_numel: int | Literal["auto"] = AUTO
     """Parameters with fewer elements than this stay gathered on the device (norms, biases)."""
     prefetch_lookahead_bytes: int | Literal["auto"] = AUTO
@@ -132,7 +135,7 @@ class ZeroConfig:
         if not isinstance(self.unit_class_names, tuple) or not all(
                 isinstance(n, str) and n for n in self.unit_class_names):
             fail("zero.unit_class_names", "a list of class-name strings", self.unit_class_names)
-        check_int("zero.unit_min_numel", self.unit_min_numel, minimum=1)
+        check_int("zero.unit_min_numel", self.unit_min_numel, minimum=1, allow_auto=True)
         check_int("zero.persistence_threshold_numel", self.persistence_threshold_numel, allow_auto=True)
         check_int("zero.prefetch_lookahead_bytes", self.prefetch_lookahead_bytes, allow_auto=True)
         check_int("zero.max_live_bytes", self.max_live_bytes, minimum=1, allow_auto=True)

@@ -7,6 +7,8 @@ and safetensors read and written by byte range.
 - :mod:`._swap_format`: the swap file's header, names and states ([Note: swap file layout]).
 - :func:`aligned_empty` / :func:`aligned_view` (:mod:`._aligned`): page-aligned host memory that
   direct I/O reads into without staging.
+- :func:`free_disk_bytes` (:mod:`._disk`): free space of a path's file system, for the checks
+  that run before anything is written.
 - :mod:`._safetensors`: streaming safetensors files (:class:`SafetensorsFile`), Hugging Face
   sharded checkpoints (:class:`SafetensorsCheckpoint`), atomic writes (:func:`write_safetensors`).
 
@@ -15,6 +17,7 @@ Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from 
 
 from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, aligned_empty, aligned_view,
                                   memory_at)
+from infinity.io._disk import free_disk_bytes
 from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, SafetensorsError,
                                       SafetensorsFile, TensorEntry, fsync_dir, iter_tensors,
                                       write_safetensors)
@@ -23,5 +26,5 @@ from infinity.io._swapper import SwapHandle, Swapper
 
 __all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
            "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
-           "address_of", "aligned_empty", "aligned_view", "fsync_dir", "iter_tensors", "memory_at",
-           "write_safetensors"]
+           "address_of", "aligned_empty", "aligned_view", "free_disk_bytes", "fsync_dir",
+           "iter_tensors", "memory_at", "write_safetensors"]

@@ -19,6 +19,11 @@ The term sizes are not hard-coded: :class:`StateTerms` derives them from the con
 * optimizer: K bytes per parameter for the part this rank steps (all at stage 0, a shard from
   stage 1 on), in ``offload_optimizer``'s tier: fp32 master + moments, stepped by ``cpu_adam`` off the
   device.
+* [Note: frozen parameters] Gradients and optimizer state exist only for trainable parameters
+  (``trainable_numel``; LoRA: the adapters, ~0.1-1 % of the model): a frozen parameter has its
+  low-precision copy in the params term and nothing else, as in the engine (frozen flat groups
+  get no gradient accumulator, no master, no optimizer sub-group, and their NVMe shards are
+  written once at set-up and only read afterwards).
 * With the optimizer on NVMe the host holds staging buffers for a few sub-groups (read the next one,
   step the current one, write the previous one back): ``buffers['host']['optimizer_staging']``.
   That is the least; the engine reads further ahead (from backward on) into the room the host
@@ -220,6 +225,9 @@ class Ledger:
     world_size: int
     gpus_per_node: int
     terms: StateTerms
+    trainable_numel: int
+    """Parameters with gradients and optimizer state ([Note: frozen parameters]); ``numel``
+    when everything trains."""
     offload_param: str
     offload_optimizer: str
     states: Mapping[str, Mapping[Tier, int]]
@@ -276,7 +284,8 @@ class Ledger:
                 "node_total_bytes": self.node_bytes(tier),
             }
         return {
-            "numel": self.numel, "stage": self.stage, "world_size": self.world_size,
+            "numel": self.numel, "trainable_numel": self.trainable_numel,
+            "stage": self.stage, "world_size": self.world_size,
             "gpus_per_node": self.gpus_per_node, "terms": self.terms.to_dict(),
             "offload_param": self.offload_param, "offload_optimizer": self.offload_optimizer,
             "params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
@@ -296,8 +305,15 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
                           unit_numel: int | None = None,
                           prefetch_units: int = DEFAULT_PREFETCH_UNITS,
                           optimizer_host_resident_bytes: int = 0,
-                          grads_on_nvme: bool = False) -> Ledger:
+                          grads_on_nvme: bool = False, trainable_numel: int | None = None,
+                          unit_trainable_numel: int | None = None) -> Ledger:
     """The per-rank ledger of ``numel`` parameters at ZeRO ``stage`` over ``world_size`` ranks.
+
+    ``trainable_numel``: how many of them train (None: all); the others are frozen, with a
+    params term and no gradient or optimizer state ([Note: frozen parameters]).
+    ``unit_trainable_numel``: the trainable elements of the largest unit, which size its
+    gradient buffer (None: all of ``unit_numel`` when everything trains, else its share
+    ``unit_numel * trainable_numel / numel``, adapters spread evenly over the units).
 
     ``grads_on_nvme`` (optimizer on NVMe): the gradient accumulators are NVMe-homed slices, as
     the engine's offload budgets choose when the host cannot hold them (``OffloadBudgets``): the
@@ -318,6 +334,10 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected an integer >= 1, got {world_size!r}")
     terms = terms or StateTerms()
+    trainable = numel if trainable_numel is None else trainable_numel
+    if isinstance(trainable, bool) or not isinstance(trainable, int) or not 0 <= trainable <= numel:
+        raise ValueError(f"trainable_numel: expected an integer in [0, numel={numel}], got "
+                         f"{trainable_numel!r}")
     param_home = _check_offload("offload_param", offload_param)
     opt_tier = _check_offload("offload_optimizer", offload_optimizer)
     if stage < 3 and param_home is not Tier.DEVICE:
@@ -330,13 +350,14 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
         states[term][tier] = states[term].get(tier, 0) + ceil_bytes(nbytes)
 
     put("params", param_home, (shard if stage == 3 else numel) * terms.param_bytes)
-    stepped = numel if stage == 0 else shard
+    trainable_shard = ceil_bytes(trainable / world_size)
+    stepped = trainable if stage == 0 else trainable_shard
     # [Note: gradient placement]: the accumulator sits beside the optimizer, in host memory when
     # the optimizer is offloaded (to 'cpu' or 'nvme'), holding just the part the optimizer steps.
     if grads_on_nvme and opt_tier is not Tier.NVME:
         raise ValueError(f"grads_on_nvme needs offload_optimizer 'nvme', got {offload_optimizer!r}")
     if opt_tier is Tier.DEVICE:
-        put("grads", Tier.DEVICE, (shard if stage >= 2 else numel) * terms.grad_bytes)
+        put("grads", Tier.DEVICE, (trainable_shard if stage >= 2 else trainable) * terms.grad_bytes)
     else:
         put("grads", Tier.NVME if grads_on_nvme else Tier.HOST, stepped * terms.optimizer_grad_bytes)
     resident = min(max(0, int(optimizer_host_resident_bytes)), stepped * terms.optimizer_bytes) \
@@ -356,18 +377,22 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
             buffers[Tier.HOST]["gradient_staging"] = ceil_bytes(
                 (OPTIMIZER_STAGING_SUBGROUPS + 1) * group * terms.optimizer_grad_bytes)
     if unit_numel:
+        if unit_trainable_numel is None:
+            unit_trainable_numel = unit_numel if trainable == numel else \
+                ceil_bytes(unit_numel * trainable / max(1, numel))
         _add_unit_buffers(buffers, stage=stage, world_size=world_size, terms=terms,
-                          unit_numel=unit_numel, prefetch_units=prefetch_units,
+                          unit_numel=unit_numel, unit_trainable_numel=unit_trainable_numel,
+                          prefetch_units=prefetch_units,
                           param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE)
     return Ledger(numel=numel, stage=stage, world_size=world_size,
-                  gpus_per_node=gpus_per_node or world_size, terms=terms,
+                  gpus_per_node=gpus_per_node or world_size, terms=terms, trainable_numel=trainable,
                   offload_param=offload_param, offload_optimizer=offload_optimizer,
                   states=states, buffers=buffers)
 
 
 def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_size: int,
-                      terms: StateTerms, unit_numel: int, prefetch_units: int,
-                      param_home: Tier, grads_leave: bool) -> None:
+                      terms: StateTerms, unit_numel: int, unit_trainable_numel: int,
+                      prefetch_units: int, param_home: Tier, grads_leave: bool) -> None:
     """Working buffers that scale with the largest unit (one current + the prefetched ones).
 
     ``grads_leave``: each unit's full gradient is reduced into a smaller or off-device accumulator
@@ -375,9 +400,9 @@ def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_
     device = buffers.setdefault(Tier.DEVICE, {})
     if stage == 3:
         device["gathered_units"] = ceil_bytes((1 + prefetch_units) * unit_numel * terms.param_bytes)
-    if grads_leave:
+    if grads_leave and unit_trainable_numel:
         # [Note: gradient placement]: a unit's full gradient lives until it is reduced and moved.
-        device["unit_gradient"] = ceil_bytes(unit_numel * terms.grad_bytes)
+        device["unit_gradient"] = ceil_bytes(unit_trainable_numel * terms.grad_bytes)
     if stage == 3 and param_home is not Tier.DEVICE:
         unit_shard = ceil_bytes(unit_numel / world_size)
         # Shards on their way up: the device copies the gathers read from (the store's DEVICE
@@ -393,10 +418,12 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
                          gpus_per_node: int | None = None, optimizer: str = "adam",
                          unit_numel: int | None = None,
                          optimizer_host_resident_bytes: int = 0,
-                         grads_on_nvme: bool = False) -> Ledger:
+                         grads_on_nvme: bool = False, trainable_numel: int | None = None,
+                         unit_trainable_numel: int | None = None) -> Ledger:
     """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size);
     ``optimizer_host_resident_bytes`` and ``grads_on_nvme`` as in :func:`estimate_model_states`
-    (the engine's plan)."""
+    (the engine's plan), ``trainable_numel`` and ``unit_trainable_numel`` too (frozen
+    parameters: [Note: frozen parameters])."""
     z = config.zero
     sub_group = z.sub_group_numel if isinstance(z.sub_group_numel, int) else None
     prefetch_units = DEFAULT_PREFETCH_UNITS
@@ -408,7 +435,8 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
         offload_param=config.offload_param.device if z.stage == 3 else "none",
         offload_optimizer=config.offload_optimizer.device, gpus_per_node=gpus_per_node,
         sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units,
-        optimizer_host_resident_bytes=optimizer_host_resident_bytes, grads_on_nvme=grads_on_nvme)
+        optimizer_host_resident_bytes=optimizer_host_resident_bytes, grads_on_nvme=grads_on_nvme,
+        trainable_numel=trainable_numel, unit_trainable_numel=unit_trainable_numel)
 
 
 def paper_bytes_per_device(numel: float, stage: int, world_size: int, k: float = 12.0,

@@ -48,7 +48,23 @@ PRESETS: dict[str, GPTConfig] = {
     "135m": GPTConfig(vocab_size=50304, block_size=256, n_layer=13, n_head=12, n_embd=768),
     "350m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "1b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1856),
+    # Beyond memory (issue #16): 3.31B parameters, 53 GB of training state at 16 B per parameter,
+    # twice the RAM of a 24 GiB machine.
+    "3b": GPTConfig(vocab_size=32000, block_size=1024, n_layer=40, n_head=20, n_embd=2560,
+                    tie_weights=False),
 }
+
+
+def gpt_for_params(numel: float, *, vocab_size: int = 32000, block_size: int = 1024) -> GPTConfig:
+    """A GPT of about ``numel`` parameters in the shape of the presets above: width 64 per layer
+    (the 3b preset's 2560 / 40), width a multiple of 128, heads of 128, an untied head."""
+    numel = float(numel)
+    width = max(128, round((numel * 64 / 12) ** (1 / 3) / 128) * 128)
+    ends = 2 * vocab_size * width + block_size * width + 2 * width
+    per_block = 12 * width * width + 13 * width
+    layers = max(1, round((numel - ends) / per_block))
+    return GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=layers,
+                     n_head=width // 128, n_embd=width, tie_weights=False)
 
 
 class CausalSelfAttention(nn.Module):

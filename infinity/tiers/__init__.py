@@ -9,6 +9,9 @@ budgets that size it for one model.
   :class:`OffloadRequest` (where state lives, the budgets asked for) in,
   :class:`OffloadBudgets` out (:func:`resolve_offload_budgets`), or a ``ValueError`` naming the
   field and the bytes needed.
+- :mod:`._nvme_space`: the bytes the store will write to NVMe (:func:`nvme_bytes`, exact) and the
+  free-space check made before the first (:func:`check_nvme_space`; [Note: NVMe space check] in
+  infinity/tiers/_nvme_space.py).
 
 Public API of the store (everything else is private)::
 
@@ -89,12 +92,14 @@ from infinity.tiers._offload_budgets import (AUTO_HOST_RAM_FRACTION, AUTO_SUB_GR
                                              SUB_GROUP_BYTES_PER_NUMEL, HostNeeds, OffloadBudgets,
                                              OffloadRequest, StateSizes, extent_bytes, host_needs,
                                              least_host_bytes, resolve_offload_budgets)
+from infinity.tiers._nvme_space import NvmeBytes, NvmeDemand, check_nvme_space, nvme_bytes
 from infinity.tiers._records import STATS_KEYS, StoreConfig, TierHandle
 from infinity.tiers.residency import TRANSITIONS, Residency, Tier
 from infinity.tiers.store import TieredStore
 
 __all__ = ["AUTO_HOST_RAM_FRACTION", "AUTO_SUB_GROUP_NUMEL", "OPTIMIZER_WINDOW_SLOTS", "STATS_KEYS",
            "SUB_GROUP_BYTES_PER_NUMEL", "TRANSITIONS", "Extent", "HostArena", "HostNeeds",
-           "OffloadBudgets", "OffloadRequest", "Residency", "StateSizes", "StoreConfig", "Tier",
-           "TierHandle", "TieredStore", "extent_bytes", "host_needs", "least_host_bytes",
+           "NvmeBytes", "NvmeDemand", "OffloadBudgets", "OffloadRequest", "Residency",
+           "StateSizes", "StoreConfig", "Tier", "TierHandle", "TieredStore", "check_nvme_space",
+           "extent_bytes", "host_needs", "least_host_bytes", "nvme_bytes",
            "resolve_offload_budgets"]

@@ -32,7 +32,9 @@ eagerly built model.
 Not covered (each raises a clear error instead of giving different values): writing a meta
 tensor's values into a real tensor during construction (``real.copy_(meta)``), reading a meta
 value as a Python number (``.item()``), and initialising a recorded model any way other than
-through ``infinity.initialize``.
+through ``infinity.initialize``. Parameters added to a recorded model after its block closed
+(peft's adapters) are recorded by a second block, ``with infinity.init(extend=model):``
+([Note: adding to a recorded model]).
 """
 
 from __future__ import annotations
@@ -405,19 +407,50 @@ _LIVE: list[Recording] = []
 
 
 @contextlib.contextmanager
-def init(config: Any = None) -> Iterator[Recording]:
+def init(config: Any = None, *, extend: nn.Module | None = None) -> Iterator[Recording]:
     """Build a model inside this block to materialise it later, unit by unit, straight into its
     shards (``infinity.initialize(model)``; ``config`` is validated now and used there when
-    ``initialize`` is given none). See the module docstring."""
-    recording = Recording(load_config(config) if config is not None else None)
+    ``initialize`` is given none). See the module docstring.
+
+    ``extend``: a model built under an earlier block and not yet initialised. This block goes on
+    recording into that model's recording ([Note: adding to a recorded model]); its config is
+    the first block's (pass none here)."""
+    if extend is None:
+        recording = Recording(load_config(config) if config is not None else None)
+    else:
+        recording = _recording_to_extend(extend, config)
     try:
         with _record_meta_skipping_init(recording), _MetaByDefault(), _Recorder(recording):
             yield recording
     finally:
         recording._scratch.release()
-    _LIVE.append(recording)
+    if recording not in _LIVE:
+        _LIVE.append(recording)
     logger.info("infinity.init: %d operations recorded (%d random)", len(recording.ops),
                 recording.num_random)
+
+
+def _recording_to_extend(model: Any, config: Any) -> Recording:
+    """[Note: adding to a recorded model]
+    Whatever wraps a recorded model after its block closed creates real tensors, and may then
+    move them to the meta device of the model's tensors, which drops their values: peft's
+    ``get_peft_model`` builds each LoRA adapter on the CPU and moves it to its base layer's device.
+    ``with infinity.init(extend=model):`` records that code into the model's own recording, so
+    the adapters' values replay like any other parameter's, equal to eager construction (the
+    random stream is the one eager construction would use at that point)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"infinity.init(extend=...): expected the torch.nn.Module built under an "
+                         f"earlier infinity.init block, got {type(model).__name__}")
+    if config is not None:
+        raise ValueError("infinity.init(config, extend=model): the model's recording keeps the "
+                         "config of its first block; pass the config there (or to "
+                         "infinity.initialize), not to the block that extends it")
+    recording = recording_of(model)
+    if recording is None:
+        raise ValueError("infinity.init(extend=model): the model has no tensors on the meta "
+                         "device, so it was not built under infinity.init (or was initialised "
+                         "already); build it under `with infinity.init(config):` first")
+    return recording
 
 
 def recording_of(module: nn.Module) -> Recording | None:
@@ -426,13 +459,19 @@ def recording_of(module: nn.Module) -> Recording | None:
     metas = [(n, t) for n, t in _named_tensors(module) if t.device == _META]
     if not metas:
         return None
-    owner = next((r for r in _LIVE if r.owns(metas[0][1])), None)
+    owner = next((r for _, t in metas for r in _LIVE if r.owns(t)), None)
     stray = [n for n, t in metas if owner is None or not owner.owns(t)]
     if stray:
-        raise LazyInitError(f"{stray[0]!r} is on the meta device but was not built under "
-                            f"`with infinity.init(...)` (or its model was already initialized); "
-                            f"build the whole model inside the block, or materialise it first "
-                            f"(to_empty() and initialise)")
+        added = owner is not None  # next to recorded tensors: added after the block closed
+        raise LazyInitError(
+            f"{stray[0]!r} is on the meta device but was not built under `with infinity.init(...)` "
+            f"(or its model was already initialized); " + (
+                f"it was added to the recorded model after its block closed, which drops its "
+                f"values (peft's get_peft_model moves new adapters to their base layer's meta "
+                f"device): add it inside the block, or in `with infinity.init(extend=model):` "
+                f"([Note: adding to a recorded model])" if added else
+                "build the whole model inside the block, or materialise it first (to_empty() "
+                "and initialise)"))
     return owner
 
 

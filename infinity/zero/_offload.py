@@ -8,6 +8,8 @@ once, so the engine, ``infinity train`` and the benchmarks size offload the same
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import torch
 from torch import nn
@@ -15,8 +17,9 @@ from torch import nn
 from infinity.config import DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
 from infinity.ledger import host_grad_dtype
-from infinity.tiers import (HostNeeds, OffloadBudgets, OffloadRequest, StateSizes, StoreConfig,
-                            TieredStore, host_needs, least_host_bytes, resolve_offload_budgets)
+from infinity.tiers import (HostNeeds, NvmeBytes, NvmeDemand, OffloadBudgets, OffloadRequest,
+                            StateSizes, StoreConfig, TieredStore, check_nvme_space, host_needs,
+                            least_host_bytes, nvme_bytes, resolve_offload_budgets)
 from infinity.zero._unit_choice import UnitChoice, units_of
 
 
@@ -100,5 +103,25 @@ def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config
     return store, swapper
 
 
-__all__ = ["build_store", "host_needs_of", "least_host_budget_bytes", "offload_request",
-           "resolve_offload", "state_sizes"]
+def check_nvme_space_for(choice: UnitChoice, config: InfinityConfig, budgets: OffloadBudgets, *,
+                         world_size: int, store: TieredStore) -> NvmeBytes:
+    """[Note: NVMe space check] in infinity/tiers/_nvme_space.py: raise ``DiskSpaceError`` when
+    the file system of ``budgets.nvme_path`` cannot take what the store built from ``budgets``
+    (``store``, not yet holding anything) will write for the units of ``choice``, times the ranks
+    on this machine (``LOCAL_WORLD_SIZE``, set by torchrun). Returns the bytes checked."""
+    sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
+                        param_bytes=config.precision.param_bytes)
+    need = nvme_bytes(sizes, offload_request(config, world_size), budgets,
+                      extent_bytes=store.arena.extent_bytes, header_bytes=store.swapper.header_bytes)
+    fields = " and ".join(s.name for s in (config.offload_param, config.offload_optimizer)
+                          if s.device == "nvme")
+    fix = (f" ({fields}), or keep more state in host memory: a device 'cpu' there"
+           + (", or a memory.host_budget_bytes that holds the gradients" if need.gradient_bytes
+              else ""))
+    check_nvme_space([NvmeDemand(budgets.nvme_path, need.file_bytes, need.describe())],
+                     local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), fix=fix)
+    return need
+
+
+__all__ = ["build_store", "check_nvme_space_for", "host_needs_of", "least_host_budget_bytes",
+           "offload_request", "resolve_offload", "state_sizes"]

@@ -295,3 +295,58 @@ def test_adam_across_processes_reports_the_median_ratio(capsys):
     assert len(per) == 3 and record["params"]["processes"] == 3
     for key, value in record["ratios"].items():
         assert value == statistics.median(p[key] for p in per), key
+
+
+def _ds_config(tmp_path, **extra) -> str:
+    """A plain DeepSpeed ZeRO-3 file as users bring it (no unit classes), with the
+    hyperparameters of the bench's plain PyTorch reference so that both train alike."""
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999],
+                                                        "eps": 1e-8, "weight_decay": 0.01}},
+              **extra}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_step_ds_config_beside_plain(tmp_path, capsys):
+    """``--ds-config``: the user's file beside plain PyTorch, its micro-batch size, precision
+    and accumulation driving both; both train the same model on the same batches."""
+    path = _ds_config(tmp_path)
+    argv = ["bench", "step", "--model", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "0",
+            "--ds-config", path, "--json", "--no-save", "--dir", str(tmp_path / "step")]
+    assert main(argv) == 0
+    record = parse_single_json(capsys.readouterr()[0])
+    plain, user = record["rows"]
+    assert (plain["mode"], user["mode"]) == ("plain", bench_step.USER_MODE)
+    params = record["params"]
+    assert (params["batch_size"], params["gradient_accumulation_steps"], params["dtype"]) == (
+        2, 2, "fp32")
+    assert params["ds_config"] == path and "ds_config.json" in record["title"]
+    assert user["x_plain"] == pytest.approx(user["step_s"] / plain["step_s"], rel=1e-12)
+    raw = {r["mode"]: r for r in record["raw"]}
+    assert raw[bench_step.USER_MODE]["stats"]["global_steps"] == 2  # 4 micro-batches, 2 steps
+    # the same fp32 training: the last micro-batch's loss after one optimizer step agrees
+    assert user["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("extra_argv, message", [
+    (["--dtype", "bf16"], "--dtype bf16 contradicts"),
+    (["--modes", "plain,nonsense"], "unknown mode 'nonsense'"),
+])
+def test_step_ds_config_bad_options_fail_before_any_worker(tmp_path, capsys, extra_argv, message):
+    argv = ["bench", "step", "--ds-config", _ds_config(tmp_path), "--no-save", *extra_argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_step_user_mode_needs_a_config(capsys):
+    assert main(["bench", "step", "--modes", "plain,user-config", "--no-save"]) == 2
+    assert "needs --ds-config" in capsys.readouterr().err
+
+
+def test_step_bad_ds_config_names_the_key(tmp_path, capsys):
+    path = _ds_config(tmp_path, zero_optimization={"stage": 3, "stage3_prefetch_bukcet_size": 1})
+    assert main(["bench", "step", "--ds-config", path, "--no-save"]) == 2
+    assert "stage3_prefetch_bukcet_size" in capsys.readouterr().err

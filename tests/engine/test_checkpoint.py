@@ -23,6 +23,7 @@ from torch import nn
 
 import infinity
 from infinity import checkpoint as ckpt
+from infinity.errors import DiskSpaceError
 from infinity.checkpoint import (CheckpointError, consolidate, load_checkpoint, param_ranges,
                                  save_checkpoint)
 from infinity.checkpoint import _save as save_module
@@ -248,6 +249,62 @@ def test_each_save_is_a_new_directory_and_latest_moves_last(tmp_path):
     engine.close()
 
 
+# ----------------------------------------------------------------------- space before a save
+
+
+def _files_bytes(root) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.mark.parametrize("dtype,param", [("fp32", "none"), ("bf16", "nvme")])
+def test_save_bytes_counts_the_files_a_save_writes(tmp_path, dtype, param):
+    """The pre-save count, taken from the layout alone, bounds the bytes the save then puts on
+    disk, and its data part (everything but the fixed allowance) is within 10% of them."""
+    config = _config(tmp_path, stage=3, dtype=dtype, opt="nvme" if param == "nvme" else "none",
+                     param=param)
+    engine = infinity.initialize(tiny_gpt(), config)
+    engine_train(engine, batches(1, 1))
+    counted = save_module.save_bytes(engine)
+    save_checkpoint(engine, tmp_path / "ckpt")
+    written = _files_bytes(tmp_path / "ckpt")
+    assert written <= counted
+    assert 0.9 * written <= counted - save_module.FIXED_BYTES <= 1.1 * written
+    numel = sum(p.numel() for p in tiny_gpt().parameters())  # tied weights once
+    assert written > numel * (12 if dtype == "fp32" else 14)  # the state itself, not headers
+    engine.close()
+
+
+def test_a_save_that_does_not_fit_fails_before_writing_anything(tmp_path, monkeypatch):
+    engine = infinity.initialize(tiny_gpt(), _config(tmp_path, stage=3, opt="nvme",
+                                                     param="nvme", dtype="bf16"))
+    engine_train(engine, batches(1, 1))
+    root = tmp_path / "ckpt"
+    first = save_checkpoint(engine, root)
+    before = sorted(os.listdir(root)), (root / "latest").read_text()
+    engine_train(engine, batches(1, 1))
+    needed = save_module.save_bytes(engine)
+    monkeypatch.setattr(save_module, "free_disk_bytes", lambda path: needed - 1)
+    with pytest.raises(DiskSpaceError) as info:
+        save_checkpoint(engine, root)
+    e = info.value
+    assert (e.needed_bytes, e.free_bytes, e.path) == (needed, needed - 1, os.fspath(root))
+    assert os.fspath(root) in str(e) and "nothing was written" in str(e)
+    assert (sorted(os.listdir(root)), (root / "latest").read_text()) == before
+    assert ckpt.resolve_checkpoint(root) == first
+    monkeypatch.setattr(save_module, "free_disk_bytes", lambda path: needed)  # exactly enough
+    assert os.path.basename(save_checkpoint(engine, root)) == "step-2"
+    engine.close()
+
+
+def test_free_disk_bytes_reads_the_nearest_existing_directory(tmp_path):
+    from infinity.io import free_disk_bytes
+
+    st = os.statvfs(tmp_path)
+    got = free_disk_bytes(tmp_path / "not" / "made" / "yet")
+    assert abs(got - st.f_bavail * st.f_frsize) < 64 << 20  # the same file system, give or take
+    assert not (tmp_path / "not").exists()
+
+
 # ------------------------------------------------------------------------------ crash safety
 
 
@@ -311,7 +368,7 @@ def saved(tmp_path_factory):
 
 
 def _snapshot(engine):
-    opt = engine.optimizer
+    opt = engine.shard_optimizer
     return {"state": engine.full_state_dict(),
             "opt": {k: {"master": opt.master_values(k).clone(),
                         **{n: t.clone() for n, t in opt.state_of(k).items()}} for k in opt.keys()},

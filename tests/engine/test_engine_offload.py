@@ -180,9 +180,13 @@ def test_nvme_offload_keeps_host_memory_within_budget(tmp_path):
     n = nvme["numel"]
     # RSS above the model-built baseline: the host budget (with the gradient shards), the bf16
     # parameter shards (2 B/param, the DEVICE tier is RAM here), the fp32 flat copies made while
-    # initialising (4 B/param, transient), and a fixed overhead of 64 MiB (allocator caches, I/O
-    # threads, activations); not the 12 B/param of Adam state.
-    bound = budget + (2 + 4) * n + 64 * 2 ** 20
+    # initialising (4 B/param, transient), and a fixed overhead of 32 MiB (allocator caches, I/O
+    # threads, activations); not the 12 B/param of Adam state. (Measured here: 86 MB for NVMe
+    # against this 134 MB bound, 162 MB for the host optimizer. Since the mmap threshold is fixed
+    # ([Note: freed buffers leave the process]) the eager model's own fp32 weights, 4 B/param,
+    # leave the process during initialize, so a 64 MiB overhead no longer left the reference
+    # above the bound.)
+    bound = budget + (2 + 4) * n + 32 * 2 ** 20
     assert nvme["peak"] - nvme["base"] <= bound, nvme
     # The bound is tight enough to see Adam's state: with it in host memory, RSS exceeds it.
     assert cpu["peak"] - cpu["base"] > bound, cpu
@@ -216,7 +220,7 @@ def test_optimizer_load_state_round_trips(tmp_path, opt):
     engine = infinity.initialize(tiny_gpt(), _offload_config(tmp_path, stage=3, dtype="bf16",
                                                              opt=opt, host_budget_bytes="auto"))
     engine_train(engine, batches(1, 1))
-    optimizer = engine.optimizer
+    optimizer = engine.shard_optimizer
     for i, key in enumerate(optimizer.keys()):
         n = optimizer.master_values(key).numel()
         want = {name: torch.arange(n, dtype=torch.float32) * (j + 1) + i

@@ -34,6 +34,14 @@ def test_main_job_trains_from_nvme_within_its_host_budget(tmp_path):
     assert tiers["NVME"]["measured_peak_bytes"] == pytest.approx(tiers["NVME"]["estimate_bytes"],
                                                                  rel=0.05)
     assert math.isfinite(summary["first_loss"]) and math.isfinite(summary["final_loss"])
+    per_step = summary["nvme_per_step"]  # the steps' own traffic, and the least it could be
+    assert 0 < per_step["read_bytes"] <= moved["NVME->HOST"]
+    assert per_step["minimum_read_bytes"] == tiers["NVME"]["measured_peak_bytes"]
+    line = summary["roofline"]
+    assert line["roofline_s"] == max(line["cpu_s"], line["disk_s"]) > 0
+    assert line["disk_read_s"] == pytest.approx(per_step["read_bytes"]
+                                                / line["disk_read_bytes_per_s"])
+    assert summary["peak_rss_bytes"] > tiers["HOST"]["measured_peak_bytes"]
     assert not swap.exists()
 
 

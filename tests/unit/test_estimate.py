@@ -105,6 +105,38 @@ def test_tier_split_zero_infinity_all_nvme():
     assert ledger.total_bytes == 16 * psi // n
 
 
+def test_frozen_parameters_have_only_their_params_term():
+    """[Note: frozen parameters]: LoRA r 16 on q/k/v/o of a 7B Llama (16.8 M of 6.74 G train),
+    base on NVMe, optimizer on the host: the gradient and optimizer terms are the adapters' alone."""
+    psi, lora = 6_738_415_616, 32 * 4 * 2 * 16 * 4096
+    terms = StateTerms.for_training(dtype="bf16", grad_dtype="fp32")
+    full = estimate_model_states(psi, 3, 1, terms, offload_param="nvme", offload_optimizer="cpu")
+    ledger = estimate_model_states(psi, 3, 1, terms, offload_param="nvme", offload_optimizer="cpu",
+                                   trainable_numel=lora, unit_numel=202_383_360)
+    assert ledger.trainable_numel == lora and full.trainable_numel == psi
+    assert ledger.params_bytes == full.params_bytes == 2 * psi
+    assert ledger.states["params"] == {Tier.NVME: 2 * psi}
+    assert ledger.states["grads"] == {Tier.HOST: 4 * lora}
+    assert ledger.states["optimizer"] == {Tier.HOST: 12 * lora}
+    # A unit's gradient buffer: its even share of the adapters (unit_numel * lora / psi), or the
+    # count given.
+    assert ledger.buffers[Tier.DEVICE]["unit_gradient"] == -(-202_383_360 * lora // psi) * 4
+    explicit = estimate_model_states(psi, 3, 1, terms, offload_param="nvme",
+                                     offload_optimizer="cpu", trainable_numel=lora,
+                                     unit_numel=202_383_360, unit_trainable_numel=524_288)
+    assert explicit.buffers[Tier.DEVICE]["unit_gradient"] == 524_288 * 4
+    # Sharded over 4 ranks, stage 0 replicates what trains; stage 3 shards it.
+    assert estimate_model_states(psi, 0, 4, terms, trainable_numel=lora).optimizer_bytes == 12 * lora
+    assert estimate_model_states(psi, 3, 4, terms, trainable_numel=lora).optimizer_bytes == \
+        12 * lora // 4
+    for bad in (-1, psi + 1, 1.5, True):
+        with pytest.raises(ValueError, match="trainable_numel"):
+            estimate_model_states(psi, 3, 1, terms, trainable_numel=bad)
+    config = InfinityConfig(zero=ZeroConfig(stage=3), offload_param=OffloadConfig(
+        name="offload_param", device="nvme", nvme_path="/tmp"))
+    assert estimate_from_config(config, psi, 1, trainable_numel=lora).optimizer_bytes == 12 * lora
+
+
 def test_param_offload_below_stage_3_is_rejected():
     with pytest.raises(ValueError, match="needs stage 3"):
         estimate_model_states(10**9, 2, 4, offload_param="cpu")

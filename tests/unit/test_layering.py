@@ -43,6 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"io"},  # takes the engine as an object: imports nothing of zero
     "zero": {"optim", "prefetch", "checkpoint", "tiers", "ledger"},  # the engine, hooks
     "models": set(),  # plain-PyTorch reference models: import nothing of infinity
+    "integrations": {"zero"},  # hf Trainer, accelerate, peft: optional extras over the engine
     "bench": {"zero", "models"},
     "cli": {"bench"},
     "__init__": {"zero"},  # the package's public surface

@@ -1,0 +1,142 @@
+"""The offload roofline: no step runs faster than the slower of its compute and its disk traffic.
+
+``roofline_s = max(cpu_s, disk_s)`` where
+
+* ``disk_s = bytes read / raw read bandwidth + bytes written / raw write bandwidth``, the bandwidths
+  probed with aligned direct I/O on the swap directory itself (:func:`probe_disk`, the raw probe of
+  ``infinity bench io``), the bytes those the step moved to and from NVMe (``engine.stats()``);
+* ``cpu_s = forward + backward of the model with its weights in memory + the Adam pass over every
+  trainable element`` (:func:`gpt_compute_s`), measured per unit in the same run: one block's forward
+  and backward times the number of blocks, plus the embedding, final norm and head, plus the fused CPU
+  Adam kernel over one block's elements scaled to the model's trainable count. Measuring per unit is
+  what makes the figure available for a model that does not fit in memory at all.
+
+Reads and writes are summed rather than overlapped: one disk serves both, and the probe shows the
+write bandwidth is what a lone writer gets. :func:`nvme_minimum_bytes` is the least traffic a step
+can have: every NVMe-resident byte read once and every byte that changes written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Any, Mapping
+
+import torch
+
+from infinity.bench.io import raw_probe
+from infinity.io import aligned_empty
+from infinity.models.gpt import Block, GPTConfig
+from infinity.optim.cpu_adam import adam_step_flat
+
+PROBE_BYTES = 256 << 20
+"""Bytes moved by each direction of the disk probe (a few times the largest single swap file of
+the presets; large enough that the drive's cache does not flatter the write)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiskBandwidth:
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    direct: bool
+    """Measured with O_DIRECT (False where the file system refused it: buffered, then fsynced)."""
+
+
+def probe_disk(directory: str, *, nbytes: int = PROBE_BYTES) -> DiskBandwidth:
+    """Raw aligned write then read bandwidth of ``directory``'s disk (the probe file is removed)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".infinity-roofline-probe-{os.getpid()}")
+    buf = aligned_empty(nbytes, torch.uint8)
+    buf.fill_(7)  # touched once: the write reads resident pages, not zero-fill faults
+    direct = True
+    try:
+        try:
+            write_s = raw_probe(path, buf, write=True, direct=True)
+        except OSError:  # a file system without O_DIRECT (tmpfs, some overlays)
+            direct = False
+            write_s = raw_probe(path, buf, write=True, direct=False)
+        read_s = raw_probe(path, buf, write=False, direct=direct)
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return DiskBandwidth(read_bytes_per_s=nbytes / read_s, write_bytes_per_s=nbytes / write_s,
+                         direct=direct)
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up: first-touch of the activations, kernel selection
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: torch.dtype,
+                  trainable_numel: int | None = None, repeats: int = 3) -> dict[str, float]:
+    """Seconds of CPU work in one step of :class:`~infinity.models.gpt.GPT` ``config`` with its
+    weights in memory, measured per unit (see the module docstring): ``forward_backward_s``,
+    ``adam_s`` and their sum ``cpu_s``. ``trainable_numel`` defaults to every parameter."""
+    torch.manual_seed(0)
+    d = config.n_embd
+    block = Block(config).to(dtype)
+    x = torch.randn(batch_size, seq_len, d, dtype=dtype, requires_grad=True)
+
+    def block_step() -> None:
+        block(x).float().sum().backward()
+
+    block_s = _median_s(block_step, repeats)
+    del block
+    # Embedding, final norm and head (tied or not, the matmul is the same), and the loss.
+    wte = torch.nn.Embedding(config.vocab_size, d).to(dtype)
+    ln_f = torch.nn.LayerNorm(d).to(dtype)
+    idx = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+
+    def ends_step() -> None:
+        h = wte(idx)
+        logits = torch.nn.functional.linear(ln_f(h), wte.weight)
+        torch.nn.functional.cross_entropy(logits.float().view(-1, config.vocab_size),
+                                          idx.view(-1)).backward()
+
+    ends_s = _median_s(ends_step, repeats)
+    del wte, ln_f
+    forward_backward_s = config.n_layer * block_s + ends_s
+    numel = config.num_params if trainable_numel is None else trainable_numel
+    chunk = min(numel, sum(p.numel() for p in Block(config).parameters()))
+    master, grad = torch.randn(chunk), torch.randn(chunk)
+    m, v = torch.zeros(chunk), torch.zeros(chunk)
+    out = torch.empty(chunk, dtype=dtype) if dtype != torch.float32 else None
+
+    def adam() -> None:
+        adam_step_flat(master, grad, m, v, step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.01, out=out)
+
+    adam_s = _median_s(adam, repeats) * numel / max(chunk, 1)
+    return {"forward_backward_s": forward_backward_s, "adam_s": adam_s,
+            "cpu_s": forward_backward_s + adam_s}
+
+
+def nvme_minimum_bytes(stats: Mapping[str, Any]) -> dict[str, int]:
+    """The least NVMe traffic of one step: every NVMe-resident byte read once and written once
+    (``engine.stats()["bytes"]["NVME"]``: parameter shards, optimizer state, gradients on NVMe)."""
+    nvme = int(stats["bytes"]["NVME"]["current"])
+    return {"read_bytes": nvme, "write_bytes": nvme}
+
+
+def roofline(*, cpu_s: float, read_bytes: float, write_bytes: float,
+             disk: DiskBandwidth) -> dict[str, float | str]:
+    """The roofline of a step that moved ``read_bytes`` / ``write_bytes`` (see the module
+    docstring), with its split and which side bounds it."""
+    read_s = read_bytes / disk.read_bytes_per_s
+    write_s = write_bytes / disk.write_bytes_per_s
+    disk_s = read_s + write_s
+    return {"cpu_s": cpu_s, "disk_read_s": read_s, "disk_write_s": write_s, "disk_s": disk_s,
+            "roofline_s": max(cpu_s, disk_s), "bound": "disk" if disk_s >= cpu_s else "cpu"}
+
+
+__all__ = ["DiskBandwidth", "gpt_compute_s", "nvme_minimum_bytes", "probe_disk", "roofline"]

@@ -1,0 +1,118 @@
+"""``infinity bench scale``: model size swept at a fixed host budget, one fresh process per size.
+
+Reproduce: ``infinity bench scale [--quick] [--sizes 1e8,3e8,1e9,3.3e9] [--host-budget 4GiB]
+[--dir /local/nvme] [--plot scale.png]``. Each row is ``infinity train --params N`` (the 3b
+preset's shape, parameters and optimizer on NVMe, bf16, clipping, batch 1 x 64: the I/O-bound
+setting of issue #16) in its own process, so each peak RSS is that size's alone: parameters, state
+bytes and state / RAM, peak RSS (from ``infinity.init`` to the last step), init time, median step,
+the roofline split and ratio, and NVMe bytes per step against the minimum. The claim it checks:
+host memory does not grow with the model, and a step runs at the speed of the slower of compute
+and disk. ``--quick`` stops at 1B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import psutil
+
+from infinity.bench.plot import save_plot
+from infinity.bench.report import Report, add_common_arguments
+
+DEFAULT_SIZES = (1e8, 3e8, 1e9, 3.3e9)
+QUICK_LIMIT = 1e9
+QUICK_ARGS = ("--sizes", "2e7,5e7", "--steps", "2")
+"""For ``infinity bench all --quick``: two small sizes, enough to see the rows are flat."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default=",".join(f"{s:g}" for s in DEFAULT_SIZES),
+                        help="parameter counts, comma-separated (default 1e8,3e8,1e9,3.3e9)")
+    parser.add_argument("--quick", action="store_true", help="stop at 1e9 parameters")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per size")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--host-budget", default="4GiB",
+                        help="the fixed host budget of every row: 'auto' or a size (default 4GiB)")
+    parser.add_argument("--dir", default="./infinity-data/scale", help="swap directory")
+    parser.add_argument("--plot", metavar="FILE.png", help="RSS and step/roofline against size")
+    add_common_arguments(parser)
+
+
+def _sizes(args: argparse.Namespace) -> list[float]:
+    try:
+        sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--sizes: expected comma-separated numbers such as 1e8,1e9, got "
+                         f"{args.sizes!r}") from None
+    if args.quick:
+        sizes = [s for s in sizes if s <= QUICK_LIMIT]
+    if not sizes:
+        raise ValueError(f"--sizes {args.sizes!r} leaves no size to run (--quick stops at 1e9)")
+    return sizes
+
+
+def _one(numel: float, args: argparse.Namespace) -> dict[str, Any]:
+    """``infinity train --params numel`` in a fresh process; its JSON summary."""
+    cmd = [sys.executable, "-m", "infinity", "train", "--params", f"{numel:g}", "--data",
+           "synthetic", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+           "--seq-len", str(args.seq_len), "--dtype", args.dtype, "--host-budget", args.host_budget, "--dir",
+           os.path.join(os.path.abspath(args.dir), f"p{numel:g}"), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1:] or ["failed"], "cmd": cmd}
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def _row(numel: float, s: dict[str, Any], ram: int) -> dict[str, Any]:
+    if "error" in s:
+        return {"params": f"{numel:.3g}", "error": " ".join(s["error"])}
+    r, n = s.get("roofline", {}), s["nvme_per_step"]
+    return {"params": f"{s['num_params'] / 1e9:.2f}B",
+            "state GB": round(s["full_training_state_bytes"] / 1e9, 1),
+            "state/RAM": round(s["full_training_state_bytes"] / ram, 2),
+            "peak RSS GB": round(s["peak_rss_bytes"] / 1e9, 2),
+            "init s": round(s["init_s"], 1), "step s": round(s["median_step_s"], 2),
+            "compute s": round(r.get("cpu_s", 0.0), 2),
+            "disk read s": round(r.get("disk_read_s", 0.0), 2),
+            "disk write s": round(r.get("disk_write_s", 0.0), 2),
+            "stall s": round(s["time"]["stall_s"] / max(1, s["steps"]), 2),
+            "x roofline": round(r.get("x_roofline", 0.0), 2),
+            "NVMe x min": round(n["x_minimum"], 2)}
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = _sizes(args)
+    ram = psutil.virtual_memory().total
+    summaries = [_one(numel, args) for numel in sizes]
+    rows = [_row(numel, s, ram) for numel, s in zip(sizes, summaries)]
+    report = Report(name="scale", title=f"model size at a fixed host budget ({args.host_budget}); "
+                    f"batch {args.batch_size} x {args.seq_len}, {args.dtype}, parameters and optimizer on NVMe",
+                    rows=rows, params=vars(args) | {"ram_bytes": ram},
+                    notes=["x roofline: median step / max(compute, disk read + disk write), "
+                           "bandwidths from a raw direct-I/O probe of --dir in the same process",
+                           "NVMe x min: bytes moved per step / every NVMe-resident byte once each way"],
+                    extra={"summaries": summaries})
+    report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
+    if args.plot:
+        _, message = save_plot(args.plot, lambda plt: _draw(plt, rows), what="scale plot")
+        print(message, file=sys.stderr)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _draw(plt, rows: list[dict[str, Any]]):
+    ok = [r for r in rows if "error" not in r]
+    x = [float(r["params"].rstrip("B")) for r in ok]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(x, [r["peak RSS GB"] for r in ok], marker="o")
+    a.set(xscale="log", xlabel="parameters (B)", ylabel="peak RSS (GB)", title="host memory")
+    b.plot(x, [r["x roofline"] for r in ok], marker="o")
+    b.axhline(1.0, color="grey", linestyle="--")
+    b.set(xscale="log", xlabel="parameters (B)", ylabel="step / roofline", title="speed")
+    return fig

@@ -1,0 +1,74 @@
+"""The roofline's arithmetic and the model sizing behind `infinity train --params` (pure logic).
+
+References: the roofline formula of issue #16 written out here, and the exact parameter count
+of :class:`GPTConfig` (checked against ``sum(p.numel())`` elsewhere)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from infinity.bench.roofline import DiskBandwidth, nvme_minimum_bytes, roofline
+from infinity.cli import _train
+from infinity.models.gpt import PRESETS, gpt_for_params
+
+
+def test_roofline_is_the_slower_of_compute_and_summed_disk_time():
+    disk = DiskBandwidth(read_bytes_per_s=2e9, write_bytes_per_s=4e9, direct=True)
+    line = roofline(cpu_s=1.0, read_bytes=3e9, write_bytes=2e9, disk=disk)
+    assert line["disk_read_s"] == pytest.approx(1.5) and line["disk_write_s"] == pytest.approx(0.5)
+    assert line["disk_s"] == pytest.approx(2.0) and line["roofline_s"] == pytest.approx(2.0)
+    assert line["bound"] == "disk"
+    assert roofline(cpu_s=3.0, read_bytes=3e9, write_bytes=2e9, disk=disk)["bound"] == "cpu"
+
+
+def test_nvme_minimum_is_every_resident_byte_once_each_way():
+    stats = {"bytes": {"NVME": {"current": 123456, "peak": 123456}}}
+    assert nvme_minimum_bytes(stats) == {"read_bytes": 123456, "write_bytes": 123456}
+
+
+@pytest.mark.parametrize("numel", [1e8, 3e8, 1e9, 3.3e9, 7e9])
+def test_gpt_for_params_lands_near_the_asked_size(numel):
+    config = gpt_for_params(numel)
+    assert config.num_params == pytest.approx(numel, rel=0.06)
+    assert config.n_embd % 128 == 0 and config.n_embd // config.n_head == 128
+
+
+def test_the_3b_preset_is_the_issue_model():
+    c = PRESETS["3b"]
+    assert (c.n_embd, c.n_layer, c.vocab_size) == (2560, 40, 32000)
+    assert c.num_params * 16 > 2 * 24 * 2**30  # its state is twice a 24 GiB machine's RAM
+    assert gpt_for_params(3.3e9) == c
+
+
+def _args(**kw):
+    base = dict(model="demo", params=None, state_ram_multiple=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_state_ram_multiple_sizes_by_the_machine_ram(monkeypatch):
+    class Mem:
+        total = 24 * 2**30
+
+    monkeypatch.setattr(_train.psutil, "virtual_memory", lambda: Mem)
+    args = _args(state_ram_multiple=2.0)
+    config = _train._model_config(args)
+    assert config.num_params * 16 == pytest.approx(2 * Mem.total, rel=0.06)
+    assert args.model.startswith("gpt-") and args.model.endswith("b")
+    with pytest.raises(ValueError, match="--state-ram-multiple"):
+        _train._model_config(_args(state_ram_multiple=0))
+    with pytest.raises(ValueError, match="--params"):
+        _train._model_config(_args(params=10))
+    with pytest.raises(ValueError, match="--model"):
+        _train._model_config(_args(model="nope"))
+
+
+def test_gpt_compute_is_measured_per_unit_and_summed():
+    import torch
+
+    from infinity.bench.roofline import gpt_compute_s
+
+    c = gpt_compute_s(PRESETS["tiny"], batch_size=2, seq_len=16, dtype=torch.float32, repeats=1)
+    assert c["forward_backward_s"] > 0 and c["adam_s"] > 0
+    assert c["cpu_s"] == pytest.approx(c["forward_backward_s"] + c["adam_s"])
