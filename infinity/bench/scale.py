@@ -26,8 +26,6 @@ from infinity.bench.report import Report, add_common_arguments
 
 DEFAULT_SIZES = (1e8, 3e8, 1e9, 3.3e9)
 QUICK_LIMIT = 1e9
-QUICK_ARGS = ("--sizes", "2e7,5e7", "--steps", "2")
-"""For ``infinity bench all --quick``: two small sizes, enough to see the rows are flat."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,8 +24,11 @@ BENCHES = {
     "io": (bench_io, "NVMe swapper bandwidth against raw direct I/O, fio and DeepSpeed aio"),
     "adam": (bench_adam, "CPU Adam throughput against torch fused AdamW and DeepSpeed"),
     "step": (bench_step, "training step time, stall fraction and memory per offload mode"),
+}
+LONG_BENCHES = {
     "scale": (bench_scale, "model size swept at a fixed host budget: peak RSS, step vs roofline"),
 }
+"""Benchmarks of many minutes (a fresh training process per row): not part of ``bench all``."""
 COMMANDS = {
     "estimate": (_estimate, "memory ledger per ZeRO stage and tier"),
     "plan": (_plan, "recommend a configuration for a model on given hardware"),
@@ -41,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (io, adam, step, all)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, (module, help_text) in BENCHES.items():
+    for name, (module, help_text) in {**BENCHES, **LONG_BENCHES}.items():
         p = bench_sub.add_parser(name, help=help_text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
