@@ -10,7 +10,7 @@ save into one state dict, load Hugging Face safetensors straight into the shards
 - :mod:`._weights`: ``engine.load_weights``: safetensors (file, directory, sharded index) read by
   byte range into each rank's partition ([Note: each rank reads its partition]).
 
-Takes the engine as an object with public parts (``engine.manager``, ``engine.optimizer``,
+Takes the engine as an object with public parts (``engine.manager``, ``engine.shard_optimizer``,
 ``engine.between_steps``, ``engine.step_state_dict()``...): it imports nothing of ``zero``.
 Module DAG inside the package: ``_reader`` <- ``_layout``, ``_ranks``, ``_rng`` <- ``_save``,
 ``_load``, ``_weights``; ``_reader`` <- ``_consolidate``.

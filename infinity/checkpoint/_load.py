@@ -39,6 +39,11 @@ def _prepare_load(engine: Any, directory: str | os.PathLike[str]) -> CheckpointR
     reader = CheckpointReader(resolve_checkpoint(directory))
     try:
         _check_matches_model(engine, reader)
+        try:  # the parameter groups and step counts fit this engine
+            engine.check_step_state_dict(reader.manifest["engine"])
+        except ValueError as e:
+            raise CheckpointError(f"{reader.manifest_path}: {e}", path=reader.manifest_path
+                                  ) from None
         rank, world = engine.collectives.rank, engine.collectives.world_size
         needed = {reader.manifest["buffers_file"]}
         for unit in engine.manager.units:
@@ -112,7 +117,7 @@ def _apply(engine: Any, reader: CheckpointReader) -> None:
             if g.requires_grad:
                 parts = {k: _assemble(reader, g.slots, lo, n, k, torch.float32)
                          for k in TRAIN_KINDS}
-                engine.optimizer.load_state(g.key, **parts)
+                engine.shard_optimizer.load_state(g.key, **parts)
                 low = _assemble(reader, g.slots, lo, n, "param", engine.compute_dtype,
                                 fallback="master") if engine.compute_dtype != torch.float32 \
                     else parts["master"]

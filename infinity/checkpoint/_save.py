@@ -106,7 +106,7 @@ def _write_rank_files(engine: Any, step_dir: str) -> None:
 
 def _group_tensors(engine: Any, group: Any) -> list[tuple[str, torch.Tensor]]:
     """This rank's save slice of ``group`` ([Note: ranges per parameter])."""
-    m, opt = engine.manager, engine.optimizer
+    m, opt = engine.manager, engine.shard_optimizer
     lo, hi = m.rank * group.shard_numel, (m.rank + 1) * group.shard_numel
     ranges = param_ranges(group.slots, lo, hi)
     if not ranges:

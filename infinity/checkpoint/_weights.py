@@ -233,7 +233,7 @@ def _write_group(engine: Any, ckpt: SafetensorsCheckpoint, g: Any, lo: int, n: i
                  staging: _Staging) -> None:
     """Partition ``[lo, lo + n)`` of group ``g``: file values into the compute-dtype parameter
     partition and, window by window (the offloaded optimizer's sub-groups), the fp32 master."""
-    masters = engine.optimizer.open_master(g.key) if g.requires_grad else \
+    masters = engine.shard_optimizer.open_master(g.key) if g.requires_grad else \
         contextlib.nullcontext([(0, n, contextlib.nullcontext(None))])
     # The parameter shard closes first (marked dirty, written back), then the masters' write-backs
     # are waited for.

@@ -5,8 +5,9 @@ Interface (every implementation)::
     opt.add(key, master, param_out)        # master: fp32 flat shard (updated in place)
                                            # param_out: the low-precision shard to write, or None
                                            #            when the master *is* the parameter (fp32)
-    opt.step(grads, grad_scale=, lr=)      # grads: {key: fp32 flat gradient shard}
+    opt.step(grads, grad_scale=, runs=)    # grads: {key: fp32 flat gradient shard}
                                            #   (offloaded: or a StoredGrad, slices in the store)
+                                           # runs: {key: AdamRun slices to update} (None: all)
     opt.state_bytes()                      # bytes of Adam moments held
     opt.master_values(key) / opt.state_of(key)   # fp32 values (a copy where offloaded)
     opt.load_state(key, master=, exp_avg=, exp_avg_sq=)   # overwrite (checkpoint loading)
@@ -23,13 +24,27 @@ Interface (every implementation)::
   ``torch.optim.AdamW`` order) elsewhere; :class:`~infinity.optim.cpu_adam.CPUAdam` is a drop-in
   ``torch.optim.Optimizer`` over the same kernel.
 
+- :mod:`._runs`: the slices of a partition one kernel call updates, each with its step number and
+  hyperparameters ([Note: runs of a flat partition]: parameter groups, parameters without a
+  gradient).
+- :class:`EngineOptimizer` (:mod:`._engine_optimizer`): ``engine.optimizer``, the engine's Adam
+  seen from outside as a ``torch.optim.Optimizer`` (parameter groups, per-parameter step counts,
+  state dicts) for LR schedulers and trainers; :func:`resolve_param_groups` builds its groups from
+  ``initialize(..., model_parameters=...)``.
+
 Knows no hooks and no units: the parameter manager hands it flat tensors and partition handles.
 """
 
+from infinity.optim._engine_optimizer import EngineOptimizer
 from infinity.optim._in_memory import InMemoryShardOptimizer
 from infinity.optim._offloaded import OffloadedShardOptimizer
+from infinity.optim._param_groups import (HYPERPARAMETERS, check_hyperparameters, json_safe_group,
+                                          resolve_param_groups)
 from infinity.optim._partition import StoredGrad, open_param_out
 from infinity.optim._reference import adam_kernel_for, adam_step_flat_reference
+from infinity.optim._runs import AdamRun, Hyperparameters, merge_runs
 
-__all__ = ["InMemoryShardOptimizer", "OffloadedShardOptimizer", "StoredGrad", "adam_kernel_for",
-           "adam_step_flat_reference", "open_param_out"]
+__all__ = ["HYPERPARAMETERS", "AdamRun", "EngineOptimizer", "Hyperparameters",
+           "InMemoryShardOptimizer", "OffloadedShardOptimizer", "StoredGrad", "adam_kernel_for",
+           "adam_step_flat_reference", "check_hyperparameters", "json_safe_group", "merge_runs",
+           "open_param_out", "resolve_param_groups"]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator, Mapping
+from typing import ContextManager, Iterator, Mapping, Sequence
 
 import torch
 
 from infinity.config import OptimizerConfig
 from infinity.optim._partition import check_numel, open_param_out
-from infinity.optim._reference import adam_kernel_for
+from infinity.optim._runs import AdamRun, adam_runs, clipped, config_hyperparameters, covers
 
 
 class InMemoryShardOptimizer:
@@ -91,24 +91,40 @@ class InMemoryShardOptimizer:
     def cancel_prefetch(self) -> None:
         """Nothing is ever read ahead here (the interface of the offloaded optimizer)."""
 
+    def default_runs(self, lr: float | None = None) -> dict[str, tuple[AdamRun, ...]]:
+        """One run per key over its whole partition at the next step number, with ``lr`` (None:
+        :attr:`lr`) and the config's other hyperparameters (what :meth:`step` does without
+        ``runs``)."""
+        hyper = config_hyperparameters(self.config, self.lr if lr is None else lr)
+        return {key: (AdamRun(0, m.numel(), self.step_count + 1, hyper),)
+                for key, m in self._masters.items()}
+
     def step(self, grads: Mapping[str, torch.Tensor], *, grad_scale: float = 1.0,
-             lr: float | None = None) -> None:
-        """One step over every key; keys missing from ``grads`` are stepped with a zero gradient
-        (as torch's AdamW does for a parameter whose ``.grad`` was zeroed, not set to None)."""
+             lr: float | None = None,
+             runs: Mapping[str, Sequence[AdamRun]] | None = None) -> None:
+        """One step. ``runs``: per key, the slices to update and their step numbers and
+        hyperparameters ([Note: runs of a flat partition]); keys absent from it are not
+        updated. None: :meth:`default_runs` (every key, one run). A key missing from ``grads``
+        is stepped with a zero gradient (as torch's AdamW does for a gradient zeroed, not set
+        to None)."""
+        if runs is None:
+            runs = self.default_runs(lr)
         self.step_count += 1
-        lr = self.lr if lr is None else lr
-        beta1, beta2 = self.config.betas
         for key, master in self._masters.items():
+            key_runs = runs.get(key)
+            if not key_runs:
+                continue
             grad = grads.get(key)
             if grad is None:
                 grad = torch.zeros_like(master)
-            with open_param_out(self._outs[key], overwrite=True) as out:  # writes it all
+            pieces = clipped(key_runs, 0, master.numel())
+            # A partition updated end to end is written whole: a stored one is not read first.
+            with open_param_out(self._outs[key], overwrite=covers(key_runs, master.numel())) as out:
                 fused_out = out if out is not None and out.dtype != torch.float32 else None
-                adam_kernel_for(master.device)(
-                    master, grad, self._exp_avg[key], self._exp_avg_sq[key],
-                    step=self.step_count, lr=lr, beta1=beta1, beta2=beta2,
-                    eps=float(self.config.eps), weight_decay=float(self.config.weight_decay),
-                    adamw_mode=self.config.adamw_mode, bias_correction=self.config.bias_correction,
-                    grad_scale=grad_scale, out=fused_out)
+                adam_runs(master, grad, self._exp_avg[key], self._exp_avg_sq[key], pieces,
+                          adamw_mode=self.config.adamw_mode,
+                          bias_correction=self.config.bias_correction, grad_scale=grad_scale,
+                          out=fused_out)
                 if out is not None and fused_out is None:  # an fp32 copy held elsewhere
-                    out.copy_(master)
+                    for a, b, _ in pieces:
+                        out[a:b].copy_(master[a:b])

@@ -8,14 +8,14 @@ import contextlib
 import logging
 import sys
 import time
-from typing import Any, ContextManager, Iterable, Iterator, Mapping
+from typing import Any, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from infinity.config import OptimizerConfig
 from infinity.errors import TierCapacityError
 from infinity.optim._partition import StoredGrad, check_numel, open_param_out
-from infinity.optim._reference import adam_kernel_for
+from infinity.optim._runs import AdamRun, adam_runs, clipped, config_hyperparameters, covers
 from infinity.optim._sub_group import (STEP_TRANSITIONS, ReadAhead, StepRun, StepState, SubGroup,
                                        SubGroupState)
 from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, Residency, Tier, TieredStore, TierHandle
@@ -381,20 +381,35 @@ class OffloadedShardOptimizer:
 
     # ------------------------------------------------------------------ the step
 
+    def default_runs(self, lr: float | None = None) -> dict[str, tuple[AdamRun, ...]]:
+        """One run per key over its whole partition at the next step number, with ``lr`` (None:
+        :attr:`lr`) and the config's other hyperparameters (what :meth:`step` does without
+        ``runs``)."""
+        hyper = config_hyperparameters(self.config, self.lr if lr is None else lr)
+        return {key: (AdamRun(0, self._numel(key), self.step_count + 1, hyper),)
+                for key in self._sub_groups}
+
     def step(self, grads: Mapping[str, torch.Tensor], *, grad_scale: float = 1.0,
              lr: float | None = None, defer: bool = False,
-             order: Iterable[str] = ()) -> None:
-        """One Adam step over every key. ``defer`` (NVME home): [Note: deferred optimizer step]:
+             order: Iterable[str] = (),
+             runs: Mapping[str, Sequence[AdamRun]] | None = None) -> None:
+        """One Adam step. ``runs``: per key, the slices to update with their step numbers and
+        hyperparameters ([Note: runs of a flat partition]); keys absent are not updated, and
+        sub-groups no run reaches are not read. None: :meth:`default_runs` (every key, one run).
+        ``defer`` (NVME home): [Note: deferred optimizer step]:
         only the keys whose parameter partition is not a stored shard (nothing guards their reads)
         are updated now; the others wait for :meth:`apply_before_read` (the store calls it when a
         parameter shard is about to be read) or :meth:`drain`, in ``order`` (the keys in the order
         the next forward reads them; keys not in it follow in add order). ``grads`` must stay
         unchanged until then."""
         self.drain()
+        if runs is None:
+            runs = self.default_runs(lr)
         self.step_count += 1
-        run = StepRun(step=self.step_count, lr=self.lr if lr is None else lr,
-                      grad_scale=grad_scale, grads=grads,
-                      items=self._step_items(order if defer else ()),
+        runs = {k: tuple(r) for k, r in runs.items() if r and k in self._sub_groups}
+        items = [sg for sg in self._step_items(order if defer else ())
+                 if sg.key in runs and clipped(runs[sg.key], sg.lo, sg.hi)]
+        run = StepRun(runs=runs, grad_scale=grad_scale, grads=grads, items=items,
                       window=self.window_sub_groups)
         self._read_ahead.clear()
         self._run = run
@@ -496,7 +511,10 @@ class OffloadedShardOptimizer:
                             out_ctx.__exit__(None, None, None)
                         # Every sub-group of the key is stepped while it is open: all written.
                         open_key = sg.key
-                        out_ctx = open_param_out(self._outs[sg.key], overwrite=True)
+                        # Updated end to end: written whole, a stored shard is not read first.
+                        out_ctx = open_param_out(
+                            self._outs[sg.key],
+                            overwrite=covers(run.runs[sg.key], self._numel(sg.key)))
                         out = out_ctx.__enter__()
                     if grad_handle is None:  # not read ahead with its sub-group
                         grad_handle = self._acquire_grad(run, sg)
@@ -561,8 +579,10 @@ class OffloadedShardOptimizer:
 
     def _update(self, buf: torch.Tensor, grad: torch.Tensor | None, out: torch.Tensor | None,
                 lo: int, hi: int, run: StepRun) -> None:
-        """Adam on the pinned sub-group ``buf`` of ``[lo, hi)`` with its gradient slice ``grad``
-        (already that slice; None: zero), writing the new parameters into ``out[lo:hi]``."""
+        """Adam on the pinned sub-group ``buf`` of ``[lo, hi)`` (the run's item ``run.done``,
+        being updated) with its gradient slice ``grad`` (already that slice; None: zero), over
+        the parts of its key's runs in it, writing the new parameters into ``out[lo:hi]``."""
+        key = run.items[run.done].key
         n = hi - lo
         master, exp_avg, exp_avg_sq = buf[:n], buf[n:2 * n], buf[2 * n:]
         if grad is None:
@@ -573,15 +593,14 @@ class OffloadedShardOptimizer:
         staging = None
         if low:
             staging = out[lo:hi] if out.device.type == "cpu" else torch.empty(n, dtype=out.dtype)
-        beta1, beta2 = self.config.betas
-        adam_kernel_for(master.device)(
-            master, g, exp_avg, exp_avg_sq, step=run.step, lr=run.lr, beta1=beta1,
-            beta2=beta2, eps=float(self.config.eps), weight_decay=float(self.config.weight_decay),
-            adamw_mode=self.config.adamw_mode, bias_correction=self.config.bias_correction,
-            grad_scale=run.grad_scale, out=staging)
+        pieces = clipped(run.runs[key], lo, hi)
+        adam_runs(master, g, exp_avg, exp_avg_sq, pieces, adamw_mode=self.config.adamw_mode,
+                  bias_correction=self.config.bias_correction, grad_scale=run.grad_scale,
+                  out=staging)
         if out is None:
             return
-        if not low:
-            out[lo:hi].copy_(master)
-        elif out.device.type != "cpu":  # staging was a CPU buffer: move the new values up
-            out[lo:hi].copy_(staging)
+        for a, b, _ in pieces:  # only what was updated: the rest of ``out`` keeps its values
+            if not low:
+                out[lo + a:lo + b].copy_(master[a:b])
+            elif out.device.type != "cpu":  # staging was a CPU buffer: move the new values up
+                out[lo + a:lo + b].copy_(staging[a:b])

@@ -17,6 +17,7 @@ import torch
 
 from infinity._transitions import TransitionTable
 from infinity.optim._partition import StoredGrad
+from infinity.optim._runs import AdamRun
 from infinity.tiers import Tier, TierHandle
 
 
@@ -118,10 +119,10 @@ the step itself is :class:`StepRun`)."""
 class StepRun:
     """One optimizer step of the offloaded optimizer, possibly deferred."""
 
-    step: int
-    """Adam's step number (bias correction) of this run."""
-    lr: float
-    """The learning rate of this step (a scheduler may have set it since the last one)."""
+    runs: Mapping[str, tuple[AdamRun, ...]]
+    """Key -> the slices this step updates, each with its step number and hyperparameters, read
+    when the step was recorded ([Note: runs of a flat partition] in infinity/optim/_runs.py; a
+    scheduler may change the groups before a deferred update runs)."""
     grad_scale: float
     """Applied to every gradient: the loss scale's inverse times the clip coefficient."""
     grads: Mapping[str, torch.Tensor | StoredGrad]

@@ -7,6 +7,15 @@ Usage (the same calls as a DeepSpeed engine)::
     engine.backward(loss)                          # scales by 1/gradient_accumulation_steps
     engine.step()                                  # optimizer step at accumulation boundaries
     engine.stats(); engine.full_state_dict(); engine.module; engine.close()
+    engine.optimizer                               # a torch.optim.Optimizer: param_groups, ...
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, f)   # sched.step() after step()
+
+``initialize(model, config, model_parameters=groups)`` takes torch-style parameter groups
+(DeepSpeed's argument name), each with its own ``lr``, ``betas``, ``eps``, ``weight_decay``
+(:func:`~infinity.optim.resolve_param_groups`). ``engine.optimizer`` is an
+:class:`~infinity.optim.EngineOptimizer` ([Note: the optimizer seen from outside] in
+infinity/optim/_engine_optimizer.py); the update runs over the flat shards of
+``engine.shard_optimizer`` with each group's current values, read at every step.
 
 Every ``engine.step()`` call counts one micro-batch; the optimizer runs on every
 ``gradient_accumulation_steps``-th call (DeepSpeed semantics). Gradients are averaged over ranks and
@@ -44,7 +53,9 @@ from torch import nn
 from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, load_config
 from infinity.ledger import host_grad_dtype
-from infinity.optim import InMemoryShardOptimizer, OffloadedShardOptimizer, StoredGrad
+from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer,
+                            StoredGrad, check_hyperparameters, json_safe_group,
+                            resolve_param_groups)
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
 from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
@@ -56,6 +67,7 @@ from infinity.zero._managed import check_not_wrapped
 from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._offload import build_store, resolve_offload
 from infinity.zero._param_manager import ParameterManager
+from infinity.zero._step_plan import StepPlan
 from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_choice import units_of
 
@@ -120,10 +132,16 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
 class InfinityEngine:
     """The training engine returned by :func:`initialize`; see the module docstring."""
 
-    def __init__(self, model: nn.Module, config: InfinityConfig):
+    def __init__(self, model: nn.Module, config: InfinityConfig, *,
+                 model_parameters: Any = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         config.check_resolved("initialize")
+        opt = config.optimizer
+        defaults = {"lr": float(opt.lr), "betas": tuple(float(b) for b in opt.betas),
+                    "eps": float(opt.eps), "weight_decay": float(opt.weight_decay)}
+        # Before anything is built: a bad group leaves the model untouched.
+        groups = resolve_param_groups(model, model_parameters, defaults)
         _check_writable_dirs(config)
         check_not_wrapped(model)
         if isinstance(config.activation_checkpointing.units, tuple):
@@ -167,7 +185,15 @@ class InfinityEngine:
         self.activations = apply_activation_checkpointing(
             model, config.activation_checkpointing,
             unit_module_names=[u.name for u in self.manager.units])
-        self.optimizer = self._build_optimizer()
+        self.optimizer = EngineOptimizer(groups, defaults)
+        """What code outside the engine drives: a torch.optim.Optimizer over the model's
+        parameters ([Note: the optimizer seen from outside] in infinity/optim/_engine_optimizer.py)."""
+        self.shard_optimizer = self._build_optimizer()
+        """Adam over the flat fp32 shards (in memory or offloaded): the state and the update."""
+        self._plan = StepPlan(self.manager, self.optimizer)
+        """Which slices each step updates, with which hyperparameters and step numbers."""
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        """id(parameter) -> its first qualified name (checkpoints keep step counts by name)."""
         self.scaler = LossScaler(config.precision)
         self.micro_steps = 0
         """engine.step() calls so far (micro-batches)."""
@@ -215,7 +241,7 @@ class InfinityEngine:
 
     def _on_grad_ready(self, key: str) -> None:
         if not self._deferring:  # deferred: the read-ahead runs in the next forward's order
-            self.optimizer.prefetch(key)
+            self.shard_optimizer.prefetch(key)
 
     # ------------------------------------------------------------------ the public calls
 
@@ -271,11 +297,13 @@ class InfinityEngine:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.lr
+        """The learning rate of the first parameter group; setting it sets every group's."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.optimizer.lr = float(value)
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(value)
 
     @property
     def loss_scale(self) -> float:
@@ -293,9 +321,9 @@ class InfinityEngine:
             raise ValueError("engine.backward: the loss does not require grad (was the forward "
                              "run under torch.no_grad(), or are all parameters frozen?)")
         scale = self.scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
-        self.optimizer.drain()  # the gradients are about to change: the last step must be done
+        self.shard_optimizer.drain()  # the gradients are about to change: the last step is done
         if self._deferring:  # the state the next step updates first, read while backward runs
-            self.optimizer.read_ahead(self.manager.forward_keys())
+            self.shard_optimizer.read_ahead(self.manager.forward_keys())
         self.manager.begin_backward()
         try:
             (loss * scale if scale != 1.0 else loss).backward()
@@ -336,6 +364,7 @@ class InfinityEngine:
             return
         window = self.gradient_accumulation_steps
         self.micro_steps = -(-self.micro_steps // window) * window  # an early boundary ends it
+        self.optimizer.mark_stepped()  # torch's LR schedulers check it
         t0 = time.perf_counter()
         self._optimizer_step(float(clip))
         self._step_time_s += time.perf_counter() - t0
@@ -352,7 +381,7 @@ class InfinityEngine:
                 logger.info("fp16 overflow: step %d skipped, loss scale now %g",
                             self.global_steps, self.scaler.scale)
                 self.manager.zero_grads()
-                self.optimizer.cancel_prefetch()  # no step uses the state read ahead
+                self.shard_optimizer.cancel_prefetch()  # no step uses the state read ahead
                 return
             self.scaler.update(False)
         norm = math.sqrt(norm_sq) * inv_scale
@@ -364,12 +393,14 @@ class InfinityEngine:
         # after it, and there eager write-backs overlap the updates of the later keys.
         lazy = self._deferring and self.offload.device_holds_params
         self.manager.set_param_writeback(ParamWriteback.LAZY if lazy else ParamWriteback.EAGER)
+        runs = self._plan.runs()
         if self._deferring:
-            self.optimizer.step(grads, grad_scale=inv_scale * coef, defer=True,
-                                order=self.manager.forward_keys())
+            self.shard_optimizer.step(grads, grad_scale=inv_scale * coef, runs=runs, defer=True,
+                                      order=self.manager.forward_keys())
         else:
-            self.optimizer.step(grads, grad_scale=inv_scale * coef)
+            self.shard_optimizer.step(grads, grad_scale=inv_scale * coef, runs=runs)
             self.flush_offload()
+        self._plan.commit()
         self.manager.after_step()
 
     def _global_norm_sq(self, grads: Mapping[str, torch.Tensor | StoredGrad]
@@ -397,15 +428,15 @@ class InfinityEngine:
         whose home is a swap file.
         """
         held = self.manager.device_bytes()
-        state_device = 0 if self.optimizer.offloaded else self.optimizer.state_bytes()
+        state_device = 0 if self.shard_optimizer.offloaded else self.shard_optimizer.state_bytes()
         store = self.store.stats() if self.store is not None else {}
         device_now = sum(held.values()) + state_device + store.get("device_used_bytes", 0)
         device_peak = (self.manager.peak_device_bytes + state_device
                        + store.get("device_peak_bytes", 0))
         nvme = 0
         if self.config.offload_optimizer.device == "nvme":
-            nvme += (self.optimizer.state_bytes() + self.optimizer.master_bytes()
-                     - self.optimizer.host_resident_bytes)  # [Note: host-resident sub-groups]
+            nvme += (self.shard_optimizer.state_bytes() + self.shard_optimizer.master_bytes()
+                     - self.shard_optimizer.host_resident_bytes)  # [Note: host-resident sub-groups]
         if self.config.offload_param.device == "nvme":
             nvme += sum(g.shard_numel * self.compute_dtype.itemsize for u in self.manager.units
                         for g in u.groups if g.store_key is not None)
@@ -420,7 +451,7 @@ class InfinityEngine:
                                "peak": store.get("host_peak_bytes", 0),
                                "budget": store.get("host_budget_bytes", 0)},
                       "NVME": {"current": nvme, "peak": nvme}},
-            "model_state_bytes": {**held, "optimizer_state": self.optimizer.state_bytes()},
+            "model_state_bytes": {**held, "optimizer_state": self.shard_optimizer.state_bytes()},
             "bytes_moved": {"NVME->HOST": store.get("bytes_nvme_to_host", 0),
                             "HOST->DEVICE": store.get("bytes_host_to_device", 0),
                             "DEVICE->HOST": store.get("bytes_device_to_host", 0),
@@ -432,10 +463,10 @@ class InfinityEngine:
             "optimizer_step_s": self._step_time_s,
             # [Note: deferred optimizer step]: updates run in the next forward, and the part of
             # both spent waiting for sub-group reads.
-            "optimizer_deferred_s": self.optimizer.deferred_s,
-            "optimizer_read_wait_s": self.optimizer.wait_s,
+            "optimizer_deferred_s": self.shard_optimizer.deferred_s,
+            "optimizer_read_wait_s": self.shard_optimizer.wait_s,
             # [Note: host-resident sub-groups]: optimizer state homed on HOST out of an NVMe home.
-            "optimizer_host_resident_bytes": self.optimizer.host_resident_bytes,
+            "optimizer_host_resident_bytes": self.shard_optimizer.host_resident_bytes,
             "grads_on_nvme": grads_on_nvme,
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
@@ -446,28 +477,28 @@ class InfinityEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full state dict (fp32 masters for trained parameters), keyed like
         ``model.state_dict()``; a collective: call it on every rank."""
-        self.optimizer.drain()  # a deferred step's updates land first
+        self.shard_optimizer.drain()  # a deferred step's updates land first
         if self.collectives.world_size > 1:
             self._broadcast_buffers()
-        return self.manager.full_state_dict(master_of=self.optimizer.master_values)
+        return self.manager.full_state_dict(master_of=self.shard_optimizer.master_values)
 
     def load_weights(self, path: str, *, strict: bool = True) -> dict[str, list[str]]:
         """Load model weights from a safetensors file, a directory, or a Hugging Face sharded
         index straight into the shards (each rank reads only its ranges; optimizer moments are
         left as they are); see :mod:`infinity.checkpoint`. A collective: call it on every rank."""
-        self.optimizer.drain()  # a deferred step's updates land first
+        self.shard_optimizer.drain()  # a deferred step's updates land first
         return load_weights(self, path, strict=strict)
 
     def save_checkpoint(self, directory: str) -> str:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
         a collective: call it on every rank. Returns the new save's directory."""
-        self.optimizer.drain()  # a deferred step's updates land first
+        self.shard_optimizer.drain()  # a deferred step's updates land first
         return save_checkpoint(self, directory)
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
         size; everything is validated on every rank before any state changes."""
-        self.optimizer.drain()  # a deferred step's updates land first
+        self.shard_optimizer.drain()  # a deferred step's updates land first
         return load_checkpoint(self, directory)
 
     def flush_offload(self) -> None:
@@ -476,29 +507,60 @@ class InfinityEngine:
             self.store.flush()
 
     def step_state_dict(self) -> dict[str, Any]:
-        """The step counters of the engine, its optimizer and its loss scaler (what a checkpoint's
-        manifest keeps as ``engine``)."""
+        """The step counters of the engine, its optimizer and its loss scaler, the parameter
+        groups' hyperparameters (JSON values) and the per-parameter step counts by qualified name
+        (what a checkpoint's manifest keeps as ``engine``)."""
+        opt = self.optimizer
+        steps = {self._param_names[id(p)]: opt.step_of(p)
+                 for g in opt.param_groups for p in g["params"] if opt.step_of(p)}
         return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "last_grad_norm": self.last_grad_norm,
-                "optimizer_step_count": self.optimizer.step_count, "lr": self.optimizer.lr,
-                "loss_scaler": self.scaler.state_dict()}
+                "optimizer_step_count": self.shard_optimizer.step_count, "lr": self.lr,
+                "param_groups": [json_safe_group(g) for g in opt.param_groups],
+                "param_steps": steps, "loss_scaler": self.scaler.state_dict()}
+
+    def check_step_state_dict(self, state: Mapping[str, Any]) -> None:
+        """ValueError when :meth:`load_step_state_dict` could not take ``state`` (checked before
+        a checkpoint changes anything)."""
+        groups = state.get("param_groups")
+        if groups is None:
+            return  # saved before parameter groups: one lr, every parameter stepped each time
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"the checkpoint has {len(groups)} parameter groups, "
+                             f"engine.optimizer has {len(self.optimizer.param_groups)}; pass the "
+                             f"same model_parameters groups as when it was saved")
+        for i, group in enumerate(groups):
+            check_hyperparameters(group, f"checkpoint param_groups[{i}]")
 
     def load_step_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`step_state_dict` returned (between steps)."""
+        self.check_step_state_dict(state)
         self.global_steps = int(state["global_steps"])
         self.micro_steps = int(state["micro_steps"])
         self.skipped_steps = int(state["skipped_steps"])
         self.last_grad_norm = state["last_grad_norm"]
         self._backward_since_step = False
-        self.optimizer.step_count = int(state["optimizer_step_count"])
-        self.optimizer.lr = float(state["lr"])
+        self.shard_optimizer.step_count = int(state["optimizer_step_count"])
+        opt = self.optimizer
+        if state.get("param_groups") is None:  # an older save: one lr, every step updated all
+            self.lr = float(state["lr"])
+            steps = {self._param_names[id(p)]: int(state["optimizer_step_count"])
+                     for g in opt.param_groups for p in g["params"] if p.requires_grad}
+        else:
+            for group, saved in zip(opt.param_groups, state["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+                group["betas"] = tuple(float(b) for b in group["betas"])
+            steps = state.get("param_steps", {})
+        for g in opt.param_groups:
+            for p in g["params"]:
+                opt.set_step(p, int(steps.get(self._param_names[id(p)], 0)))
         self.scaler.load_state_dict(state["loss_scaler"])
 
     def close(self) -> None:
         """Stop the store's threads and delete swap files (also done when the engine is
         garbage-collected or the interpreter exits)."""
         try:
-            self.optimizer.drain()  # write-backs still in flight end before the store closes
+            self.shard_optimizer.drain()  # write-backs still in flight end before the store closes
         finally:
             self._finalizer()
         self.store, self._swapper = None, None
@@ -523,16 +585,19 @@ def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
                 module._buffers[name] = buf.to(device=device, dtype=target)
 
 
-def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None
-               ) -> InfinityEngine:
+def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
+               *, model_parameters: Any = None) -> InfinityEngine:
     """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
     DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
-    it, else the defaults). Uses the default process group when ``torch.distributed`` is
-    initialised."""
+    it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
+    ``requires_grad``, the config's hyperparameters), the parameters to train, or torch-style
+    parameter groups ``[{"params": [...], "weight_decay": 0.0, ...}, ...]`` whose missing keys
+    take the config's values (:func:`~infinity.optim.resolve_param_groups`). Uses the default
+    process group when ``torch.distributed`` is initialised."""
     if config is None:
         recording = recording_of(model) if isinstance(model, nn.Module) else None
         config = recording.config if recording is not None else None
     config = load_config(config)
     if is_distributed():
         logger.debug("using the default process group")
-    return InfinityEngine(model, config)
+    return InfinityEngine(model, config, model_parameters=model_parameters)

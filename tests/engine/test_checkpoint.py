@@ -311,7 +311,7 @@ def saved(tmp_path_factory):
 
 
 def _snapshot(engine):
-    opt = engine.optimizer
+    opt = engine.shard_optimizer
     return {"state": engine.full_state_dict(),
             "opt": {k: {"master": opt.master_values(k).clone(),
                         **{n: t.clone() for n, t in opt.state_of(k).items()}} for k in opt.keys()},

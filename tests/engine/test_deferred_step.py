@@ -40,11 +40,11 @@ def _record_pending(engine) -> list[int]:
         before = engine.global_steps
         step()
         if engine.global_steps > before:  # an optimizer step ran (not a micro-step)
-            seen.append(len(engine.optimizer.pending_keys))
+            seen.append(len(engine.shard_optimizer.pending_keys))
 
     def recording_forward(*args, **kwargs):
         out = forward(*args, **kwargs)
-        seen.append(-len(engine.optimizer.pending_keys) - 1)  # negative: after a forward
+        seen.append(-len(engine.shard_optimizer.pending_keys) - 1)  # negative: after a forward
         return out
 
     engine.step, engine.forward = recording_step, recording_forward
@@ -103,7 +103,7 @@ def test_reads_between_steps_see_the_updated_values(tmp_path, slow_reads):
         try:
             engine_train(engine, data)
             if defer:
-                assert engine.optimizer.pending_keys
+                assert engine.shard_optimizer.pending_keys
             engine.module.eval()
             with torch.no_grad():
                 logits = engine(x).float()
@@ -144,7 +144,7 @@ def test_checkpoint_load_is_not_overwritten_by_a_pending_update(tmp_path, slow_r
     engine = _engine(tmp_path, "target", defer=True)
     try:
         engine_train(engine, batches(3, 1))
-        assert engine.optimizer.pending_keys
+        assert engine.shard_optimizer.pending_keys
         engine.load_checkpoint(saved)
         got = engine.full_state_dict()
     finally:
@@ -171,7 +171,7 @@ def test_each_sub_group_is_acquired_once_per_step(tmp_path, slow_reads):
     engine.store.acquire = counted_acquire
     try:
         engine_train(engine, data)
-        engine.optimizer.drain()
+        engine.shard_optimizer.drain()
         in_backward = [k for k, bwd in slow_reads["reads"] if bwd and k.startswith("opt/")]
         assert in_backward, "the window is filled during backward"
         assert acquires and set(acquires.values()) == {STEPS}, acquires.most_common(3)

@@ -216,7 +216,7 @@ def test_optimizer_load_state_round_trips(tmp_path, opt):
     engine = infinity.initialize(tiny_gpt(), _offload_config(tmp_path, stage=3, dtype="bf16",
                                                              opt=opt, host_budget_bytes="auto"))
     engine_train(engine, batches(1, 1))
-    optimizer = engine.optimizer
+    optimizer = engine.shard_optimizer
     for i, key in enumerate(optimizer.keys()):
         n = optimizer.master_values(key).numel()
         want = {name: torch.arange(n, dtype=torch.float32) * (j + 1) + i

@@ -74,7 +74,7 @@ def test_host_resident_sub_groups_train_like_adamw_and_skip_nvme(tmp_path):
     host = least + 8 * 8192
     engine = _engine(tmp_path, host=host)
     try:
-        opt = engine.optimizer
+        opt = engine.shard_optimizer
         homes = {sg.store_key: engine.store.home(sg.store_key) for k in opt.keys()
                  for sg in opt.sub_groups(k)}
         on_host = [sk for sk, home in homes.items() if home is Tier.HOST]
@@ -113,7 +113,7 @@ def test_updated_shards_stay_on_a_device_that_holds_them_all_until_a_flush(tmp_p
         assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "bf16")
         assert engine.manager.param_writeback is ParamWriteback.LAZY
         assert engine.stats()["bytes_moved"]["DEVICE->HOST"] == 0  # no parameter write-back
-        engine.optimizer.drain()
+        engine.shard_optimizer.drain()
         dirty = [k for k in shards if engine.store.is_dirty(k) is Tier.DEVICE]
         assert dirty == list(shards)  # every trained shard
         for k in dirty:  # the swap file still holds the initial bytes
@@ -187,7 +187,7 @@ def test_an_update_failing_midway_keeps_the_lazy_shard_and_releases_the_window(t
         x, y = data[2][0]
         engine.backward(engine(x, y))
         engine.step()
-        opt = engine.optimizer
+        opt = engine.shard_optimizer
         key = next(k for k in opt.pending_keys if len(opt.sub_groups(k)) > 1
                    and opt.param_store_key(k) is not None)
         pk, first_hi = opt.param_store_key(key), opt.sub_groups(key)[0].hi

@@ -126,7 +126,7 @@ def test_engine_reads_state_during_backward_with_parity(tmp_path, slow_reads, ho
         homes = {k: engine.store.home(k) for k in engine.store.keys() if k.startswith("opt/")}
         on_host = {k for k, home in homes.items() if home is Tier.HOST}
         assert len(on_host) == (10 if resident else 0) < len(homes)
-        opt = engine.optimizer
+        opt = engine.shard_optimizer
         assert stats["optimizer_host_resident_bytes"] == sum(
             12 * sg.numel for key in opt.keys() for sg in opt.sub_groups(key)
             if sg.store_key in on_host)

@@ -104,14 +104,14 @@ def test_load_leaves_optimizer_moments_alone(tmp_path):
     engine = infinity.initialize(tiny_gpt(seed=1), _config(tmp_path, stage=3, opt="cpu"))
     try:
         engine_train(engine, batches(1, 1))
-        moments = {k: {n: t.clone() for n, t in engine.optimizer.state_of(k).items()}
-                   for k in engine.optimizer.keys()}
+        moments = {k: {n: t.clone() for n, t in engine.shard_optimizer.state_of(k).items()}
+                   for k in engine.shard_optimizer.keys()}
         assert any(float(m["exp_avg_sq"].abs().sum()) > 0 for m in moments.values())
         engine.load_weights(str(tmp_path / "model.safetensors"))
         _assert_loaded(engine, saved, "fp32")
-        assert engine.optimizer.step_count == 1
+        assert engine.shard_optimizer.step_count == 1
         for k, m in moments.items():
-            for n, t in engine.optimizer.state_of(k).items():
+            for n, t in engine.shard_optimizer.state_of(k).items():
                 assert torch.equal(t, m[n]), (k, n)
     finally:
         engine.close()
