@@ -192,7 +192,8 @@ def _groups_of(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return groups
 
 
-def _rebind(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer
+                     ) -> None:
     """Point ``scheduler`` (and the schedulers it chains) from ``old`` to ``new``, whose groups
     are ``old``'s in the same order with the same values, so its schedule carries on."""
     for s in [scheduler, *getattr(scheduler, "_schedulers", [])]:
@@ -340,7 +341,7 @@ class Accelerator(_accelerate.Accelerator):
             swap[id(optimizer)] = prepared_optimizer
             for a in args:
                 if isinstance(a, torch.optim.lr_scheduler.LRScheduler):
-                    _rebind(a, optimizer, self.engine.optimizer)
+                    rebind_scheduler(a, optimizer, self.engine.optimizer)
         args = tuple(swap.get(id(a), a) for a in args)
         return super().prepare(*args, device_placement=device_placement)
 

@@ -47,7 +47,8 @@ from infinity.integrations._require import require
 transformers = require("transformers", "infinity.integrations.hf")  # first: its error names it
 from transformers import Trainer  # noqa: E402 (after the check above)
 
-from infinity.integrations.accelerate import ENGINE_DIR, Accelerator  # noqa: E402
+from infinity.integrations.accelerate import (ENGINE_DIR, Accelerator,  # noqa: E402
+                                              rebind_scheduler)
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,11 @@ class InfinityTrainerMixin:
         if engine_scheduler is not None and self.lr_scheduler is None:
             self.lr_scheduler = _EngineScheduler(engine_scheduler)
             return self.lr_scheduler
+        given = self.lr_scheduler  # Trainer(optimizers=(optimizer, scheduler))
+        bound_to = getattr(given, "optimizer", None)
+        if (self.engine is not None and isinstance(given, torch.optim.lr_scheduler.LRScheduler)
+                and bound_to not in (self.optimizer, self.engine.optimizer)):
+            rebind_scheduler(given, bound_to, self.engine.optimizer)
         return super().create_scheduler(num_training_steps, optimizer)
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True,

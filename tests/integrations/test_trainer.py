@@ -59,7 +59,11 @@ def test_matches_plain_trainer(tmp_path, case):
     assert any(part in n for n, p in params.items() if id(p) not in decay
                for part in ("bias", "ln_", "norm"))
 
-    if case == "gpt2-stage3":  # save_model: HF-format weights that from_pretrained loads
+    if case == "gpt2-stage3":
+        # Evaluation after training runs through the engine (released parameters at stage 3).
+        a, b = ours.evaluate(Tokens(8)), plain.evaluate(Tokens(8))
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4, (a, b)
+        # save_model: HF-format weights that from_pretrained loads
         ours.save_model(str(tmp_path / "saved"))
         loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
         expected = weights_of(ours)
@@ -67,6 +71,43 @@ def test_matches_plain_trainer(tmp_path, case):
         assert expected.keys() <= got.keys()
         for k, v in expected.items():
             torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_optimizer_and_scheduler_passed_to_the_trainer_drive_the_engine(tmp_path):
+    """Trainer(optimizers=(optimizer, scheduler)): the optimizer's groups become the engine's,
+    and the scheduler, built on the user's optimizer, sets the engine's lrs."""
+
+    def run(cls, out, **kw):
+        model = tiny("llama")
+        norms = [p for n, p in model.named_parameters() if "norm" in n]
+        rest = [p for n, p in model.named_parameters() if "norm" not in n]
+        optimizer = torch.optim.AdamW([{"params": rest, "weight_decay": 0.05, "lr": 2e-2},
+                                       {"params": norms, "weight_decay": 0.0, "lr": 5e-3}],
+                                      betas=(0.9, 0.95), eps=1e-6)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        trainer = cls(model=model, args=training_args(str(tmp_path / out), max_steps=6),
+                      train_dataset=Tokens(), optimizers=(optimizer, schedule), **kw)
+        trainer.train()
+        return trainer
+
+    plain = run(Trainer, "plain")
+    ours = run(InfinityTrainer, "ours", infinity_config=stage3("llama"))
+    initial = {k: v.clone() for k, v in tiny("llama").state_dict().items()}
+    assert_same_run(ours, plain, initial=initial)
+    assert [g["lr"] for g in ours.engine.optimizer.param_groups] == pytest.approx(
+        [2e-2 / 7, 5e-3 / 7])
+
+
+def test_bf16_arguments_make_the_engine_compute_in_bf16_without_autocast(tmp_path):
+    trainer = InfinityTrainer(model=tiny("gpt2"), args=training_args(str(tmp_path), max_steps=2,
+                                                                     bf16=True),
+                              train_dataset=Tokens(), infinity_config=stage3("gpt2"))
+    trainer.train()
+    assert trainer.engine.compute_dtype == torch.bfloat16
+    assert trainer.engine.config.precision.dtype == "bf16"
+    assert not trainer.accelerator.native_amp and trainer.accelerator.scaler is None
+    assert all(torch.isfinite(torch.tensor(loss)) for loss, _, _ in logs_of(trainer))
+    assert all(v.dtype == torch.float32 for v in weights_of(trainer).values())  # fp32 masters
 
 
 def test_resume_from_step_5_equals_uninterrupted(tmp_path):
