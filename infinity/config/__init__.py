@@ -8,21 +8,31 @@ whole.
 or a DeepSpeed ``ds_config.json`` (dict or path), which :mod:`._deepspeed` maps key by key, so the
 file a user already has works unchanged.
 
-Module DAG inside the package: ``_checks`` <- ``_sections`` <- ``_native`` <- ``_deepspeed`` <-
-``_load``; this ``__init__`` is the public surface.
+"auto" values: :func:`fill_auto` fills them from what a trainer knows; ``load_config`` resolves
+what is left to ``transformers.TrainingArguments``' defaults (:mod:`._auto`). Every DeepSpeed key
+and its fate (mapped / replaced / ignored / rejected) is listed in :mod:`._ds_keys`.
+
+Module DAG inside the package: ``_checks`` <- ``_scheduler`` <- ``_sections`` <- ``_native`` <-
+``_ds_keys`` <- ``_auto`` <- ``_deepspeed`` <- ``_load``; this ``__init__`` is the public surface.
 """
 
+from infinity.config._auto import TRAINING_ARGUMENTS_DEFAULTS, fill_auto, resolve_auto
 from infinity.config._checks import AUTO
 from infinity.config._deepspeed import (DS_ONLY_TOP_KEYS, config_from_deepspeed,
                                         config_to_deepspeed)
+from infinity.config._ds_keys import TOP_KEYS as DEEPSPEED_KEYS
+from infinity.config._ds_keys import Fate, fate_of
 from infinity.config._load import is_deepspeed_config, load_config
 from infinity.config._native import config_from_native, did_you_mean, unknown_key_error
 from infinity.config._sections import (DTYPE_BYTES, ActivationCheckpointingConfig, DTypeName,
                                        InfinityConfig, MemoryConfig, OffloadConfig, OffloadDevice,
                                        OptimizerConfig, PrecisionConfig, SwapperConfig, ZeroConfig)
+from infinity.config._scheduler import SchedulerConfig
 
-__all__ = ["AUTO", "DS_ONLY_TOP_KEYS", "DTYPE_BYTES", "ActivationCheckpointingConfig", "DTypeName",
+__all__ = ["AUTO", "DEEPSPEED_KEYS", "DS_ONLY_TOP_KEYS", "DTYPE_BYTES",
+           "TRAINING_ARGUMENTS_DEFAULTS", "ActivationCheckpointingConfig", "DTypeName", "Fate",
            "InfinityConfig", "MemoryConfig", "OffloadConfig", "OffloadDevice", "OptimizerConfig",
-           "PrecisionConfig", "SwapperConfig", "ZeroConfig", "config_from_deepspeed",
-           "config_from_native", "config_to_deepspeed", "did_you_mean", "is_deepspeed_config",
-           "load_config", "unknown_key_error"]
+           "PrecisionConfig", "SchedulerConfig", "SwapperConfig", "ZeroConfig",
+           "config_from_deepspeed", "config_from_native", "config_to_deepspeed", "did_you_mean",
+           "fate_of", "fill_auto", "is_deepspeed_config", "load_config", "resolve_auto",
+           "unknown_key_error"]

@@ -1,15 +1,13 @@
 """Map a DeepSpeed ``ds_config.json`` onto :class:`~infinity.config.InfinityConfig`, and back.
 
-Every DeepSpeed key falls in exactly one of four groups, listed in the tables below:
+Every DeepSpeed key has one fate, listed with its reason in :mod:`._ds_keys` (audited against
+DeepSpeed 0.19.8): **mapped** onto a native field, **replaced** by our own machinery (one warning
+naming what replaces it), **ignored** (monitors, profilers: silent while off, one warning naming
+what is not done when on), or **rejected** (an error naming the key and what to do, unless set to
+its "off" value). A key DeepSpeed does not know either is an error with a "did you mean".
 
-* **mapped**: carries meaning we implement (``zero_optimization.stage`` -> ``zero.stage``).
-* **replaced**: tunes DeepSpeed's own machinery (buffer counts, bucket sizes, ``pin_memory``); accepted
-  with a one-time warning naming what replaces it in infinity, and mapped onto our byte budgets where
-  the value carries meaning (``stage3_max_live_parameters`` -> ``zero.max_live_bytes``).
-* **rejected**: behaviour we do not implement (``zero_quantized_weights``, a ``scheduler``...): an
-  error naming the key and what to do instead, never accepted and ignored. A rejected key set to its
-  DeepSpeed default (which means "off") is accepted.
-* anything else: an unknown key, an error with a "did you mean" suggestion.
+"auto" values left after :func:`~infinity.config.fill_auto` resolve first to what Hugging Face
+``TrainingArguments``' defaults give (:func:`._auto.resolve_auto_raw`, one warning naming each).
 """
 
 from __future__ import annotations
@@ -17,213 +15,44 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from infinity._common import warn_once
+from infinity.config._auto import resolve_auto_raw
 from infinity.config._checks import AUTO
+from infinity.config._ds_keys import SCHEDULER_PARAM_FIELDS, SCHEDULER_PARAMS, TOP_KEYS, Fate
 from infinity.config._native import did_you_mean
+from infinity.config._scheduler import FIELDS_OF, SchedulerConfig
 from infinity.config._sections import (DTYPE_BYTES, InfinityConfig, MemoryConfig, OffloadConfig,
                                        OptimizerConfig, PrecisionConfig, SwapperConfig, ZeroConfig)
 
-# Keys accepted only at their DeepSpeed default (the value that means "feature off").
-_Default = object
-
-
-def _replaced(replacement: str) -> tuple[str, str]:
-    return ("replaced", replacement)
-
-
-def _rejected(reason: str, default: Any = _Default) -> tuple[str, str, Any]:
-    return ("rejected", reason, default)
-
-
-_ZERO_KEYS: dict[str, Any] = {
-    "stage": "mapped",
-    "offload_param": "mapped",
-    "offload_optimizer": "mapped",
-    "cpu_offload": "mapped",  # legacy boolean spelling of offload_optimizer.device = 'cpu'
-    "cpu_offload_param": "mapped",
-    "sub_group_size": "mapped",
-    "stage3_prefetch_bucket_size": "mapped",
-    "prefetch_bucket_size": "mapped",
-    "stage3_param_persistence_threshold": "mapped",
-    "param_persistence_threshold": "mapped",
-    "stage3_max_live_parameters": "mapped",
-    "max_live_parameters": "mapped",
-    "stage3_max_reuse_distance": "mapped",
-    "max_reuse_distance": "mapped",
-    "stage3_module_granularity_threshold": "mapped",
-    "module_granularity_threshold": "mapped",
-    "contiguous_gradients": _replaced("gradients always land in one contiguous shard per unit"),
-    "overlap_comm": _replaced("collectives and I/O always overlap compute"),
-    "reduce_scatter": _replaced("stages 2 and 3 always reduce-scatter per unit"),
-    "reduce_bucket_size": _replaced("one collective per unit (units set by zero.unit_min_numel)"),
-    "allgather_bucket_size": _replaced("one all-gather per unit (units set by zero.unit_min_numel)"),
-    "allgather_partitions": _replaced("parameters are always all-gathered per unit"),
-    "round_robin_gradients": _replaced("gradient shards are contiguous per unit"),
-    "elastic_checkpoint": _replaced("checkpoints load at any world size"),
-    "load_from_fp32_weights": _replaced("checkpoints always restore the fp32 master"),
-    "memory_efficient_linear": _replaced("gathered parameters are views; no special linear needed"),
-    "ignore_unused_parameters": _replaced("unused parameters are always tolerated"),
-    "use_multi_rank_bucket_allreduce": _replaced("one collective per unit"),
-    "legacy_stage1": _replaced("one mechanism serves stages 0-3"),
-    "stage3_gather_16bit_weights_on_model_save": _replaced(
-        "engine.full_state_dict() / `infinity consolidate` gather weights on demand"),
-    "stage3_gather_fp16_weights_on_model_save": _replaced(
-        "engine.full_state_dict() / `infinity consolidate` gather weights on demand"),
-    "gather_16bit_weights_on_model_save": _replaced(
-        "engine.full_state_dict() / `infinity consolidate` gather weights on demand"),
-    "zero_quantized_weights": _rejected("quantized weight communication (ZeRO++) is not implemented",
-                                        False),
-    "zero_quantized_nontrainable_weights": _rejected("quantized frozen weights are not implemented",
-                                                     False),
-    "zero_quantized_gradients": _rejected(
-        "quantized gradient communication (ZeRO++) is not implemented", False),
-    "zero_hpz_partition_size": _rejected("hierarchical partitioning (ZeRO++ hpZ) is not implemented",
-                                         1),
-    "mics_shard_size": _rejected("MiCS sub-group sharding is not implemented", -1),
-    "mics_hierarchical_params_gather": _rejected("MiCS is not implemented", False),
-    "offload_states": _rejected("offloading states between steps is not implemented", None),
-}
-
-_OFFLOAD_PARAM_KEYS: dict[str, Any] = {
-    "device": "mapped",
-    "nvme_path": "mapped",
-    "max_in_cpu": "mapped",
-    "pin_memory": _replaced("host memory is one arena, pinned whenever CUDA is present"),
-    "buffer_count": _replaced("memory.host_budget_bytes (one arena, carved per shard)"),
-    "buffer_size": _replaced("memory.host_budget_bytes (one arena, carved per shard)"),
-}
-
-_OFFLOAD_OPTIMIZER_KEYS: dict[str, Any] = {
-    "device": "mapped",
-    "nvme_path": "mapped",
-    "ratio": _rejected("partial optimizer offload (ratio < 1) is not implemented", 1.0),
-    "pin_memory": _replaced("host memory is one arena, pinned whenever CUDA is present"),
-    "buffer_count": _replaced("memory.host_budget_bytes and zero.sub_group_numel"),
-    "fast_init": _replaced("optimizer state is always created directly in its home tier"),
-    "pipeline": _replaced("the optimizer's NVMe pipeline is always on"),
-    "pipeline_read": _replaced("the optimizer's NVMe pipeline is always on"),
-    "pipeline_write": _replaced("the optimizer's NVMe pipeline is always on"),
-}
-
-_AIO_KEYS: dict[str, Any] = {
-    "block_size": "mapped",
-    "queue_depth": "mapped",
-    "thread_count": "mapped",
-    "intra_op_parallelism": "mapped",
-    "single_submit": _replaced("swapper.queue_depth requests are always kept in flight"),
-    "overlap_events": _replaced("I/O always overlaps compute"),
-    "use_gds": _rejected("GPUDirect Storage is not implemented", False),
-}
-
-_FP16_KEYS: dict[str, Any] = {
-    "enabled": "mapped",
-    "loss_scale": "mapped",
-    "initial_scale_power": "mapped",
-    "loss_scale_window": "mapped",
-    "hysteresis": "mapped",
-    "min_loss_scale": "mapped",
-    "consecutive_hysteresis": _rejected("consecutive hysteresis is not implemented", False),
-    "auto_cast": _rejected("fp16 auto_cast of inputs is not implemented; cast inputs yourself",
-                           False),
-    "fp16_master_weights_and_grads": _rejected("fp16 master weights are not implemented", False),
-}
-
-_BF16_KEYS: dict[str, Any] = {
-    "enabled": "mapped",
-    "immediate_grad_update": _replaced("gradients are reduced per unit as soon as they are ready"),
-    "check_grad_overflow": _rejected("overflow checks with bf16 are not implemented", False),
-}
-
-_OPTIMIZER_PARAMS: dict[str, Any] = {
-    "lr": "mapped",
-    "betas": "mapped",
-    "eps": "mapped",
-    "weight_decay": "mapped",
-    "bias_correction": "mapped",
-    "adam_w_mode": "mapped",
-    "torch_adam": _replaced("infinity.optim.cpu_adam runs off-device state; torch Adam runs on-device"),
-    "fused": _replaced("the Adam step is always fused"),
-    "amsgrad": _rejected("AMSGrad is not implemented", False),
-    "maximize": _rejected("maximize is not implemented", False),
-}
-
-_TOP_KEYS: dict[str, Any] = {
-    "zero_optimization": "mapped",
-    "aio": "mapped",
-    "bf16": "mapped",
-    "bfloat16": "mapped",
-    "fp16": "mapped",
-    "optimizer": "mapped",
-    "gradient_clipping": "mapped",
-    "gradient_accumulation_steps": "mapped",
-    "train_micro_batch_size_per_gpu": "mapped",
-    "train_batch_size": "mapped",
-    "steps_per_print": _replaced("engine.stats() and the CLI's progress bar"),
-    "wall_clock_breakdown": _replaced("engine.stats() reports stall and transfer time"),
-    "zero_allow_untested_optimizer": _replaced("the engine runs its own Adam/AdamW only"),
-    "zero_force_ds_cpu_optimizer": _replaced("infinity.optim.cpu_adam is always used off-device"),
-    "memory_breakdown": _replaced("engine.stats() reports bytes per tier"),
-    "dump_state": _replaced("engine.stats()"),
-    "prescale_gradients": _rejected("gradient prescaling is not implemented", False),
-    "gradient_predivide_factor": _rejected("gradient predivide is not implemented", 1.0),
-    "communication_data_type": "mapped",  # -> precision.reduce_dtype (see _precision)
-    "scheduler": _rejected(
-        "DeepSpeed LR schedulers are not built in; wrap engine.optimizer in a torch.optim.lr_scheduler"),
-    "activation_checkpointing": _rejected(
-        "DeepSpeed's section configures its own checkpoint API (deepspeed.checkpointing), which is "
-        "not implemented; use the native 'activation_checkpointing' section instead "
-        "({\"units\": \"all\" or [\"Block\"], \"offload_to_host\": true} in a native config, or "
-        "config.replace(activation_checkpointing=ActivationCheckpointingConfig(...))), or "
-        "torch.utils.checkpoint(use_reentrant=False) in the model"),
-    "flops_profiler": _rejected("the FLOPs profiler is not implemented", None),
-    "tensorboard": _rejected("monitor back-ends are not implemented; log engine.stats() yourself"),
-    "wandb": _rejected("monitor back-ends are not implemented; log engine.stats() yourself"),
-    "csv_monitor": _rejected("monitor back-ends are not implemented; log engine.stats() yourself"),
-    "comet": _rejected("monitor back-ends are not implemented; log engine.stats() yourself"),
-    "compression_training": _rejected("compression training is not implemented"),
-    "data_efficiency": _rejected("data efficiency is not implemented"),
-    "curriculum_learning": _rejected("curriculum learning is not implemented"),
-    "sparse_attention": _rejected("sparse attention is not implemented"),
-    "pipeline": _rejected("pipeline parallelism is not implemented"),
-    "amp": _rejected("apex AMP is not supported; use bf16 or fp16"),
-    "elasticity": _rejected("elastic training is not implemented"),
-    "autotuning": _rejected("autotuning is not implemented; see `infinity plan`"),
-    "checkpoint": _rejected("DeepSpeed checkpoint options are not implemented"),
-    "gradient_accumulation_dtype": _rejected(
-        "a separate gradient accumulation dtype is not implemented", None),
-}
-
+DS_GRADIENT_CLIPPING_DEFAULT = 1.0
+"""DeepSpeed 0.19.8 clips at 1.0 when ``gradient_clipping`` is absent (``runtime/constants.py``);
+a DeepSpeed config without the key clips the same here (a native config's default is 0, off)."""
 
 _NATIVE_TOP_KEYS = frozenset({"zero", "offload_param", "offload_optimizer", "memory", "swapper",
-                               "precision", "optimizer", "activation_checkpointing", "gradient_clipping",
-                               "gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
-                               "device"})
-DS_ONLY_TOP_KEYS = frozenset(_TOP_KEYS) - _NATIVE_TOP_KEYS
+                               "precision", "optimizer", "activation_checkpointing", "scheduler",
+                               "gradient_clipping", "gradient_accumulation_steps",
+                               "train_micro_batch_size_per_gpu", "device"})
+DS_ONLY_TOP_KEYS = frozenset(TOP_KEYS) - _NATIVE_TOP_KEYS
 """Top-level keys that only a DeepSpeed config has: one of them makes ``load_config`` map the dict."""
 
 
-def _is_default(value: Any, default: Any) -> bool:
-    if default is _Default:
-        return False
-    if isinstance(default, bool) or default is None:
-        return value is default or value == default
-    return value == default
-
-
-def _screen(section: str, raw: Mapping[str, Any], table: Mapping[str, Any]) -> None:
-    """Raise for unknown and rejected keys, warn once for replaced ones."""
+def screen(section: str, raw: Mapping[str, Any], table: Mapping[str, Fate]) -> None:
+    """Judge every key of ``raw`` (and of its sections screened key by key) by its fate: raise for
+    unknown and rejected keys, warn once for replaced ones and for ignored ones that are on."""
     for key, value in raw.items():
         where = f"{section}.{key}" if section else key
-        if key not in table:
+        fate = table.get(key)
+        if fate is None:
             raise ValueError(f"unknown DeepSpeed config key {where!r}{did_you_mean(key, list(table))}")
-        kind = table[key]
-        if kind == "mapped":
-            continue
-        if kind[0] == "replaced":
+        if fate.kind == "replaced":
             warn_once(f"ds:{where}", f"DeepSpeed key {where!r} tunes DeepSpeed's own machinery and has "
-                                     f"no effect here: {kind[1]}")
-        elif kind[0] == "rejected" and not _is_default(value, kind[2]):
-            raise ValueError(f"DeepSpeed key {where!r} = {value!r} is not supported: {kind[1]}. "
+                                     f"no effect here: {fate.why}")
+        elif fate.kind == "ignored" and not fate.is_off(value):
+            warn_once(f"ds:{where}", f"DeepSpeed key {where!r} is accepted and ignored: {fate.why}")
+        elif fate.kind == "rejected" and not fate.is_off(value):
+            raise ValueError(f"DeepSpeed key {where!r} = {value!r} is not supported: {fate.why}. "
                              f"Remove it from the config to continue.")
+        if fate.keys is not None and isinstance(value, Mapping) and not fate.screened_by_mapping:
+            screen(where, value, fate.keys)
 
 
 def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
@@ -252,8 +81,7 @@ def _as_int(value: Any) -> Any:
     return value
 
 
-def _offload(raw: Mapping[str, Any], name: str, table: Mapping[str, Any]) -> OffloadConfig:
-    _screen(f"zero_optimization.{name}", raw, table)
+def _offload(raw: Mapping[str, Any], name: str) -> OffloadConfig:
     device = raw.get("device", "none")
     return OffloadConfig(name=name, device=device, nvme_path=raw.get("nvme_path"))
 
@@ -280,9 +108,10 @@ def _reduce_dtype(raw: Mapping[str, Any], compute: str) -> str:
 def _precision(raw: Mapping[str, Any]) -> PrecisionConfig:
     bf16 = _section(raw, "bf16", "bf16") or _section(raw, "bfloat16", "bfloat16")
     fp16 = _section(raw, "fp16", "fp16")
-    _screen("bf16", bf16, _BF16_KEYS)
-    _screen("fp16", fp16, _FP16_KEYS)
-    bf16_on, fp16_on = bool(bf16.get("enabled", False)), bool(fp16.get("enabled", False))
+    bf16_on, fp16_on = bf16.get("enabled", False), fp16.get("enabled", False)
+    for name, on in (("bf16", bf16_on), ("fp16", fp16_on)):
+        if not isinstance(on, bool):  # 'auto' was resolved before (resolve_auto_raw)
+            raise ValueError(f"{name}.enabled: expected true, false or 'auto', got {on!r}")
     if bf16_on and fp16_on:
         raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
     if not fp16_on:
@@ -304,13 +133,8 @@ def _optimizer(raw: Mapping[str, Any]) -> OptimizerConfig:
     opt = _section(raw, "optimizer", "optimizer")
     if not opt:
         return OptimizerConfig()
-    for key in opt:
-        if key not in ("type", "params"):
-            raise ValueError(f"unknown DeepSpeed config key 'optimizer.{key}'"
-                             f"{did_you_mean(key, ['type', 'params'])}")
     type_name = str(opt.get("type", "AdamW"))
     params = _section(opt, "params", "optimizer.params")
-    _screen("optimizer.params", params, _OPTIMIZER_PARAMS)
     lowered = type_name.lower()
     if lowered in ("adamw", "fusedadamw", "cpuadamw"):
         opt_type = "adamw"
@@ -335,7 +159,6 @@ def _optimizer(raw: Mapping[str, Any]) -> OptimizerConfig:
 
 def _swapper(raw: Mapping[str, Any]) -> SwapperConfig:
     aio = _section(raw, "aio", "aio")
-    _screen("aio", aio, _AIO_KEYS)
     kwargs: dict[str, Any] = {}
     if "block_size" in aio:
         kwargs["block_size_bytes"] = _as_int(aio["block_size"])
@@ -354,8 +177,6 @@ def _swapper(raw: Mapping[str, Any]) -> SwapperConfig:
 
 def _zero(zero: Mapping[str, Any], param_bytes: int) -> tuple[ZeroConfig, OffloadConfig,
                                                               OffloadConfig, MemoryConfig]:
-    _screen("zero_optimization", zero, _ZERO_KEYS)
-
     def pick(*names: str) -> Any:
         present = [n for n in names if n in zero]
         if len(present) > 1:
@@ -393,13 +214,60 @@ def _zero(zero: Mapping[str, Any], param_bytes: int) -> tuple[ZeroConfig, Offloa
         oo_raw = {"device": "cpu"}
     if zero.get("cpu_offload_param") and not op_raw:
         op_raw = {"device": "cpu"}
-    offload_param = _offload(op_raw, "offload_param", _OFFLOAD_PARAM_KEYS)
-    offload_optimizer = _offload(oo_raw, "offload_optimizer", _OFFLOAD_OPTIMIZER_KEYS)
+    offload_param = _offload(op_raw, "offload_param")
+    offload_optimizer = _offload(oo_raw, "offload_optimizer")
     memory = MemoryConfig()
     if "max_in_cpu" in op_raw and offload_param.device == "nvme":
-        # DeepSpeed keeps up to max_in_cpu parameter elements in host memory before spilling to NVMe.
-        memory = MemoryConfig(host_budget_bytes=_numel_to_bytes(op_raw["max_in_cpu"], param_bytes))
+        # DeepSpeed keeps up to max_in_cpu parameter elements in host memory (a cache of the
+        # NVMe-homed parameters), beside whatever else lives there: it sizes the parameter share
+        # of the host budget only, never the whole (issue #15). DeepSpeed ignores it without NVMe.
+        memory = MemoryConfig(
+            host_param_cache_bytes=_numel_to_bytes(op_raw["max_in_cpu"], param_bytes))
     return ZeroConfig(**kwargs), offload_param, offload_optimizer, memory
+
+
+DS_SCHEDULER_TYPES = {"WarmupLR": "warmup_lr", "WarmupDecayLR": "warmup_decay_lr",
+                    "WarmupCosineLR": "warmup_cosine_lr", "OneCycle": "one_cycle",
+                    "LRRangeTest": "lr_range_test"}
+"""DeepSpeed's schedule names (``deepspeed.runtime.lr_schedules``) and their native ones."""
+_LR_LISTS = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "cycle_min_mom",
+             "cycle_max_mom", "lr_range_test_min_lr")
+
+
+def _scheduler(raw: Mapping[str, Any]) -> SchedulerConfig:
+    """``scheduler``: DeepSpeed's five schedules by name, with their parameter names; a torch
+    ``lr_scheduler`` named here (DeepSpeed builds those too) is refused with the way to do it."""
+    section = _section(raw, "scheduler", "scheduler")
+    if not section:
+        return SchedulerConfig()
+    name = section.get("type")
+    if name not in DS_SCHEDULER_TYPES:
+        import torch.optim.lr_scheduler as torch_schedulers
+
+        if isinstance(name, str) and hasattr(torch_schedulers, name):
+            raise ValueError(
+                f"scheduler.type = {name!r}: torch schedulers are not built from the config; "
+                f"wrap engine.optimizer yourself (torch.optim.lr_scheduler.{name}"
+                f"(engine.optimizer, ...)) and step it after engine.step()")
+        raise ValueError(f"scheduler.type = {name!r} is not a DeepSpeed schedule"
+                         f"{did_you_mean(str(name), list(DS_SCHEDULER_TYPES))}")
+    kind = DS_SCHEDULER_TYPES[name]
+    params = _section(section, "params", "scheduler.params")
+    readable = [ds for ds, native in SCHEDULER_PARAM_FIELDS.items() if native in FIELDS_OF[kind]]
+    kwargs: dict[str, Any] = {"type": kind}
+    for key in params:
+        if key not in readable and key != "last_batch_iteration":
+            raise ValueError(f"scheduler.params.{key}: DeepSpeed's {name} takes no such "
+                             f"parameter{did_you_mean(key, readable)}")
+    screen("scheduler.params", params, SCHEDULER_PARAMS)
+    for key, value in params.items():
+        if key == "last_batch_iteration":
+            continue  # screened: only -1, the start, is accepted
+        field = SCHEDULER_PARAM_FIELDS[key]
+        if isinstance(value, list) and field in _LR_LISTS:
+            value = tuple(value)
+        kwargs[field] = _as_int(value) if field.endswith(("_steps", "_stairs")) else value
+    return SchedulerConfig(**kwargs)
 
 
 def _batch(raw: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -417,7 +285,10 @@ def _batch(raw: Mapping[str, Any]) -> tuple[Any, Any]:
 
 def config_from_deepspeed(raw: Mapping[str, Any]) -> InfinityConfig:
     """Map a DeepSpeed config dict onto :class:`InfinityConfig` (see the module docstring)."""
-    _screen("", raw, _TOP_KEYS)
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"DeepSpeed config: expected a dict, got {type(raw).__name__}")
+    screen("", raw, TOP_KEYS)
+    raw = resolve_auto_raw(raw)
     precision = _precision(raw)
     zero_raw = _section(raw, "zero_optimization", "zero_optimization")
     zero, offload_param, offload_optimizer, memory = _zero(zero_raw, DTYPE_BYTES[precision.dtype])
@@ -430,7 +301,8 @@ def config_from_deepspeed(raw: Mapping[str, Any]) -> InfinityConfig:
         swapper=_swapper(raw),
         precision=precision,
         optimizer=_optimizer(raw),
-        gradient_clipping=raw.get("gradient_clipping", 0.0),
+        scheduler=_scheduler(raw),
+        gradient_clipping=raw.get("gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT),
         gradient_accumulation_steps=gas,
         train_micro_batch_size_per_gpu=micro,
     )
@@ -447,6 +319,9 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
                 zero[name]["nvme_path"] = off.nvme_path
     z = config.zero
     param_bytes = config.precision.param_bytes
+    cache = config.memory.host_param_cache_bytes
+    if cache != AUTO and "offload_param" in zero:
+        zero["offload_param"]["max_in_cpu"] = cache // param_bytes
     if z.sub_group_numel != AUTO:
         zero["sub_group_size"] = z.sub_group_numel
     if z.persistence_threshold_numel != AUTO:
@@ -478,8 +353,24 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
     s = config.swapper
     out["aio"] = {"block_size": s.block_size_bytes, "queue_depth": s.queue_depth,
                   "thread_count": s.num_io_threads}
+    if config.scheduler.enabled:
+        out["scheduler"] = _scheduler_to_deepspeed(config.scheduler)
     out["gradient_clipping"] = config.gradient_clipping
     out["gradient_accumulation_steps"] = config.gradient_accumulation_steps
     if config.train_micro_batch_size_per_gpu is not None:
         out["train_micro_batch_size_per_gpu"] = config.train_micro_batch_size_per_gpu
     return out
+
+
+def _scheduler_to_deepspeed(sched: SchedulerConfig) -> dict[str, Any]:
+    """The DeepSpeed ``scheduler`` section of a native one: its type's fields set away from their
+    defaults (the rest are DeepSpeed's own defaults too)."""
+    ds_type = next(ds for ds, native in DS_SCHEDULER_TYPES.items() if native == sched.type)
+    defaults = SchedulerConfig(type="none")
+    params: dict[str, Any] = {}
+    for ds, native in SCHEDULER_PARAM_FIELDS.items():
+        value = getattr(sched, native)
+        if native in FIELDS_OF[sched.type] and (value != getattr(defaults, native)
+                                                or native == "total_num_steps"):
+            params[ds] = list(value) if isinstance(value, tuple) else value
+    return {"type": ds_type, "params": params}

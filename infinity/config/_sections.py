@@ -13,6 +13,7 @@ from infinity._common import MiB
 from infinity._tier import Tier
 from infinity.config._checks import (AUTO, check_choice, check_float, check_int, fail,
                                      is_power_of_two)
+from infinity.config._scheduler import SchedulerConfig
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 DTypeName = Literal["fp32", "bf16", "fp16"]
@@ -83,10 +84,25 @@ class MemoryConfig:
     """Bytes of managed shards and gathered units on the compute device; 'auto': from free memory."""
     host_budget_bytes: int | Literal["auto"] = AUTO
     """Bytes of the host arena (pinned where CUDA exists); 'auto': sized from the model and offload."""
+    host_param_cache_bytes: int | Literal["auto"] = AUTO
+    """With ``offload_param.device`` 'nvme' and an 'auto' host budget: the host room for
+    parameter shards read from NVMe (their staging on the way to the device, and the copies kept
+    as a cache that saves reads), on top of what the rest of the offload keeps in host memory
+    (a CPU-homed optimizer, gradient accumulators, the NVMe optimizer's staging). Raised to at
+    least two shards in flight and a spare extent; capped at every shard. 'auto': that least
+    staging. DeepSpeed's ``offload_param.max_in_cpu`` (elements) maps here (x the parameter
+    dtype's bytes). With the optimizer homed on the host (or the device) this bounds the host
+    bytes of parameter copies; an NVMe optimizer's idle staging room may also hold them."""
 
     def __post_init__(self) -> None:
         check_int("memory.device_budget_bytes", self.device_budget_bytes, minimum=1, allow_auto=True)
         check_int("memory.host_budget_bytes", self.host_budget_bytes, minimum=1, allow_auto=True)
+        check_int("memory.host_param_cache_bytes", self.host_param_cache_bytes, minimum=1,
+                  allow_auto=True)
+        if self.host_param_cache_bytes != AUTO and self.host_budget_bytes != AUTO:
+            fail("memory.host_param_cache_bytes", "'auto' when memory.host_budget_bytes is set",
+                 self.host_param_cache_bytes, "host_budget_bytes bounds all host memory; "
+                 "host_param_cache_bytes sizes the parameter share of an 'auto' one: set one")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,8 +258,10 @@ class InfinityConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
-    gradient_clipping: float = 0.0
-    """Global L2 norm the gradients are clipped to (across shards and ranks); 0 disables clipping."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gradient_clipping: float | Literal["auto"] = 0.0
+    """Global L2 norm the gradients are clipped to (across shards and ranks); 0 disables clipping.
+    'auto' (a Hugging Face-style config) resolves to 1.0, TrainingArguments' max_grad_norm."""
     gradient_accumulation_steps: int | Literal["auto"] = 1
     """Micro-batches per optimizer step; ``engine.backward`` scales the loss by its inverse."""
     train_micro_batch_size_per_gpu: int | Literal["auto"] | None = None
@@ -252,7 +270,7 @@ class InfinityConfig:
     """Compute device: 'auto' is CUDA (this rank's local device) when present, else CPU."""
 
     def __post_init__(self) -> None:
-        check_float("gradient_clipping", self.gradient_clipping)
+        check_float("gradient_clipping", self.gradient_clipping, allow_auto=True)
         check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1,
                    allow_auto=True)
         check_int("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu, minimum=1,
@@ -263,6 +281,10 @@ class InfinityConfig:
         if self.zero.stage < 3 and self.offload_param.device != "none":
             fail("offload_param.device", "'none' below stage 3", self.offload_param.device,
                   "parameter offload needs zero_optimization.stage 3")
+        if self.memory.host_param_cache_bytes != AUTO and self.offload_param.device != "nvme":
+            fail("memory.host_param_cache_bytes", "'auto' unless offload_param.device is 'nvme'",
+                 self.memory.host_param_cache_bytes, "it sizes the host cache of parameters "
+                 "read from NVMe")
         if self.precision.loss_scale and self.precision.dtype != "fp16":
             fail("fp16.loss_scale", "0 unless fp16 is enabled", self.precision.loss_scale)
         if self.offload_optimizer.device != "none" and self.optimizer.state_dtype != "fp32":
@@ -278,17 +300,20 @@ class InfinityConfig:
 
     def check_resolved(self, where: str) -> None:
         """Raise ``ValueError`` naming every value still 'auto' that ``where`` needs as a number
-        (the optimizer's hyperparameters, the accumulation steps). 'auto' is valid in a config
-        (DeepSpeed configs copied from Hugging Face scripts carry it), not in a running engine."""
+        (the optimizer's hyperparameters, the accumulation steps, clipping, the schedule). 'auto'
+        is valid in a config (DeepSpeed configs copied from Hugging Face scripts carry it), not
+        in a running engine: :func:`infinity.config.load_config` (which ``initialize`` calls)
+        resolves it (:func:`infinity.config.resolve_auto`)."""
         opt = self.optimizer
-        unresolved = [name for name in ("lr", "betas", "eps", "weight_decay")
+        unresolved = [f"optimizer.params.{name}" for name in ("lr", "betas", "eps", "weight_decay")
                       if getattr(opt, name) == AUTO]
+        unresolved += [name for name in ("gradient_accumulation_steps", "gradient_clipping")
+                       if getattr(self, name) == AUTO]
+        unresolved += [f"scheduler.{name}" for name in self.scheduler.unresolved()]
         if unresolved:
-            raise ValueError(f"optimizer.params {', '.join(unresolved)}: 'auto' must be resolved to "
-                             f"numbers before {where} (set them in the config)")
-        if self.gradient_accumulation_steps == AUTO:
-            raise ValueError(f"gradient_accumulation_steps: 'auto' must be resolved to an integer "
-                             f"before {where} (set it to the number of micro-batches per step)")
+            raise ValueError(f"{', '.join(unresolved)}: 'auto' must be resolved before {where} "
+                             f"(set the values, or pass the config through "
+                             f"infinity.config.resolve_auto / load_config)")
 
     def replace(self, **changes: Any) -> "InfinityConfig":
         return dataclasses.replace(self, **changes)
@@ -303,4 +328,5 @@ class InfinityConfig:
             out["optimizer"]["betas"] = list(self.optimizer.betas)
         if isinstance(self.activation_checkpointing.units, tuple):
             out["activation_checkpointing"]["units"] = list(self.activation_checkpointing.units)
+        out["scheduler"] = self.scheduler.to_dict()
         return out

@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from infinity._common import warn_once
 from infinity._tier import Tier
 
 SUB_GROUP_BYTES_PER_NUMEL = 12
@@ -75,6 +76,10 @@ class OffloadRequest:
     """The machine's RAM: an 'auto' host budget holds an NVMe optimizer's gradients only while
     it stays within AUTO_HOST_RAM_FRACTION of it; None: no such bound (they go to NVMe under
     'auto' wherever that is the smaller budget)."""
+    host_param_cache_bytes: int | None = None
+    """Parameters on NVMe and an 'auto' host budget: the host room for their shards (staging and
+    cache), on top of the rest of what the host holds ([Note: the parameter share]); None: the
+    comfortable staging alone."""
 
     @property
     def offloaded(self) -> bool:
@@ -116,6 +121,9 @@ class OffloadBudgets:
     """Optimizer on NVMe and the host budget cannot hold every gradient accumulator beside the
     NVMe staging: the accumulators are NVMe-homed slices of ``sub_group_numel`` elements
     ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py)."""
+    host_param_cache_bytes: int = 0
+    """The host room for NVMe parameter shards sized by ``memory.host_param_cache_bytes``
+    ([Note: the parameter share]); 0 when it is 'auto'."""
 
 
 def extent_bytes(nbytes: int) -> int:
@@ -205,6 +213,8 @@ class _HostChoice(NamedTuple):
     sub_group_numel: int
     overlap: bool
     grads_on_nvme: bool
+    param_share_bytes: int = 0
+    """[Note: the parameter share]: the host room for NVMe parameter shards; 0 when unset."""
 
 
 def _with_margin(nbytes: int) -> int:
@@ -241,11 +251,18 @@ def _resolve_host_budget(sizes: StateSizes, request: OffloadRequest) -> _HostCho
              for sub in {*overlap_sizes, *least_sizes} for grads in choices}
     if host == "auto":
         sub = overlap_sizes[0]
-        budgets = {grads: _with_margin(needs[sub, grads].comfortable_bytes) for grads in choices}
+        share = _param_share(sizes, request, sub)
+        if share:  # the staging's margin would be more room for parameters: exact sizes only
+            budgets = {grads: needs[sub, grads].comfortable_bytes
+                       - _PARAM_STAGING_SLOTS * _slot_bytes(sizes, request, sub) + share
+                       for grads in choices}
+        else:
+            budgets = {grads: _with_margin(needs[sub, grads].comfortable_bytes)
+                       for grads in choices}
         ram = request.host_ram_bytes
         grads = (len(choices) > 1 and budgets[True] < budgets[False]
                  and (ram is None or budgets[False] > AUTO_HOST_RAM_FRACTION * ram))
-        return _HostChoice(budgets[grads], sub, True, grads)
+        return _HostChoice(budgets[grads], sub, True, grads, share)
     for grads in choices:
         for sub in overlap_sizes:
             if needs[sub, grads].comfortable_bytes <= host:
@@ -264,6 +281,38 @@ def _resolve_host_budget(sizes: StateSizes, request: OffloadRequest) -> _HostCho
         f"at least {least}, lower zero.sub_group_numel, or home more state on 'nvme'")
 
 
+_PARAM_STAGING_SLOTS = 3
+"""Host slots :func:`host_needs` gives NVMe parameters in a comfortable budget: a shard staged,
+a shard prefetched, and the spare extent."""
+
+
+def _param_share(sizes: StateSizes, request: OffloadRequest, sub: int) -> int:
+    """[Note: the parameter share] DeepSpeed's ``offload_param.max_in_cpu`` bounds the parameter
+    elements it keeps in host memory, beside whatever else lives there (a CPU-homed optimizer,
+    the gradients); it is not a bound on the host as a whole (issue #15: mapped to the whole
+    host budget, it could not hold a CPU-homed optimizer and initialize failed). So with
+    parameters on NVMe and an 'auto' host budget, ``memory.host_param_cache_bytes`` replaces
+    the comfortable budget's parameter slots (two shards in flight and the spare extent): the
+    budget is what the rest needs, exactly, plus this share, raised to those three slots (the
+    least that overlaps) and capped at every shard plus the spare. Everything else on the host
+    is homed there or is the NVMe optimizer's pipeline, so the parameter copies the store keeps
+    (evicted by its policy when the share is full) never take more than the share while the
+    optimizer is homed on the host or the device; with the optimizer on NVMe they may also fill
+    its staging slots while it is idle. 0: no share asked for, or parameters not on NVMe."""
+    asked = request.host_param_cache_bytes
+    if asked is None or request.param_home is not Tier.NVME or not sizes.param_shard_bytes:
+        return 0
+    slot = _slot_bytes(sizes, request, sub)
+    least = _PARAM_STAGING_SLOTS * slot
+    every = sum(map(extent_bytes, sizes.param_shard_bytes)) + slot
+    if asked < least:
+        warn_once(f"param-share:{asked}:{least}",
+                  f"memory.host_param_cache_bytes={asked} (offload_param.max_in_cpu) is less than "
+                  f"two parameter shards in flight and a spare extent; the host keeps {least} "
+                  f"bytes for NVMe parameters")
+    return min(max(asked, least), max(every, least))
+
+
 def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
                             device: torch.device) -> OffloadBudgets | None:
     """Budgets for the store when anything is offloaded (None otherwise); see the module
@@ -271,7 +320,7 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
     if not request.offloaded:
         return None
     largest_unit = max(sizes.unit_bytes, default=0)
-    host, sub, overlap, grads_on_nvme = _resolve_host_budget(sizes, request)
+    host, sub, overlap, grads_on_nvme, share = _resolve_host_budget(sizes, request)
     device_budget = request.device_budget_bytes
     device_needed = largest_unit + 2 * max(sizes.param_shard_bytes, default=0)
     if device_budget == "auto":
@@ -283,7 +332,10 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
             f"{device_needed}, or choose smaller units (zero.unit_class_names/unit_min_numel)")
     # Every shard fits at once: after the first fetch of each, nothing is evicted from the device.
     holds_params = bool(sizes.param_shard_bytes) and device_budget >= sum(sizes.param_shard_bytes)
-    window, resident = _optimizer_host_room(sizes, request, sub, host,
+    # The parameter share beyond its staging slots is the parameters' cache, not the NVMe
+    # optimizer's read-ahead room ([Note: the parameter share]).
+    cache = max(0, share - _PARAM_STAGING_SLOTS * _slot_bytes(sizes, request, sub))
+    window, resident = _optimizer_host_room(sizes, request, sub, host - cache,
                                             device_holds_params=holds_params,
                                             grads_on_nvme=grads_on_nvme)
     return OffloadBudgets(device_budget_bytes=int(device_budget), host_budget_bytes=int(host),
@@ -291,7 +343,7 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
                           largest_unit_bytes=largest_unit, overlap=overlap,
                           optimizer_window_sub_groups=window,
                           optimizer_host_resident_bytes=resident, device_holds_params=holds_params,
-                          grads_on_nvme=grads_on_nvme)
+                          grads_on_nvme=grads_on_nvme, host_param_cache_bytes=share)
 
 
 def _optimizer_host_room(sizes: StateSizes, request: OffloadRequest, sub: int, host: int, *,

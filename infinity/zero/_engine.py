@@ -56,6 +56,7 @@ from infinity.ledger import host_grad_dtype
 from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer,
                             StoredGrad, check_hyperparameters, json_safe_group,
                             resolve_param_groups)
+from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
 from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
@@ -194,6 +195,9 @@ class InfinityEngine:
         """Which slices each step updates, with which hyperparameters and step numbers."""
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         """id(parameter) -> its first qualified name (checkpoints keep step counts by name)."""
+        self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
+        """The config's ``scheduler`` over ``engine.optimizer`` (None without one), stepped after
+        every optimizer step that is not skipped, as DeepSpeed's engine does."""
         self.scaler = LossScaler(config.precision)
         self.micro_steps = 0
         """engine.step() calls so far (micro-batches)."""
@@ -402,6 +406,8 @@ class InfinityEngine:
             self.flush_offload()
         self._plan.commit()
         self.manager.after_step()
+        if self.lr_scheduler is not None:  # not after a skipped step (the return above)
+            self.lr_scheduler.step()
 
     def _global_norm_sq(self, grads: Mapping[str, torch.Tensor | StoredGrad]
                         ) -> tuple[float, bool]:
@@ -517,7 +523,9 @@ class InfinityEngine:
                 "skipped_steps": self.skipped_steps, "last_grad_norm": self.last_grad_norm,
                 "optimizer_step_count": self.shard_optimizer.step_count, "lr": self.lr,
                 "param_groups": [json_safe_group(g) for g in opt.param_groups],
-                "param_steps": steps, "loss_scaler": self.scaler.state_dict()}
+                "param_steps": steps, "loss_scaler": self.scaler.state_dict(),
+                "lr_scheduler": (None if self.lr_scheduler is None
+                                 else self.lr_scheduler.state_dict())}
 
     def check_step_state_dict(self, state: Mapping[str, Any]) -> None:
         """ValueError when :meth:`load_step_state_dict` could not take ``state`` (checked before
@@ -555,6 +563,8 @@ class InfinityEngine:
             for p in g["params"]:
                 opt.set_step(p, int(steps.get(self._param_names[id(p)], 0)))
         self.scaler.load_state_dict(state["loss_scaler"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])  # sets the groups' lr too
 
     def close(self) -> None:
         """Stop the store's threads and delete swap files (also done when the engine is

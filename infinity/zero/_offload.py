@@ -44,6 +44,7 @@ def state_sizes(choice: UnitChoice, *, stage: int, world_size: int,
 def offload_request(config: InfinityConfig, world_size: int) -> OffloadRequest:
     """Where state lives and the budgets asked for, resolved from ``config`` at ``world_size``."""
     grad_dtype = host_grad_dtype(config, world_size)
+    cache = config.memory.host_param_cache_bytes
     nvme_paths = [s.nvme_path for s in (config.offload_param, config.offload_optimizer)
                   if s.device == "nvme"]
     return OffloadRequest(param_home=config.offload_param.home_tier,
@@ -53,7 +54,8 @@ def offload_request(config: InfinityConfig, world_size: int) -> OffloadRequest:
                           sub_group_numel=config.zero.sub_group_numel,
                           grad_accumulator_bytes=DTYPE_BYTES[grad_dtype],
                           nvme_path=nvme_paths[0] if nvme_paths else None,
-                          host_ram_bytes=psutil.virtual_memory().total)
+                          host_ram_bytes=psutil.virtual_memory().total,
+                          host_param_cache_bytes=(None if cache == "auto" else int(cache)))
 
 
 def _sizes_of(module: nn.Module, config: InfinityConfig, world_size: int) -> StateSizes:

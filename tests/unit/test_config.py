@@ -98,17 +98,25 @@ def test_deepspeed_element_counts_become_bytes_of_the_param_dtype():
     assert z.sub_group_numel == 1_000_000_000
 
 
-def test_deepspeed_auto_values_are_kept_for_later_resolution():
+def test_deepspeed_auto_values_of_the_model_stay_for_the_engine_the_trainers_resolve():
     raw = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
                                  "stage3_param_persistence_threshold": "auto"},
            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                       "weight_decay": "auto"}}}
-    config = load_config(raw)
-    assert config.train_micro_batch_size_per_gpu == AUTO
-    assert config.gradient_accumulation_steps == AUTO
-    assert config.zero.prefetch_lookahead_bytes == AUTO
-    assert config.optimizer.lr == AUTO and config.optimizer.betas == AUTO
+    with pytest.warns(UserWarning, match=r"TrainingArguments' defaults give: "
+                                         r"gradient_accumulation_steps=1, optimizer\.params\.lr="
+                                         r"5e-05, optimizer\.params\.betas=\(0\.9, 0\.999\), "
+                                         r"optimizer\.params\.eps=1e-08, optimizer\.params\."
+                                         r"weight_decay=0\.0"):
+        config = load_config(raw)
+    assert config.train_micro_batch_size_per_gpu == AUTO  # from the first batch
+    assert config.zero.prefetch_lookahead_bytes == AUTO  # the engine's own
+    assert config.zero.persistence_threshold_numel == AUTO
+    assert config.gradient_accumulation_steps == 1
+    o = config.optimizer
+    assert (o.lr, o.betas, o.eps, o.weight_decay) == (5e-5, (0.9, 0.999), 1e-8, 0.0)
+    config.check_resolved("initialize")
 
 
 def test_replaced_keys_warn_once_naming_the_replacement():
@@ -139,7 +147,7 @@ def test_aio_maps_onto_swapper_settings():
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "partial optimizer offload"),
     ({"aio": {"use_gds": True}}, "GPUDirect"),
-    ({"scheduler": {"type": "WarmupLR"}}, "lr_scheduler"),
+    ({"pipeline": {"stages": 2}}, "pipeline parallelism"),
     ({"optimizer": {"type": "Lamb", "params": {}}}, "Lamb"),
     ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, "AMSGrad"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "at most one"),
@@ -231,10 +239,13 @@ def test_two_swap_directories_are_refused_at_validation(tmp_path):
 
 
 def test_auto_values_are_valid_config_but_not_a_running_engine():
-    config = load_config({"optimizer": {"type": "AdamW", "params": {"lr": "auto",
-                                                                      "weight_decay": "auto"}},
-                          "gradient_accumulation_steps": "auto"})
-    with pytest.raises(ValueError, match=r"optimizer\.params lr, weight_decay: 'auto'.*initialize"):
+    from infinity.config import OptimizerConfig
+
+    config = InfinityConfig(optimizer=OptimizerConfig(lr="auto", weight_decay="auto"),
+                            gradient_accumulation_steps="auto")
+    with pytest.raises(ValueError, match=r"optimizer\.params\.lr, optimizer\.params\."
+                                         r"weight_decay, gradient_accumulation_steps: 'auto'.*"
+                                         r"initialize"):
         config.check_resolved("initialize")
     config = config.replace(optimizer=config.optimizer.__class__(lr=1e-3, weight_decay=0.0))
     with pytest.raises(ValueError, match="gradient_accumulation_steps: 'auto'"):
