@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import torch
 
 from infinity._common import read_json_object
-from infinity.config import AUTO, InfinityConfig, is_deepspeed_config, load_config
+from infinity.config import AUTO, InfinityConfig, fill_auto, is_deepspeed_config, load_config
 
 DRIVEN: dict[str, tuple[str, ...]] = {
     "gradient_accumulation_steps": ("gradient_accumulation_steps",),
@@ -150,7 +150,6 @@ def resolve_config(source: "InfinityConfig | Mapping[str, Any] | str | os.PathLi
         raw = dict(source)
         if is_deepspeed_config(raw):
             explicit = {p for p in values if _explicit_in_deepspeed(raw, p)}
-            from infinity.config import fill_auto  # TEMP until h/config merges
             raw = fill_auto(raw, {**_deepspeed_values(values), **(deepspeed_only or {})})
         else:
             explicit = {p for p in values if _lookup(raw, p) not in (None, AUTO)}

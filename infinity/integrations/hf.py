@@ -14,7 +14,9 @@ fill the ``infinity_config``'s "auto" or missing values and must agree with its 
 the Trainer builds (AdamW with its no-decay groups: biases and norm weights, from
 ``get_decay_parameter_names``), handed to the engine as its parameter groups; the LR schedule is
 the Trainer's own (``get_scheduler`` on the engine's optimizer), or the engine's when the config
-has a DeepSpeed ``scheduler`` section. Logging (loss, lr, grad_norm) is the Trainer's.
+has a DeepSpeed ``scheduler`` section (stepped by the engine after each update it takes, so the
+Trainer logs the next step's lr, as with DeepSpeed's). Logging (loss, lr, grad_norm) is the
+Trainer's.
 
 Checkpoints: ``checkpoint-N`` holds what the Trainer writes (``model.safetensors`` that
 ``from_pretrained`` loads, or the adapter files of a peft model; ``scheduler.pt``, RNG states,

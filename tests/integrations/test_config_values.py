@@ -84,3 +84,49 @@ def test_device_names():
     assert device_name("cpu:1") == "cpu" and device_name("cuda:1") == "cuda:1"
     assert device_name("cuda") == "cuda:0"
     assert load_config({"device": device_name("cpu:0")}).device == "cpu"
+
+
+HF_DS_CONFIG = {  # the shape of the DeepSpeed configs in Hugging Face's fine-tuning examples
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                             "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+}
+SCHEDULE = {"train_batch_size": 8, "scheduler.params.warmup_min_lr": 0.0,
+            "scheduler.params.warmup_max_lr": 3e-4, "scheduler.params.warmup_num_steps": 10,
+            "scheduler.params.total_num_steps": 100}
+
+
+def test_deepspeed_auto_values_are_filled_from_the_trainer_without_warnings(recwarn):
+    config = resolve_config(HF_DS_CONFIG, VALUES, deepspeed_only=SCHEDULE)
+    assert_driven(config)
+    assert config.offload_optimizer.device == "cpu" and config.zero.stage == 3
+    s = config.scheduler
+    assert (s.warmup_min_lr, s.warmup_max_lr, s.warmup_num_steps, s.total_num_steps) == (
+        0.0, 3e-4, 10, 100)
+    assert not [w for w in recwarn if "auto" in str(w.message)]  # nothing left for defaults
+
+
+def test_deepspeed_config_without_the_driven_keys_takes_them_all():
+    config = resolve_config({"zero_optimization": {"stage": 3}}, VALUES)
+    assert_driven(config)
+
+
+def test_deepspeed_explicit_values_must_agree():
+    raw = {**HF_DS_CONFIG, "gradient_clipping": 1.0, "bf16": {"enabled": False},
+           "fp16": {"enabled": True}, "train_micro_batch_size_per_gpu": 4}
+    with pytest.raises(ValueError) as e:
+        resolve_config(raw, VALUES, deepspeed_only=SCHEDULE)
+    message = str(e.value)
+    assert "gradient_clipping is 1.0 in the infinity_config but 0.5" in message
+    assert "precision.dtype is 'fp16'" in message
+    assert "train_micro_batch_size_per_gpu" not in message  # 4 agrees
+    # Only disabling fp16 says nothing about bf16: the trainer's bf16 stands.
+    config = resolve_config({**HF_DS_CONFIG, "fp16": {"enabled": False}, "bf16": {}}, VALUES,
+                            deepspeed_only=SCHEDULE)
+    assert config.precision.dtype == "bf16"

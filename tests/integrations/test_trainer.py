@@ -28,11 +28,20 @@ def stage3(kind: str, **extra):
                      "persistence_threshold_numel": 64}, **extra}
 
 
+HF_DS_CONFIG = {  # Hugging Face's example DeepSpeed config: the Trainer fills every "auto"
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                          "offload_param": {"device": "cpu"}},
+}
+
 CASES = {
     "gpt2-stage3": ("gpt2", stage3("gpt2")),
     "llama-stage3": ("llama", stage3("llama")),
-    "llama-offload-host": ("llama", stage3("llama", offload_param={"device": "cpu"},
-                                           offload_optimizer={"device": "cpu"})),
+    "llama-deepspeed-auto-offload-host": ("llama", HF_DS_CONFIG),
 }
 
 
@@ -108,6 +117,34 @@ def test_bf16_arguments_make_the_engine_compute_in_bf16_without_autocast(tmp_pat
     assert not trainer.accelerator.native_amp and trainer.accelerator.scaler is None
     assert all(torch.isfinite(torch.tensor(loss)) for loss, _, _ in logs_of(trainer))
     assert all(v.dtype == torch.float32 for v in weights_of(trainer).values())  # fp32 masters
+
+
+def test_deepspeed_scheduler_section_is_run_by_the_engine(tmp_path):
+    """A config "scheduler" (its "auto" values filled from TrainingArguments) is the engine's:
+    stepped after each update, as DeepSpeed does; against the same schedule stepped by a plain
+    Trainer. The Trainer logs its lr after the engine stepped it (the next step's, as with
+    DeepSpeed's scheduler under the Trainer)."""
+    from infinity.optim.schedulers import WarmupDecayLR
+
+    plain = Trainer(model=tiny("gpt2"), args=training_args(str(tmp_path / "plain")),
+                    train_dataset=Tokens())
+    plain.lr_scheduler = WarmupDecayLR(plain.create_optimizer(), 10, warmup_min_lr=0.0,
+                                       warmup_max_lr=3e-3, warmup_num_steps=3,
+                                       warmup_type="linear")
+    plain.train()
+    config = {**HF_DS_CONFIG, "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+        "total_num_steps": "auto", "warmup_type": "linear"}}}
+    ours = InfinityTrainer(model=tiny("gpt2"), args=training_args(str(tmp_path / "ours")),
+                           train_dataset=Tokens(), infinity_config=config)
+    ours.train()
+    assert ours.lr_scheduler.scheduler is ours.engine.lr_scheduler
+    a, b = logs_of(ours), logs_of(plain)
+    assert [lr for _, _, lr in a[:-1]] == pytest.approx([lr for _, _, lr in b[1:]])
+    for (la, ga, _), (lb, gb, _) in zip(a, b):
+        assert abs(la - lb) <= 1e-4 and abs(ga - gb) <= 1e-4
+    wa, wb = weights_of(ours), weights_of(plain)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wb) <= 1e-3
 
 
 def test_resume_from_step_5_equals_uninterrupted(tmp_path):
