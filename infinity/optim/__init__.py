@@ -39,7 +39,7 @@ from infinity.optim._engine_optimizer import EngineOptimizer
 from infinity.optim._in_memory import InMemoryShardOptimizer
 from infinity.optim._offloaded import OffloadedShardOptimizer
 from infinity.optim._param_groups import (HYPERPARAMETERS, check_hyperparameters, json_safe_group,
-                                          resolve_param_groups)
+                                          rebind_param_groups, resolve_param_groups)
 from infinity.optim._partition import StoredGrad, open_param_out
 from infinity.optim._reference import adam_kernel_for, adam_step_flat_reference
 from infinity.optim._runs import AdamRun, Hyperparameters, merge_runs
@@ -47,4 +47,4 @@ from infinity.optim._runs import AdamRun, Hyperparameters, merge_runs
 __all__ = ["HYPERPARAMETERS", "AdamRun", "EngineOptimizer", "Hyperparameters",
            "InMemoryShardOptimizer", "OffloadedShardOptimizer", "StoredGrad", "adam_kernel_for",
            "adam_step_flat_reference", "check_hyperparameters", "json_safe_group", "merge_runs",
-           "open_param_out", "resolve_param_groups"]
+           "open_param_out", "rebind_param_groups", "resolve_param_groups"]

@@ -159,3 +159,16 @@ def _json_value(value: Any) -> Any:
         items = [_json_value(v) for v in value]
         return _SKIP if any(i is _SKIP for i in items) else items
     return _SKIP
+
+
+def rebind_param_groups(groups: list[dict[str, Any]], new_of: Mapping[int, nn.Parameter]
+                        ) -> list[dict[str, Any]]:
+    """``groups`` with each parameter ``p`` replaced by ``new_of[id(p)]`` where given (a model
+    built under ``infinity.init`` swaps its placeholders for real parameters after the groups
+    were resolved)."""
+    out = []
+    for g in groups:
+        params = [(e[0], new_of.get(id(e[1]), e[1])) if isinstance(e, tuple)
+                  else new_of.get(id(e), e) for e in g["params"]]
+        out.append({**g, "params": params})
+    return out

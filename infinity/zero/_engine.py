@@ -55,7 +55,7 @@ from infinity.config import AUTO, InfinityConfig, load_config
 from infinity.ledger import host_grad_dtype
 from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer,
                             StoredGrad, check_hyperparameters, json_safe_group,
-                            resolve_param_groups)
+                            rebind_param_groups, resolve_param_groups)
 from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
@@ -171,7 +171,11 @@ class InfinityEngine:
                                                     rank=self.collectives.rank)
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
         recording = recording_of(model)  # built under infinity.init: values come unit by unit
+        names_before = {id(p): n for n, p in model.named_parameters()}
         initial_values = None if recording is None else materialise_placeholders(model, recording)
+        if recording is not None:  # placeholders became real parameters: the groups follow
+            now = dict(model.named_parameters())
+            groups = rebind_param_groups(groups, {i: now[n] for i, n in names_before.items()})
         _move_buffers(model, self.device, self.compute_dtype)
         nvme_optimizer = config.offload_optimizer.device == "nvme"
         self.manager = ParameterManager(
@@ -397,14 +401,16 @@ class InfinityEngine:
         # after it, and there eager write-backs overlap the updates of the later keys.
         lazy = self._deferring and self.offload.device_holds_params
         self.manager.set_param_writeback(ParamWriteback.LAZY if lazy else ParamWriteback.EAGER)
-        runs = self._plan.runs()
+        # [Note: parameters without a gradient] in infinity/zero/_grad_presence.py
+        updated = self.manager.params_with_grad()
+        runs = self._plan.runs(updated)
         if self._deferring:
             self.shard_optimizer.step(grads, grad_scale=inv_scale * coef, runs=runs, defer=True,
                                       order=self.manager.forward_keys())
         else:
             self.shard_optimizer.step(grads, grad_scale=inv_scale * coef, runs=runs)
             self.flush_offload()
-        self._plan.commit()
+        self._plan.commit(updated)
         self.manager.after_step()
         if self.lr_scheduler is not None:  # not after a skipped step (the return above)
             self.lr_scheduler.step()

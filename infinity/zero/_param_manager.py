@@ -60,6 +60,7 @@ from infinity.prefetch import Level
 from infinity.tiers import Tier, TieredStore
 from infinity.zero._collectives import Collectives, Phase, check_env_enabled
 from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
+from infinity.zero._grad_presence import GradPresence
 from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
 from infinity.zero._managed import check_not_wrapped, mark_managed
 from infinity.zero._manager_config import ManagerConfig
@@ -135,6 +136,9 @@ class ParameterManager:
             on_ready=on_grad_ready)
         if config.optimizer_offloaded:
             self.reducer.register_accumulators(self.trainable_groups())
+        self.presence = GradPresence(self.units, collectives, config.device)
+        """Which parameters got a gradient in this window ([Note: parameters without a
+        gradient] in infinity/zero/_grad_presence.py)."""
         self._install_hooks(choice.hooked)
         self._fetcher = self._build_fetcher()
         """Trace-driven prefetch of offloaded parameter shards; None: demand fetches only."""
@@ -314,6 +318,7 @@ class ParameterManager:
             return
         self.reducer.stage(group, slot, param.grad)
         param.grad = None
+        self.presence.note(param)
         unit.grads_seen.add(id(param))
         if len(unit.grads_seen) == unit.num_trainable:
             self._reduce(unit, Phase.REDUCE_GRAD)
@@ -491,6 +496,7 @@ class ParameterManager:
         for unit, flag in zip(self.units, flags):
             if flag:
                 self._reduce(unit, Phase.FLUSH)
+        self.presence.end_backward()  # before the holds drop: reads which units were complete
         self._drop_holds()
         self.micro_step += 1
         self._to(TrainingState.IDLE)
@@ -533,6 +539,13 @@ class ParameterManager:
 
     def zero_grads(self) -> None:
         self.reducer.zero(self.trainable_groups())
+        self.presence.clear()
+
+    def params_with_grad(self) -> set[int] | None:
+        """id() of the trainable parameters with a gradient in this accumulation window on any
+        rank, None when every one has ([Note: parameters without a gradient] in
+        infinity/zero/_grad_presence.py); a collective when some unit was partial."""
+        return self.presence.params_with_grad()
 
     def set_param_writeback(self, mode: ParamWriteback) -> None:
         """When updated stored shards go home from now on (the engine decides at each step)."""

@@ -122,9 +122,7 @@ def reference_train(model: nn.Module, data, *, dtype: str = "fp32", clip: float 
     work = master if dtype == "fp32" else copy.deepcopy(master).to(DTYPES[dtype])
     params = [p for p in master.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    for p in params:
-        p.grad = torch.zeros_like(p)  # unused parameters are stepped with a zero gradient
-    losses = []
+    losses = []  # parameters without a gradient in a step keep grad None: AdamW skips them
     for micro in data:
         total = 0.0
         for batch in micro:
@@ -135,14 +133,14 @@ def reference_train(model: nn.Module, data, *, dtype: str = "fp32", clip: float 
                 if work is not master:
                     for pm, pw in zip(master.parameters(), work.parameters()):
                         if pw.grad is not None:
-                            pm.grad += pw.grad.float() / loss_scale
+                            g = pw.grad.float() / loss_scale
+                            pm.grad = g if pm.grad is None else pm.grad + g
                             pw.grad = None
         losses.append(total)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
-        for p in params:
-            p.grad.zero_()
+        opt.zero_grad(set_to_none=True)
         if work is not master:
             with torch.no_grad():
                 for pm, pw in zip(master.parameters(), work.parameters()):

@@ -157,3 +157,21 @@ def test_frozen_parameters_may_be_left_out_or_listed():
     engine_train(engine, batches(2, 1))
     assert engine.optimizer.param_groups[0]["param_names"] == [n for n, _ in named]
     assert torch.equal(engine.full_state_dict()["ln_f.weight"], before)  # frozen: not stepped
+
+
+def test_groups_of_a_model_built_under_infinity_init(tmp_path):
+    """Groups taken from a model built under ``infinity.init`` (its placeholder parameters) follow
+    the real parameters that replace them at initialize: the same run as from the eager model."""
+    data = batches(3, 1)
+    config = _config(tmp_path, 3, "memory")
+    torch.manual_seed(0)
+    with infinity.init(config):
+        lazy = tiny_gpt()
+    runs = []
+    for model in (tiny_gpt(), lazy):
+        engine = infinity.initialize(model, config, model_parameters=hf_groups(model))
+        params = set(map(id, model.parameters()))
+        assert all(id(p) in params for g in engine.optimizer.param_groups for p in g["params"])
+        runs.append((engine_train(engine, data), engine.full_state_dict()))
+    assert runs[0][0] == runs[1][0]
+    assert_close_state(runs[1][1], runs[0][1], atol=0.0)
