@@ -82,6 +82,24 @@ def test_matches_plain_trainer(tmp_path, case):
             torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
 
 
+def test_model_built_under_infinity_init_matches_plain_trainer(tmp_path):
+    import infinity
+
+    config = stage3("llama")
+    with infinity.init(config):
+        lazy = tiny("llama")  # meta placeholders: no rank holds the weights
+    with pytest.raises(ValueError, match="pass the same config as infinity_config"):
+        InfinityTrainer(model=lazy, args=training_args(str(tmp_path)), train_dataset=Tokens())
+    args = dict(max_steps=4)
+    plain = Trainer(model=tiny("llama"), args=training_args(str(tmp_path / "plain"), **args),
+                    train_dataset=Tokens())
+    plain.train()
+    ours = InfinityTrainer(model=lazy, args=training_args(str(tmp_path / "ours"), **args),
+                           train_dataset=Tokens(), infinity_config=config)
+    ours.train()
+    assert_same_run(ours, plain)
+
+
 def test_optimizer_and_scheduler_passed_to_the_trainer_drive_the_engine(tmp_path):
     """Trainer(optimizers=(optimizer, scheduler)): the optimizer's groups become the engine's,
     and the scheduler, built on the user's optimizer, sets the engine's lrs."""
