@@ -321,14 +321,18 @@ class InfinityEngine:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of one micro-batch's loss, gradients accumulated into the shards.
+        ``scale_wrt_gas`` (DeepSpeed's name): divide the loss by ``gradient_accumulation_steps``;
+        False for a caller whose loss is already normalised over the window (the Trainer's
+        ``num_items_in_batch`` losses, accelerate's own division)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward: expected a scalar loss tensor, got "
                              f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
         if not loss.requires_grad:
             raise ValueError("engine.backward: the loss does not require grad (was the forward "
                              "run under torch.no_grad(), or are all parameters frozen?)")
-        scale = self.scaler.scale / self.gradient_accumulation_steps
+        scale = self.scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         self.shard_optimizer.drain()  # the gradients are about to change: the last step is done
         if self._deferring:  # the state the next step updates first, read while backward runs
             self.shard_optimizer.read_ahead(self.manager.forward_keys())
@@ -342,21 +346,42 @@ class InfinityEngine:
         self.manager.end_prefetch_step()  # before the optimizer step changes the parameters
         self._backward_since_step = True
 
-    def step(self) -> None:
+    def step(self, *, boundary: bool | None = None, gradient_clipping: float | None = None
+             ) -> None:
+        """Count one micro-batch; at an accumulation boundary, run the optimizer.
+
+        ``boundary``: None runs it on every ``gradient_accumulation_steps``-th call (DeepSpeed's
+        rule); True or False is the caller's decision (a trainer whose last window of an epoch
+        is short: DeepSpeed's ``set_gradient_accumulation_boundary``). A window never outgrows
+        ``gradient_accumulation_steps``; an early boundary restarts the count, so the engine is
+        ``between_steps`` after it as after any other step. ``gradient_clipping``: this step's
+        clip norm instead of the config's (0 or inf: no clipping; accelerate's
+        ``clip_grad_norm_(parameters, max_norm)`` passes its ``max_norm``)."""
         if not self._backward_since_step:
             raise RuntimeError("engine.step() called without engine.backward(loss) since the last "
                                "step; call engine.backward(loss) once per micro-batch, then step()")
+        clip = self.config.gradient_clipping if gradient_clipping is None else gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+            raise ValueError(f"engine.step: gradient_clipping must be a number >= 0 (0 or inf: "
+                             f"no clipping), got {gradient_clipping!r}")
+        natural = self.is_gradient_accumulation_boundary
+        if boundary is False and natural:
+            raise ValueError(
+                f"engine.step(boundary=False): micro-batch {self.micro_steps + 1} completes a "
+                f"window of gradient_accumulation_steps={self.gradient_accumulation_steps}; a "
+                f"window may not be longer (raise gradient_accumulation_steps in the config)")
         self._backward_since_step = False
-        boundary = self.is_gradient_accumulation_boundary
         self.micro_steps += 1
-        if not boundary:
+        if not (natural if boundary is None else boundary):
             return
+        window = self.gradient_accumulation_steps
+        self.micro_steps = -(-self.micro_steps // window) * window  # an early boundary ends it
         self.optimizer.mark_stepped()  # torch's LR schedulers check it
         t0 = time.perf_counter()
-        self._optimizer_step()
+        self._optimizer_step(float(clip))
         self._step_time_s += time.perf_counter() - t0
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, clip: float) -> None:
         grads = self.manager.grad_partitions()
         inv_scale = 1.0 / self.scaler.scale
         norm_sq, overflow = self._global_norm_sq(grads)
@@ -374,8 +399,7 @@ class InfinityEngine:
         norm = math.sqrt(norm_sq) * inv_scale
         self.last_grad_norm = norm
         coef = 1.0
-        clip = self.config.gradient_clipping
-        if clip > 0 and norm > clip:
+        if 0 < clip < math.inf and norm > clip:
             coef = clip / (norm + 1e-6)
         # Lazy only for a deferred step: a step run in place flushes every shard home right
         # after it, and there eager write-backs overlap the updates of the later keys.

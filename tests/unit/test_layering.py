@@ -1,14 +1,17 @@
 """The package DAG of DESIGN.md, checked on the source: imports point down only, no import cycles.
 
 ```
-cli ──> bench ──> zero ──┬──> optim ──> tiers ──> io ──> config ──> floor
- │        │         │    ├──> prefetch ───────────────────────────> floor
- │        │         │    ├──> checkpoint ──> io
- │        │         │    └──> ledger ──> config
+cli ──> bench ──> integrations ──> zero ──┬──> optim ──> tiers ──> io ──> config ──> floor
+ │        │                          │    ├──> prefetch ───────────────────────────> floor
+ │        │                          │    ├──> checkpoint ──> io
+ │        │                          │    └──> ledger ──> config
  │        └──> models (plain PyTorch, imports nothing of infinity)
  └──> (every package below)
 floor: errors, _common, _tier, _transitions (no torch-heavy imports, nothing above them)
 ```
+``integrations`` (the hf Trainer and accelerate, optional extras) sits above the engine: nothing
+below imports it, so ``import infinity`` never needs transformers or accelerate.
+
 Three rules, over every import in the package (at module level and inside functions):
 
 1. A module's package imports only the packages below it in :data:`ALLOWED` (closed
@@ -43,8 +46,8 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"io"},  # takes the engine as an object: imports nothing of zero
     "zero": {"optim", "prefetch", "checkpoint", "tiers", "ledger"},  # the engine, hooks
     "models": set(),  # plain-PyTorch reference models: import nothing of infinity
-    "integrations": {"zero"},  # hf Trainer, accelerate, peft: optional extras over the engine
-    "bench": {"zero", "models"},
+    "integrations": {"zero"},  # Trainer, accelerate, peft on the engine (optional extras)
+    "bench": {"integrations", "models"},
     "cli": {"bench"},
     "__init__": {"zero"},  # the package's public surface
     "__main__": {"cli"},
