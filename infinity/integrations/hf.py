@@ -236,11 +236,23 @@ class InfinityTrainerMixin:
         files), from ``engine.full_state_dict()``; a collective: every rank calls it."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
-        state_dict = self.engine.full_state_dict()
+        state_dict = self.engine.full_state_dict(keys=_adapter_keys(self.engine))
         self._save(output_dir if output_dir is not None else self.args.output_dir,
                    state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _adapter_keys(engine: Any) -> list[str] | None:
+    """A peft model's adapter entries (every adapter), so that saving gathers only their flat
+    groups and not the frozen base (13.5 GB at 7B); None (everything) for any other model."""
+    model = engine.module
+    if not hasattr(model, "peft_config") or not hasattr(model, "get_base_model"):
+        return None
+    from infinity.integrations.peft import adapter_keys
+
+    return sorted({key for name in model.peft_config
+                   for key in adapter_keys(engine, name).values()})
 
 
 class InfinityTrainer(InfinityTrainerMixin, Trainer):
