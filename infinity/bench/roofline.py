@@ -85,6 +85,7 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
     torch.manual_seed(0)
     d = config.n_embd
     block = Block(config).to(dtype)
+    block_numel = sum(p.numel() for p in block.parameters())
     x = torch.randn(batch_size, seq_len, d, dtype=dtype, requires_grad=True)
 
     def block_step() -> None:
@@ -107,7 +108,7 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
     del wte, ln_f
     forward_backward_s = config.n_layer * block_s + ends_s
     numel = config.num_params if trainable_numel is None else trainable_numel
-    chunk = min(numel, sum(p.numel() for p in Block(config).parameters()))
+    chunk = min(numel, block_numel)
     master, grad = torch.randn(chunk), torch.randn(chunk)
     m, v = torch.zeros(chunk), torch.zeros(chunk)
     out = torch.empty(chunk, dtype=dtype) if dtype != torch.float32 else None
