@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 
 import torch
 
+from infinity.bench.report import peak_rss_bytes
 from infinity.config import load_config
 from infinity.io import Swapper, aligned_empty
 from infinity.models.gpt import GPT, PRESETS, synthetic_batch
@@ -24,19 +24,6 @@ PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
 NVME_MODES = ("stage3-nvme", "stage3-nvme-params")
 USER_MODE = "user-config"
 """The engine under the user's ``--ds-config`` file, as written (see step.py)."""
-
-
-def _peak_rss_bytes() -> int:
-    """This process's own high-water mark (VmHWM). Not ru_maxrss: Linux carries the parent's
-    high-water mark over into a child at fork, so every mode would read at least the parent's."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _plain(model: GPT, spec: dict[str, Any]):
@@ -248,7 +235,7 @@ def main() -> None:
         timed.update(_param_reads(s, warm, len(times), spec))
     out = {"mode": spec["mode"], "step_s": statistics.median(times), "step_times_s": times,
            "fwd_bwd_s": statistics.median(t - o for t, o in zip(times, opt_times)),
-           "peak_rss_bytes": _peak_rss_bytes(), "final_loss": loss,
+           "peak_rss_bytes": peak_rss_bytes(), "final_loss": loss,
            "num_params": sum(p.numel() for p in model.parameters()),
            "stall_fraction": timed["stall_fraction"], "hit_rate": timed["hit_rate"], "prefetch_timed": timed,
            "io_wait_fraction": (s.get("stall_s", 0.0) - warm.get("stall_s", 0.0)) / max(sum(times), 1e-9)

@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import sys
@@ -33,6 +34,19 @@ def median_time_s(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> tu
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), times
+
+
+def peak_rss_bytes() -> int:
+    """This process's own high-water mark (VmHWM). Not ru_maxrss: Linux carries the parent's
+    high-water mark over into a child at fork, so every mode would read at least the parent's."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def environment() -> dict[str, Any]:

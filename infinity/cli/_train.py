@@ -28,7 +28,7 @@ import torch
 
 from infinity._common import format_bytes
 from infinity.bench.progress import progress
-from infinity.bench.report import format_table
+from infinity.bench.report import format_table, peak_rss_bytes
 from infinity.bench.roofline import gpt_compute_s, nvme_minimum_bytes, probe_disk, roofline
 from infinity.cli._consolidate import parse_bytes
 from infinity.config import load_config
@@ -224,15 +224,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(summary)
     return 0
-
-
-def peak_rss_bytes() -> int:
-    """This process's high-water mark of resident memory (VmHWM), since it started."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM line in /proc/self/status")
 
 
 def _nvme_per_step(step_moved: list[tuple[int, int]], stats: dict[str, Any]) -> dict[str, Any]:
