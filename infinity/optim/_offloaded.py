@@ -124,6 +124,14 @@ class OffloadedShardOptimizer:
         """Seconds the step spent blocked on sub-group fetches (the pipeline's stall)."""
         self.deferred_s = 0.0
         """Seconds spent in updates of deferred steps, run before a shard read (in the forward)."""
+        self._held: dict[str, tuple[torch.Tensor, Any, str | None]] | None = None
+        """While masters stream in ([Note: masters stream into the optimizer]): the keys whose
+        first sub-group will be homed on HOST, held back until :meth:`release_held`; None
+        otherwise."""
+        self._held_room_bytes = 0
+        """While streaming: host room not yet promised to a held key."""
+        self._add_order: list[str] = []
+        """While streaming: every key in the order it was offered (held or added)."""
 
     def _to(self, new: StepState) -> None:
         STEP_TRANSITIONS.check("offloaded optimizer", self.state, new)
@@ -131,18 +139,75 @@ class OffloadedShardOptimizer:
 
     # ------------------------------------------------------------------ keys and their state
 
+    def hold_host_resident(self) -> None:
+        """Start streaming masters in ([Note: masters stream into the optimizer]): from here
+        until :meth:`release_held`, :meth:`add` registers the sub-groups homed on NVME at once
+        and holds back the keys that will have host-resident sub-groups."""
+        if self._sub_groups or self._held is not None:
+            raise RuntimeError("shard optimizer: hold_host_resident() before the first add()")
+        self._held, self._held_room_bytes, self._add_order = {}, self._resident_room_bytes, []
+
+    def release_held(self) -> None:
+        """Register the held keys (their host-resident sub-groups are long-lived HOST extents,
+        carved now that the set-up copies are gone), then restore the offered order, which is
+        the step's tie-break."""
+        if self._held is None:
+            return
+        held, self._held = self._held, None
+        for key, (master, param_out, param_key) in held.items():
+            self.add(key, master, param_out, param_key=param_key)
+        self._sub_groups = {key: self._sub_groups[key] for key in self._add_order}
+        self._add_order = []
+
+    def drop_setup_copies(self) -> None:
+        """Evict the HOST copies that registering NVME-homed sub-groups left behind (each waits
+        for its write), so that the long-lived extents carved next pack at the arena's top
+        ([Note: set-up copies strew the home extents] in infinity/zero/_unit_builder.py)."""
+        for records in self._sub_groups.values():
+            for sg in records:
+                if sg.home is Tier.NVME:
+                    self.store.evict(sg.store_key, Tier.HOST)
+
+    def _holds_back(self, key: str, master: torch.Tensor, param_out: Any,
+                    param_key: str | None) -> bool:
+        """While streaming: whether ``key`` is held back because its first sub-group will be
+        homed on HOST. It replays :meth:`add`'s prefix rule on the promised room, so the held
+        keys are exactly those that :meth:`add` in the offered order would make resident."""
+        if self._held is None:
+            return False
+        self._add_order.append(key)
+        if self._held_room_bytes <= 0:
+            return False
+        first_fits = False
+        n_total = master.numel()
+        for lo in range(0, n_total, self.sub_group_numel):
+            nbytes = SUB_GROUP_BYTES_PER_NUMEL * (min(n_total, lo + self.sub_group_numel) - lo)
+            extent = self.store.arena.extent_bytes(nbytes)
+            if extent > self._held_room_bytes:
+                self._held_room_bytes = 0
+                break
+            self._held_room_bytes -= extent
+            first_fits = first_fits or lo == 0
+        if not first_fits:
+            return False
+        self._held[key] = (master, param_out, param_key)
+        return True
+
     def add(self, key: str, master: torch.Tensor, param_out: Any, *,
             param_key: str | None = None) -> None:
         """``param_key``: the store key of the parameter shard ``param_out`` writes, when the
         store holds it: a deferred step updates ``key`` before the store reads that shard."""
-        if key in self._sub_groups:
+        if key in self._sub_groups or (self._held is not None and key in self._held):
             raise ValueError(f"shard optimizer: key {key!r} added twice")
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError(f"shard optimizer: master for {key!r} must be a flat fp32 tensor")
+        if self._holds_back(key, master, param_out, param_key):
+            return
         self._outs[key] = param_out
         if param_key is not None:
             self._param_keys[key] = param_key
         n_total, sub = master.numel(), self.sub_group_numel
+        streaming = self._held is not None
         records = []
         for i, lo in enumerate(range(0, n_total, sub)):
             hi = min(n_total, lo + sub)
@@ -154,7 +219,9 @@ class OffloadedShardOptimizer:
             # resident sub-groups never take more host room than the plan left them.
             nbytes = SUB_GROUP_BYTES_PER_NUMEL * n
             extent = self.store.arena.extent_bytes(nbytes) if self._resident_room_bytes else 0
-            if 0 < extent <= self._resident_room_bytes:  # [Note: host-resident sub-groups]
+            if streaming:
+                pass  # a key that takes host room is held; it is added at release_held
+            elif 0 < extent <= self._resident_room_bytes:  # [Note: host-resident sub-groups]
                 home = Tier.HOST
                 self._resident_room_bytes -= extent
                 self.host_resident_bytes += nbytes

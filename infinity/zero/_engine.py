@@ -59,6 +59,7 @@ from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedSh
 from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
+from infinity.zero._flat_group import FlatGroup
 from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
 from infinity.zero._grad_norm import sum_of_squares
 from infinity.zero._host_malloc import fix_mmap_threshold
@@ -130,6 +131,31 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
                                  if offload is not None and offload.grads_on_nvme else None))
 
 
+
+class _MasterStream:
+    """[Note: masters stream into the optimizer]
+    With the optimizer on NVMe, each trainable group's fp32 master goes to the optimizer as soon
+    as its unit is built, which registers (and writes) its NVMe-homed sub-groups at once; the
+    master is then dropped. Built after the last unit instead, every master (4 B per trainable
+    parameter, 13 GB at 3.3B) waited in host memory until then: set-up's peak grew with the
+    model (tests/engine/test_init_host_memory.py). Two orders are kept as before. The
+    host-resident sub-groups ([Note: host-resident sub-groups] in
+    infinity/tiers/_offload_budgets.py) are long-lived HOST extents, so their keys are held back
+    (their masters stay, at most the optimizer's host room / 3) and registered after the set-up
+    copies of parameters and sub-groups are evicted ([Note: set-up copies strew the home
+    extents] in infinity/zero/_unit_builder.py). And the optimizer's key order, the step's
+    tie-break, is the order the groups were built in. A host-homed optimizer ('cpu') keeps the
+    old order: its state is host memory by design."""
+
+    def __init__(self, optimizer: OffloadedShardOptimizer):
+        self.optimizer = optimizer
+
+    def take(self, group: FlatGroup, partition: Any) -> None:
+        self.optimizer.add(group.key, group.master, partition, param_key=group.store_key)
+
+    def drop_setup_copies(self) -> None:
+        self.optimizer.drop_setup_copies()
+
 class InfinityEngine:
     """The training engine returned by :func:`initialize`; see the module docstring."""
 
@@ -182,11 +208,16 @@ class InfinityEngine:
             groups = rebind_param_groups(groups, {i: now[n] for i, n in names_before.items()})
         _move_buffers(model, self.device, self.compute_dtype)
         nvme_optimizer = config.offload_optimizer.device == "nvme"
+        # [Note: masters stream into the optimizer]
+        streaming = self._new_shard_optimizer() if nvme_optimizer else None
+        if streaming is not None:
+            streaming.hold_host_resident()
         self.manager = ParameterManager(
             model, units_of(model, config.zero),
             _manager_config(config, self.device, world, self.offload),
             collectives=self.collectives, store=self.store, initial_values=initial_values,
-            on_grad_ready=self._on_grad_ready if nvme_optimizer else None)  # [Note: optimizer read-ahead]
+            on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
+            master_sink=None if streaming is None else _MasterStream(streaming))
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
         if world > 1:
@@ -197,7 +228,7 @@ class InfinityEngine:
         self.optimizer = EngineOptimizer(groups, defaults)
         """What code outside the engine drives: a torch.optim.Optimizer over the model's
         parameters ([Note: the optimizer seen from outside] in infinity/optim/_engine_optimizer.py)."""
-        self.shard_optimizer = self._build_optimizer()
+        self.shard_optimizer = self._build_optimizer(streaming)
         """Adam over the flat fp32 shards (in memory or offloaded): the state and the update."""
         self._plan = StepPlan(self.manager, self.optimizer)
         """Which slices each step updates, with which hyperparameters and step numbers."""
@@ -225,18 +256,29 @@ class InfinityEngine:
         logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
                     config.precision.dtype, self.device, world)
 
-    def _build_optimizer(self) -> InMemoryShardOptimizer | OffloadedShardOptimizer:
+    def _new_shard_optimizer(self) -> InMemoryShardOptimizer | OffloadedShardOptimizer:
+        """The shard optimizer of the config, holding no key yet."""
         config = self.config
         if config.offload_optimizer.device == "none":
-            optimizer = InMemoryShardOptimizer(config.optimizer)
-        else:
-            optimizer = OffloadedShardOptimizer(
-                config.optimizer, self.store, home=config.offload_optimizer.home_tier,
-                sub_group_numel=self.offload.sub_group_numel,
-                window_sub_groups=self.offload.optimizer_window_sub_groups,
-                host_resident_bytes=self.offload.optimizer_host_resident_bytes)
-            if config.offload_optimizer.device == "nvme":  # [Note: deferred optimizer step]
-                self.store.before_read = optimizer.apply_before_read
+            return InMemoryShardOptimizer(config.optimizer)
+        optimizer = OffloadedShardOptimizer(
+            config.optimizer, self.store, home=config.offload_optimizer.home_tier,
+            sub_group_numel=self.offload.sub_group_numel,
+            window_sub_groups=self.offload.optimizer_window_sub_groups,
+            host_resident_bytes=self.offload.optimizer_host_resident_bytes)
+        if config.offload_optimizer.device == "nvme":  # [Note: deferred optimizer step]
+            self.store.before_read = optimizer.apply_before_read
+        return optimizer
+
+    def _build_optimizer(self, streaming: OffloadedShardOptimizer | None
+                         ) -> InMemoryShardOptimizer | OffloadedShardOptimizer:
+        """The shard optimizer with every trainable group's master: ``streaming`` already took
+        them as the units were built ([Note: masters stream into the optimizer]) but for the
+        host-resident ones it held back; otherwise a new one takes them now."""
+        if streaming is not None:
+            streaming.release_held()
+            return streaming
+        optimizer = self._new_shard_optimizer()
         for g in self.manager.trainable_groups():
             part = self.manager.param_partition(g)
             if optimizer.offloaded:

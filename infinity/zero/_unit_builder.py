@@ -10,7 +10,7 @@ stays near one unit plus the rank's shards.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -19,6 +19,19 @@ from infinity.tiers import Tier, TieredStore
 from infinity.zero._collectives import Collectives
 from infinity.zero._flat_group import FlatGroup, Unit, UnitState, layout_group
 from infinity.zero._unit_choice import ChosenUnit, UnitChoice
+
+class MasterSink(Protocol):
+    """Takes each trainable group's fp32 master as soon as its group is built
+    ([Note: masters stream into the optimizer] in infinity/zero/_engine.py)."""
+
+    def take(self, group: FlatGroup, partition: Any) -> None:
+        """Take ``group.master``; ``partition`` is what the optimizer writes the updated
+        parameters into (``ParameterManager.param_partition``). The builder then drops its
+        reference to the master."""
+
+    def drop_setup_copies(self) -> None:
+        """Evict the transient HOST copies that taking masters left in the arena."""
+
 
 InitialValues = Callable[[torch.Tensor], "torch.Tensor | None"]
 """``initial_values(param)``: the values of a parameter whose storage holds none yet (built under
@@ -55,17 +68,25 @@ class UnitBuilder:
     """Builds the :class:`Unit` records of one model (see the module docstring)."""
 
     def __init__(self, settings: BuildSettings, *, collectives: Collectives,
-                 store: TieredStore | None, initial_values: InitialValues | None):
+                 store: TieredStore | None, initial_values: InitialValues | None,
+                 master_sink: MasterSink | None = None,
+                 partition_of: Callable[[FlatGroup], Any] | None = None):
         self.settings = settings
         self.coll = collectives
         self.store = store
         """Holds the parameter shards when ``settings.param_home`` is not DEVICE."""
         self._initial_values = initial_values
+        self._master_sink = master_sink
+        """Takes each master as its group is built; None: masters stay on their groups."""
+        self._partition_of = partition_of
+        """The partition the optimizer writes for a group (given with ``master_sink``)."""
 
     def build(self, choice: UnitChoice) -> list[Unit]:
         check_units(choice)
         units = [self._build_unit(chosen) for chosen in choice.units]
         self._drop_setup_copies(units)
+        if self._master_sink is not None:
+            self._master_sink.drop_setup_copies()
         return units
 
     def _drop_setup_copies(self, units: list[Unit]) -> None:
@@ -148,4 +169,7 @@ class UnitBuilder:
             group.shard = None
             if master is part:  # fp32: the master starts as a copy, the shard lives in the store
                 group.master = initial if s.optimizer_offloaded else shard
+        if requires_grad and self._master_sink is not None:
+            self._master_sink.take(group, self._partition_of(group))
+            group.master = None
         return group

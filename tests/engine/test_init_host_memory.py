@@ -1,0 +1,86 @@
+"""[Note: masters stream into the optimizer] (infinity/zero/_engine.py): a trainable model built
+under ``infinity.init`` with parameters and optimizer on NVMe reaches its first step with a host
+peak that does not grow with the model.
+
+Before, every trainable group's fp32 master (4 B per parameter) waited in host memory until the
+optimizer was built after the last unit: 13 GB at 3.3B parameters. The peak (VmHWM from before
+``infinity.init`` to after one step) of a model with 4x the blocks may grow by a small part of
+what those masters alone would add.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import infinity
+from infinity.models.gpt import GPT, GPTConfig, synthetic_batch
+from tests._support.engine import offload_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WIDE = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=6, n_embd=384)
+"""1.8M parameters per block: 7 MB of fp32 master each."""
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _measure(n_layer: int, swap_dir: str, host_budget_bytes: int) -> dict:
+    """In a fresh process: peak RSS above the baseline from ``infinity.init`` through one step."""
+    torch.set_num_threads(1)
+    with infinity.init():  # meta kernels and the first optimizer import their modules once
+        GPT(dataclasses.replace(WIDE, n_layer=1))
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak counts from here
+    base = _status_bytes("VmRSS")
+    config = dataclasses.replace(WIDE, n_layer=n_layer)
+    cfg = offload_config(swap_dir, stage=3, dtype="bf16", clip=1.0, opt="nvme", param="nvme",
+                         sub_group_numel=2 ** 18, host=host_budget_bytes,
+                         memory={"device_budget_bytes": 12 * 2 ** 20},
+                         zero={"unit_class_names": ["Block"]})
+    with infinity.init(cfg):
+        model = GPT(config)
+    engine = infinity.initialize(model, cfg)
+    try:
+        x, y = synthetic_batch(config, 1, 8, seed=0)  # activations: a small part
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return {"peak_above_base_bytes": _status_bytes("VmHWM") - base,
+                "trainable_numel": trainable, "finite": bool(torch.isfinite(loss)),
+                "grads_on_nvme": engine.offload.grads_on_nvme}
+    finally:
+        engine.close()
+
+
+def _measure_in_fresh_process(tmp_path, n_layer: int, host: int) -> dict:
+    code = (f"import json; from tests.engine.test_init_host_memory import _measure; "
+            f"print(json.dumps(_measure({n_layer}, {str(tmp_path / str(n_layer))!r}, {host})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak reset")
+def test_initialize_of_a_trainable_model_on_nvme_keeps_host_memory_flat(tmp_path):
+    host = 24 * 2 ** 20  # both sizes keep their gradients as NVMe slices: one plan, two sizes
+    small = _measure_in_fresh_process(tmp_path, 4, host)
+    large = _measure_in_fresh_process(tmp_path, 16, host)
+    assert small["finite"] and large["finite"]
+    assert small["grads_on_nvme"] and large["grads_on_nvme"]
+    added_master_bytes = 4 * (large["trainable_numel"] - small["trainable_numel"])
+    assert added_master_bytes > 80 * 2 ** 20  # 12 blocks' fp32 masters
+    grown = large["peak_above_base_bytes"] - small["peak_above_base_bytes"]
+    assert grown < 0.25 * added_master_bytes, (small, large, added_master_bytes)
