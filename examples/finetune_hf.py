@@ -6,7 +6,7 @@
 No download: on first use rank 0 builds a small Llama from a config with random weights and saves it
 (safetensors) under ``--model-dir``; every rank then loads that local copy, as it would a real
 checkpoint. The data is generated (a learnable token pattern), so the loss falls within a few dozen
-steps. Runs on CPU with gloo, or on GPUs with NCCL when CUDA is present.
+steps. Runs on CPU with gloo, or on GPUs with NCCL when CUDA is present (one GPU per local rank).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 import infinity
+from infinity import load_config
+from infinity.zero import barrier, init_distributed
 
 
 def make_local_model(model_dir: str) -> None:
@@ -46,14 +48,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args()
 
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # This rank's device first (LOCAL_RANK % GPUs, the engine's rule), then the process group on
+    # it (NCCL with device_id on GPUs, gloo on CPU): rank 0 builds the files before the others read.
+    device = init_distributed(load_config(args.config).device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0 and not os.path.exists(os.path.join(args.model_dir, "config.json")):
         make_local_model(args.model_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier(device)
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -67,7 +69,7 @@ def main() -> None:
     micro = micro if isinstance(micro, int) else 2
     for i, tokens in enumerate(batches(model.config.vocab_size, micro, args.seq_len, rank=rank,
                                        world=world, steps=args.steps)):
-        out = engine(input_ids=tokens, labels=tokens)
+        out = engine(input_ids=tokens, labels=tokens)  # CPU tensors: the engine moves them
         engine.backward(out.loss)
         engine.step()
         if rank == 0 and (i + 1) % engine.config.gradient_accumulation_steps == 0:

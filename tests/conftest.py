@@ -23,6 +23,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _cpu_unless_gpu_test(request, monkeypatch):
+    """[Note: tests outside tests/gpu run on the CPU] in tests/_support/cpu_only.py."""
+    if "gpu" not in request.keywords:
+        from tests._support.cpu_only import hide_cuda
+
+        hide_cuda(monkeypatch)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _fresh_one_time_warnings():
     """Each test sees one-time warnings afresh, so tests can assert on them."""
     from infinity._common import reset_warnings_for_tests

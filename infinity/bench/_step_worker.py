@@ -15,7 +15,7 @@ import torch
 from infinity.bench.report import peak_rss_bytes
 from infinity.config import load_config
 from infinity.io import Swapper, aligned_empty
-from infinity.models.gpt import GPT, PRESETS, synthetic_batch
+from infinity.models.gpt import GPT, PRESETS, GPTConfig, synthetic_batch
 from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, extent_bytes
 from infinity.zero import host_needs_of, init, initialize
 
@@ -26,9 +26,22 @@ USER_MODE = "user-config"
 """The engine under the user's ``--ds-config`` file, as written (see step.py)."""
 
 
+def _device() -> torch.device:
+    """Where plain PyTorch computes: the GPU when there is one (the engine's 'auto' picks it too)."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    """Step times cover the GPU's work, copy streams included, not only its launch."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _plain(model: GPT, spec: dict[str, Any]):
     """Plain PyTorch mixed precision as a user writes it: low-precision model, fp32 masters, fused AdamW."""
     dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    device = _device()
+    model.to(device)  # on the GPU like the engine's (it moves its inputs itself)
     params = [p for p in model.parameters()]
     if dtype != torch.float32:
         masters = [p.detach().float() for p in params]
@@ -39,7 +52,7 @@ def _plain(model: GPT, spec: dict[str, Any]):
 
     def step(micro_batches) -> float:
         for x, y in micro_batches:  # gradient accumulation: summed in param.grad, as users do
-            loss = model(x, y)
+            loss = model(x.to(device), y.to(device))
             (loss / len(micro_batches)).backward()
         if masters is not params:
             for m, p in zip(masters, params):
@@ -55,6 +68,16 @@ def _plain(model: GPT, spec: dict[str, Any]):
         return loss.item()
 
     return step, lambda: {}, lambda: None
+
+
+def model_flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token of a GPT (forward + backward, no recomputation): 6 per parameter
+    in the matrix products (PaLM's model FLOPs, Appendix B) plus attention's scores and weighted
+    sum, 12 * n_layer * n_embd * seq_len; embeddings and norms add no matmul FLOPs worth
+    counting. What "model TFLOP/s" divides by the step time."""
+    block_matmul = 12 * cfg.n_embd * cfg.n_embd * cfg.n_layer  # qkv, proj, 4x MLP up and down
+    head = cfg.n_embd * cfg.vocab_size  # the tied output projection
+    return 6 * (block_matmul + head) + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
 
 def _cpu_device_budget(model: GPT, spec: dict[str, Any]) -> int:
@@ -220,8 +243,10 @@ def main() -> None:
         gas = spec.get("gradient_accumulation_steps", 1)
         micro = [synthetic_batch(cfg, spec["batch_size"], spec["seq_len"], seed=i * gas + m)
                  for m in range(gas)]  # gas 1: seed i, as before accumulation was measured
+        _sync()
         t0 = time.perf_counter()
         loss = runner(micro)
+        _sync()
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
             # The optimizer step's share (NVMe optimizer state is read and written there, which
@@ -233,7 +258,11 @@ def main() -> None:
     timed = _timed(s, warm, times)
     if spec["mode"] == "stage3-nvme-params":
         timed.update(_param_reads(s, warm, len(times), spec))
-    out = {"mode": spec["mode"], "step_s": statistics.median(times), "step_times_s": times,
+    step_s = statistics.median(times)
+    tokens = spec["batch_size"] * spec["seq_len"] * spec.get("gradient_accumulation_steps", 1)
+    out = {"mode": spec["mode"], "step_s": step_s, "step_times_s": times,
+           "device": str(_device()), "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
+           "model_tflops": model_flops_per_token(cfg, spec["seq_len"]) * tokens / step_s / 1e12,
            "fwd_bwd_s": statistics.median(t - o for t, o in zip(times, opt_times)),
            "peak_rss_bytes": peak_rss_bytes(), "final_loss": loss,
            "num_params": sum(p.numel() for p in model.parameters()),

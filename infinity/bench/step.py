@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the modes this many times, every other round in reverse order; "
                         "each mode reports its median round, x_plain and x_params_in_memory the "
                         "median of the per-round ratios")
+    parser.add_argument("--mode-timeout-s", type=float, default=None,
+                        help="stop a mode's worker after this many seconds and report it as an "
+                        "error (the other modes still run; default: no limit)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="draw a per-step timeline (compute, I/O, stall) per mode "
@@ -153,7 +156,12 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         env["DS_ACCELERATOR"] = "cpu"
     else:
         cmd = [sys.executable, "-m", "infinity.bench._step_worker", spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                              timeout=args.mode_timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "error": f"timed out after {args.mode_timeout_s:g} s "
+                f"(--mode-timeout-s)"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
@@ -197,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
                            *([f"{USER_MODE}: the engine under {args.ds_config} as written; a step "
                               f"is one optimizer step ({gas} micro-batch(es)) in every mode"]
                              if args.ds_config else []),
+                           "tokens_per_s: tokens of one step / step time; model_tflops: the "
+                           "GPT's training FLOPs (6 per parameter per token in the matmuls, plus "
+                           "attention) / step time, in TFLOP/s",
                            "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
                            "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
                            *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])
@@ -257,6 +268,8 @@ def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any]
     row["step_s"] = r["step_s"]
     row["x_plain"] = paired if paired is not None else (
         r["step_s"] / plain["step_s"] if plain else None)
+    row["tokens_per_s"] = r.get("tokens_per_s")
+    row["model_tflops"] = r.get("model_tflops")
     row["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
     row["rss_x_plain"] = r["peak_rss_bytes"] / plain["peak_rss_bytes"] if plain else None
     row["stall_frac"] = r.get("stall_fraction")

@@ -267,6 +267,7 @@ def _summary(engine: Any, ledger: Any, numel: int, losses: list[float], step_tim
     step_total = sum(step_times)
     return {
         "model": args.model, "num_params": numel, "dtype": args.dtype, "offload": args.offload,
+        "device": str(engine.device),
         "full_training_state_bytes": ledger.total_bytes,
         "steps": len(step_times), "first_loss": losses[0], "final_loss": losses[-1],
         "median_step_s": sorted(step_times)[len(step_times) // 2], "wall_s": wall_s,

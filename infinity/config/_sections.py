@@ -6,6 +6,7 @@ documented, units in its name, validated at construction. A component receives i
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -270,7 +271,9 @@ class InfinityConfig:
     train_micro_batch_size_per_gpu: int | Literal["auto"] | None = None
     """Samples per micro-batch per rank (informational for the engine; used by the planner)."""
     device: str = AUTO
-    """Compute device: 'auto' is CUDA (this rank's local device) when present, else CPU."""
+    """Compute device: 'auto' is this rank's GPU (``LOCAL_RANK % device_count``) when CUDA is
+    present, else the CPU; 'cuda' is this rank's GPU too; 'cuda:N' is GPU N, refused when several
+    local ranks would share it; 'cpu' ([Note: one rank per device] in infinity/zero/_device.py)."""
 
     def __post_init__(self) -> None:
         check_float("gradient_clipping", self.gradient_clipping, allow_auto=True)
@@ -279,7 +282,7 @@ class InfinityConfig:
         check_int("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu, minimum=1,
                    allow_auto=True, allow_none=True)
         if not isinstance(self.device, str) or not (
-                self.device in (AUTO, "cpu") or self.device.startswith("cuda")):
+                self.device in (AUTO, "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
             fail("device", "'auto', 'cpu' or 'cuda[:N]'", self.device)
         if self.zero.stage < 3 and self.offload_param.device != "none":
             fail("offload_param.device", "'none' below stage 3", self.offload_param.device,

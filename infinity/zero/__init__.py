@@ -7,10 +7,10 @@ with the trace-driven prefetcher of :mod:`infinity.prefetch`, and checkpoints. `
 builds a model larger than memory (recorded on meta, materialised unit by unit).
 """
 
-from infinity.zero._collectives import CollectiveError, Collectives
+from infinity.zero._collectives import CollectiveError, Collectives, barrier, init_distributed
 from infinity.zero._engine import InfinityEngine, initialize
 from infinity.zero._lazy import LazyInitError, init
 from infinity.zero._offload import host_needs_of, least_host_budget_bytes
 
-__all__ = ["CollectiveError", "Collectives", "InfinityEngine", "LazyInitError", "host_needs_of",
-           "init", "initialize", "least_host_budget_bytes"]
+__all__ = ["CollectiveError", "Collectives", "InfinityEngine", "LazyInitError", "barrier",
+           "host_needs_of", "init", "init_distributed", "initialize", "least_host_budget_bytes"]

@@ -66,10 +66,24 @@ def check_env_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "") not in ("", "0")
 
 
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device (a no-op on CPU): before any CUDA work
+    and before the process group, so that NCCL and every default-device allocation use this
+    rank's GPU, not GPU 0 ([Note: one rank per device] in infinity/zero/_device.py)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def init_from_env_if_launched(device: torch.device) -> bool:
     """Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) without a process group yet,
     create the default one (NCCL for CUDA, gloo for CPU), as ``deepspeed.initialize`` does;
-    otherwise each launched process would silently train alone. Returns True if it created one."""
+    otherwise each launched process would silently train alone. Returns True if it created one.
+
+    The device is bound first, and NCCL is given it as ``device_id``: the communicator is then
+    created on this rank's GPU (eagerly), and barriers know their device; without it NCCL guesses
+    the device from the rank, and a process that has not called ``set_device`` yet opens a
+    context on GPU 0."""
+    bind_device(device)
     if is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     if not dist.is_available():
@@ -77,8 +91,36 @@ def init_from_env_if_launched(device: torch.device) -> bool:
     backend = "nccl" if device.type == "cuda" else "gloo"
     logger.info("initialising the default process group (%s) from the torchrun environment",
                 backend)
-    dist.init_process_group(backend=backend)
+    if device.type == "cuda":
+        dist.init_process_group(backend=backend, device_id=device)
+    else:
+        dist.init_process_group(backend=backend)
     return True
+
+
+def init_distributed(device: str = "auto") -> torch.device:
+    """DeepSpeed's ``init_distributed`` for scripts that need the rank before the engine (to
+    build data or files on rank 0): this rank's device by the engine's rule ([Note: one rank per
+    device] in infinity/zero/_device.py), bound, then the default process group from the
+    launcher's environment (NCCL with ``device_id`` on CUDA, gloo on CPU) when launched with
+    ``WORLD_SIZE`` > 1. Returns the device; ``initialize`` later finds the same group."""
+    from infinity.zero._device import resolve_device
+
+    resolved = resolve_device(device)
+    init_from_env_if_launched(resolved)
+    return resolved
+
+
+def barrier(device: torch.device) -> None:
+    """A barrier over the default group; on CUDA it names this rank's device (NCCL's barrier
+    otherwise runs on a device it guesses from the rank and warns). No-op without a group."""
+    if not is_distributed():
+        return
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index if device.index is not None
+                                 else torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 def _first_attr(*names: str):

@@ -3,7 +3,8 @@
 Usage (the same calls as a DeepSpeed engine)::
 
     engine = infinity.initialize(model, config)   # dict, JSON path, native or DeepSpeed-style
-    loss = engine(batch)                           # forwards to the model
+    loss = engine(batch)                           # forwards to the model (inputs moved to
+                                                   # engine.device: [Note: the engine moves inputs])
     engine.backward(loss)                          # scales by 1/gradient_accumulation_steps
     engine.step()                                  # optimizer step at accumulation boundaries
     engine.stats(); engine.full_state_dict(); engine.module; engine.close()
@@ -61,8 +62,10 @@ from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
 from infinity.zero._flat_group import FlatGroup
 from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
+from infinity.zero._device import resolve_device
 from infinity.zero._grad_norm import sum_of_squares
 from infinity.zero._host_malloc import fix_mmap_threshold
+from infinity.zero._inputs import move_to_device
 from infinity.zero._lazy import materialise_placeholders, recording_of
 from infinity.zero._loss_scale import LossScaler
 from infinity.zero._managed import check_not_wrapped
@@ -77,18 +80,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """torch dtype of each ``precision.dtype`` name."""
-
-
-def _resolve_device(config: InfinityConfig) -> torch.device:
-    if config.device != "auto":
-        device = torch.device(config.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device: {config.device!r} requested but CUDA is not available; "
-                             f"set device to 'auto' or 'cpu'")
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def _check_writable_dirs(config: InfinityConfig) -> None:
@@ -174,13 +165,11 @@ class InfinityEngine:
         if isinstance(config.activation_checkpointing.units, tuple):
             select_modules(model, config.activation_checkpointing)  # unknown class names: fail early
         self.config = config
-        self.device = _resolve_device(config)
+        self.device = resolve_device(config.device)  # [Note: one rank per device]
         self.compute_dtype = DTYPES[config.precision.dtype]
         self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
-        init_from_env_if_launched(self.device)
+        init_from_env_if_launched(self.device)  # binds the device first, then the group
         self.collectives = Collectives()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         self.module = model
         world = self.collectives.world_size
         # Sized on the parameters as they are: a budget error leaves a recorded model untouched.
@@ -305,6 +294,8 @@ class InfinityEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and self.collectives.world_size > 1:
             self._broadcast_buffers()
+        # [Note: the engine moves inputs] in infinity/zero/_inputs.py
+        args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
         with self.manager.forward_scope():
             try:
                 return self.module(*args, **kwargs)

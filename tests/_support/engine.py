@@ -159,7 +159,9 @@ def engine_train(engine, data, *, rank: int = 0, world_size: int = 1,
     for micro in data:
         total = torch.zeros(1, dtype=torch.float64)
         for batch in micro:
-            local = tuple(t.chunk(world_size)[rank].to(engine.device) for t in batch)
+            # CPU tensors whatever the engine's device: it moves its inputs itself
+            # ([Note: the engine moves inputs] in infinity/zero/_inputs.py).
+            local = tuple(t.chunk(world_size)[rank] for t in batch)
             loss = loss_fn(engine, local)
             engine.backward(loss)
             engine.step()
