@@ -35,7 +35,7 @@ from infinity.config import load_config
 from infinity.ledger import Tier, estimate_from_config
 from infinity.models.data import VOCAB_SIZE, text_batch, text_corpus
 from infinity.models.gpt import GPT, PRESETS, GPTConfig, gpt_for_params, synthetic_batch
-from infinity.zero import init, initialize, least_host_budget_bytes
+from infinity.zero import BuildProgress, init, initialize, least_host_budget_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,15 @@ def run(args: argparse.Namespace) -> int:
         model = GPT(gpt_config)
     numel = sum(p.numel() for p in model.parameters())
     raw_config = _config(args, model)
-    engine = initialize(model, raw_config)
+    init_bar = progress(0, desc="init")
+
+    def on_unit(p: BuildProgress) -> None:  # units built, GB written, ETA (tqdm's)
+        init_bar.total = p.num_units
+        init_bar.set_postfix(nvme_written=format_bytes(p.nvme_written_bytes), refresh=False)
+        init_bar.update(p.units_done - init_bar.n)
+
+    engine = initialize(model, raw_config, progress=on_unit)
+    init_bar.close()
     init_s = time.perf_counter() - t_init
     config = engine.config
     unit_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)

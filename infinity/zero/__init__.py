@@ -11,6 +11,7 @@ from infinity.zero._collectives import CollectiveError, Collectives, barrier, in
 from infinity.zero._engine import InfinityEngine, initialize
 from infinity.zero._lazy import LazyInitError, init
 from infinity.zero._offload import host_needs_of, least_host_budget_bytes
+from infinity.zero._unit_builder import BuildProgress
 
-__all__ = ["CollectiveError", "Collectives", "InfinityEngine", "LazyInitError", "barrier",
+__all__ = ["BuildProgress", "CollectiveError", "Collectives", "InfinityEngine", "LazyInitError", "barrier",
            "host_needs_of", "init", "init_distributed", "initialize", "least_host_budget_bytes"]

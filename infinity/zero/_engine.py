@@ -46,7 +46,7 @@ import os
 import tempfile
 import time
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -74,6 +74,7 @@ from infinity.zero._offload import build_store, check_nvme_space_for, resolve_of
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._step_plan import StepPlan
 from infinity.zero._training_state import ParamWriteback
+from infinity.zero._unit_builder import BuildProgress
 from infinity.zero._unit_choice import units_of
 
 logger = logging.getLogger(__name__)
@@ -151,7 +152,8 @@ class InfinityEngine:
     """The training engine returned by :func:`initialize`; see the module docstring."""
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *,
-                 model_parameters: Any = None):
+                 model_parameters: Any = None,
+                 progress: Callable[[BuildProgress], None] | None = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         config.check_resolved("initialize")
@@ -206,7 +208,8 @@ class InfinityEngine:
             _manager_config(config, self.device, world, self.offload),
             collectives=self.collectives, store=self.store, initial_values=initial_values,
             on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
-            master_sink=None if streaming is None else _MasterStream(streaming))
+            master_sink=None if streaming is None else _MasterStream(streaming),
+            on_build_progress=progress)
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
         if world > 1:
@@ -645,18 +648,21 @@ def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 
 def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
-               *, model_parameters: Any = None) -> InfinityEngine:
+               *, model_parameters: Any = None,
+               progress: Callable[[BuildProgress], None] | None = None) -> InfinityEngine:
     """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
     DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
     it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
     ``requires_grad``, the config's hyperparameters), the parameters to train, or torch-style
     parameter groups ``[{"params": [...], "weight_decay": 0.0, ...}, ...]`` whose missing keys
-    take the config's values (:func:`~infinity.optim.resolve_param_groups`). Uses the default
-    process group when ``torch.distributed`` is initialised."""
+    take the config's values (:func:`~infinity.optim.resolve_param_groups`). ``progress``: called
+    with a :class:`~infinity.zero.BuildProgress` after each unit is built (units done, bytes
+    written to NVMe): building a large model under ``infinity.init`` writes its whole state and
+    takes minutes. Uses the default process group when ``torch.distributed`` is initialised."""
     if config is None:
         recording = recording_of(model) if isinstance(model, nn.Module) else None
         config = recording.config if recording is not None else None
     config = load_config(config)
     if is_distributed():
         logger.debug("using the default process group")
-    return InfinityEngine(model, config, model_parameters=model_parameters)
+    return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress)

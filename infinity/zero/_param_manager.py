@@ -68,7 +68,8 @@ from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
 from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
-from infinity.zero._unit_builder import BuildSettings, InitialValues, MasterSink, UnitBuilder
+from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
+                                         UnitBuilder)
 from infinity.zero._unit_choice import UnitChoice
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class ParameterManager:
                  collectives: Collectives, store: TieredStore | None = None,
                  initial_values: InitialValues | None = None,
                  on_grad_ready: Callable[[str], None] | None = None,
-                 master_sink: MasterSink | None = None):
+                 master_sink: MasterSink | None = None,
+                 on_build_progress: Callable[[BuildProgress], None] | None = None):
         """``choice``: the units to build (:func:`~infinity.zero._unit_choice.choose_units`).
         ``store``: the tiered store when anything is offloaded (parameter shards homed on
         ``config.param_home``, the host gradient accumulators of an offloaded optimizer).
@@ -90,7 +92,8 @@ class ParameterManager:
         ``on_grad_ready(key)``: called once a trainable group's gradient of a backward is reduced
         and accumulated ([Note: optimizer read-ahead] in infinity/optim/_offloaded.py).
         ``master_sink``: takes each trainable group's master as the group is built, with
-        :meth:`param_partition` known ([Note: masters stream into the optimizer])."""
+        :meth:`param_partition` known ([Note: masters stream into the optimizer]).
+        ``on_build_progress``: called after each unit is built."""
         check_not_wrapped(module)
         self.config = config
         self.module = module
@@ -128,7 +131,8 @@ class ParameterManager:
         self.units = UnitBuilder(settings, collectives=collectives, store=store,
                                  initial_values=initial_values,
                                  master_sink=master_sink,
-                                 partition_of=self.param_partition).build(choice)
+                                 partition_of=self.param_partition
+                                 ).build(choice, on_build_progress)
         self._slot_of: dict[int, tuple[Unit, FlatGroup, ParamSlot]] = {
             id(s.param): (u, g, s) for u in self.units for g in u.groups for s in g.slots}
         self._unit_of_storage: dict[int, Unit] = {

@@ -33,6 +33,18 @@ class MasterSink(Protocol):
         """Evict the transient HOST copies that taking masters left in the arena."""
 
 
+@dataclasses.dataclass(frozen=True)
+class BuildProgress:
+    """Where building the units stands, reported after each unit and once more when the set-up
+    writes are done (``infinity.initialize``'s ``progress`` callback: ``infinity train`` draws it
+    as a bar with an ETA)."""
+
+    units_done: int
+    num_units: int
+    nvme_written_bytes: int
+    """Bytes the store has written to NVMe so far (parameter shards, optimizer sub-groups)."""
+
+
 InitialValues = Callable[[torch.Tensor], "torch.Tensor | None"]
 """``initial_values(param)``: the values of a parameter whose storage holds none yet (built under
 ``infinity.init``), or None to read the parameter itself."""
@@ -81,12 +93,24 @@ class UnitBuilder:
         self._partition_of = partition_of
         """The partition the optimizer writes for a group (given with ``master_sink``)."""
 
-    def build(self, choice: UnitChoice) -> list[Unit]:
+    def build(self, choice: UnitChoice,
+              on_progress: Callable[[BuildProgress], None] | None = None) -> list[Unit]:
         check_units(choice)
-        units = [self._build_unit(chosen) for chosen in choice.units]
+        units: list[Unit] = []
+
+        def report() -> None:  # writes complete asynchronously: the figure trails the units
+            if on_progress is not None:
+                written = int(self.store.stats()["bytes_host_to_nvme"]) if self.store else 0
+                on_progress(BuildProgress(units_done=len(units), num_units=len(choice.units),
+                                          nvme_written_bytes=written))
+
+        for chosen in choice.units:
+            units.append(self._build_unit(chosen))
+            report()
         self._drop_setup_copies(units)
         if self._master_sink is not None:
             self._master_sink.drop_setup_copies()
+        report()  # once more: dropping the set-up copies waited for their writes
         return units
 
     def _drop_setup_copies(self, units: list[Unit]) -> None:

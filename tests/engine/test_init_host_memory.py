@@ -84,3 +84,30 @@ def test_initialize_of_a_trainable_model_on_nvme_keeps_host_memory_flat(tmp_path
     assert added_master_bytes > 80 * 2 ** 20  # 12 blocks' fp32 masters
     grown = large["peak_above_base_bytes"] - small["peak_above_base_bytes"]
     assert grown < 0.25 * added_master_bytes, (small, large, added_master_bytes)
+
+
+def test_initialize_reports_progress_per_unit_with_the_bytes_written(tmp_path):
+    """``initialize(progress=)``: one call per unit, in order, and a last one once the set-up
+    writes are done; the NVMe bytes written grow to every parameter shard and optimizer
+    sub-group homed there."""
+    config = dataclasses.replace(WIDE, n_layer=3, n_embd=48)
+    cfg = offload_config(tmp_path, stage=3, dtype="bf16", opt="nvme", param="nvme",
+                         sub_group_numel=2 ** 12, zero={"unit_class_names": ["Block"]})
+    with infinity.init(cfg):
+        model = GPT(config)
+    seen = []
+    engine = infinity.initialize(model, cfg, progress=seen.append)
+    try:
+        num_units = len(engine.manager.units)
+        assert [p.units_done for p in seen] == list(range(1, num_units + 1)) + [num_units]
+        assert {p.num_units for p in seen} == {num_units}
+        written = [p.nvme_written_bytes for p in seen]
+        assert written == sorted(written)
+        # The stored shards (bf16, 2 B) and the optimizer's [master | moments] (fp32, 12 B) of the
+        # NVMe-homed units, written at set-up; host-resident sub-groups excepted.
+        stats = engine.stats()
+        nvme_state = stats["bytes"]["NVME"]["current"]
+        assert written[-1] >= nvme_state - stats["optimizer_host_resident_bytes"] > 0, (
+            written, stats)
+    finally:
+        engine.close()
