@@ -31,6 +31,7 @@ from infinity.bench.progress import progress
 from infinity.bench.report import format_table, peak_rss_bytes
 from infinity.bench.roofline import gpt_compute_s, nvme_minimum_bytes, probe_disk, roofline
 from infinity.cli._consolidate import parse_bytes
+from infinity.cli._resume_check import ResumeCheck
 from infinity.config import load_config
 from infinity.ledger import Tier, estimate_from_config
 from infinity.models.data import VOCAB_SIZE, text_batch, text_corpus
@@ -76,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a config file (native or DeepSpeed) instead of the flags")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--resume-check", action="store_true", help="save a checkpoint after "
+                        "half the steps (under --dir/checkpoint), then load it and rerun the rest: "
+                        "losses and fp32 masters must be bitwise equal (or the save is refused "
+                        "up front when the disk cannot hold it)")
 
 
 def _host_budget(text: str) -> str | int:
@@ -187,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
                                   grads_on_nvme=stats["grads_on_nvme"])
 
     micro_steps = args.steps * args.grad_accum
+    check = (ResumeCheck(os.path.join(args.dir, "checkpoint"), (args.steps // 2) * args.grad_accum)
+             if args.resume_check else None)
     bar = progress(args.steps, desc="train")
     step_times: list[float] = []
     losses: list[float] = []
@@ -215,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
                                 nvme_write=format_bytes(moved.get("HOST->NVME", 0)),
                                 stall=f"{s['stall_s'] / max(elapsed, 1e-9):.1%}", refresh=False)
                 bar.update(1)
+            if check is not None and check.maybe_save(engine, i + 1):
+                t0 = time.perf_counter()  # the save is not part of the next step's time
         bar.close()
         summary = _summary(engine, ledger, numel, losses, step_times, time.perf_counter() - t_start,
                            args)
@@ -223,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         summary["nvme_per_step"] = _nvme_per_step(step_moved, engine.stats())
         if not args.no_roofline and args.offload == "nvme":
             summary["roofline"] = _roofline(args, gpt_config, summary)
+        if check is not None:
+            summary["resume_check"] = check.finish(engine, batch, losses, micro_steps)
     finally:
         engine.close()
         if args.offload == "nvme" and not args.config:
@@ -331,3 +342,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"step / roofline {r['x_roofline']:.2f}x (disk probed at "
               f"{r['disk_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
               f"{r['disk_write_bytes_per_s'] / 1e9:.2f} GB/s write)")
+    c = summary.get("resume_check")
+    if c:
+        print()
+        if "refused" in c:
+            print(f"resume check: the save was refused before writing anything: {c['refused']}")
+        elif "bitwise_equal" in c:
+            print(f"resume check: checkpoint of {format_bytes(c['checkpoint_bytes'])} saved in "
+                  f"{c['save_s']:.1f} s after micro-step {c['save_after_micro_steps']}, loaded in "
+                  f"{c['load_s']:.1f} s; the resumed steps are "
+                  f"{'bitwise equal' if c['bitwise_equal'] else 'DIFFERENT'} "
+                  f"(losses {c['resumed_losses']}, masters sha256 {c['resumed_masters_sha256'][:12]})")
