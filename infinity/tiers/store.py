@@ -12,6 +12,7 @@ moves use ``add_done_callback``), so a completion can always make progress.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from infinity.io import Swapper, aligned_empty
+from infinity.io import Swapper, aligned_empty, pin_device_for
 from infinity.tiers._arena import HostArena
 from infinity.tiers._budgets import NextUse, TierBudgets
 from infinity.tiers._records import (Counters, StoreConfig, TierHandle, _Shard, done_future,
@@ -42,8 +43,11 @@ class TieredStore:
         """Owned by the caller (closing the store does not close it); needed for NVME shards."""
         self._cuda = self.device.type == "cuda"
         alignment = max(4096, getattr(swapper, "alignment_bytes", 4096))
+        # Pinned for a CUDA device only, on that device ([Note: pin only what a GPU copy
+        # touches] in infinity/io/_aligned.py): host <-> device copies read and write the arena.
         self.arena = HostArena(config.host_budget_bytes, alignment_bytes=alignment,
-                               allocate_fn=aligned_empty)
+                               allocate_fn=functools.partial(
+                                   aligned_empty, pin_device=pin_device_for(self.device)))
         self._shards: dict[str, _Shard] = {}
         self._lock = threading.Lock()  # [Note: store locking]
         self._cond = threading.Condition(self._lock)
