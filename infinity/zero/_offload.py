@@ -16,7 +16,7 @@ from torch import nn
 
 from infinity.config import DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
-from infinity.ledger import host_grad_dtype
+from infinity.ledger import flat_layout, host_grad_dtype
 from infinity.tiers import (HostNeeds, NvmeBytes, NvmeDemand, OffloadBudgets, OffloadRequest,
                             StateSizes, StoreConfig, TieredStore, check_nvme_space, host_needs,
                             least_host_bytes, nvme_bytes, resolve_offload_budgets)
@@ -26,15 +26,16 @@ from infinity.zero._unit_choice import UnitChoice, units_of
 def state_sizes(choice: UnitChoice, *, stage: int, world_size: int,
                 param_bytes: int) -> StateSizes:
     """The sizes of what the store holds for the units of ``choice`` (``param_bytes``: bytes per
-    element of the compute dtype): one flat group per unit and ``requires_grad``, each padded to
-    a multiple of ``world_size`` as :func:`~infinity.zero._flat_group.layout_group` pads it."""
+    element of the compute dtype): one flat group per unit and ``requires_grad``, laid out and
+    padded as :func:`~infinity.zero._flat_group.layout_group` does ([Note: 16-byte aligned
+    slots] in infinity/ledger/_flat_layout.py)."""
     unit_bytes, param_shards, opt_parts = [], [], []
     for unit in choice.units:
         for trainable in (True, False):
-            numel = sum(p.numel() for _, p in unit.params if p.requires_grad == trainable)
-            if not numel:
+            numels = [p.numel() for _, p in unit.params if p.requires_grad == trainable]
+            if not sum(numels):
                 continue
-            shard = -(-numel // world_size)
+            shard = flat_layout(numels, world_size, param_bytes).shard_numel
             unit_bytes.append(shard * world_size * param_bytes)
             if not unit.persistent and stage == 3:
                 param_shards.append(shard * param_bytes)
