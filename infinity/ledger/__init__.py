@@ -34,9 +34,11 @@ from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE
 
 __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "DEFAULT_PREFETCH_UNITS",
            "DEFAULT_SUB_GROUP_NUMEL", "DEVICE_RESERVE_BYTES", "EFFICIENCY_KNEE_TOKENS",
-           "ENGINE_GRAD_DTYPE", "EXPOSED_FRACTION", "FLAT_ALIGN_BYTES", "FlatLayout", "GB", "HOST_RESERVE_BYTES", "MICRO_BATCHES",
+           "ENGINE_GRAD_DTYPE", "EXPOSED_FRACTION", "FLAT_ALIGN_BYTES", "FlatLayout", "GB",
+           "HOST_RESERVE_BYTES", "MICRO_BATCHES",
            "OPTIMIZERS", "OPTIMIZER_STAGING_SUBGROUPS", "TERMS", "Activations", "Candidate",
            "Hardware", "Ledger", "ModelShape", "Plan", "PlanRequest", "StateTerms", "Tier",
            "activation_bytes", "candidates", "ceil_bytes", "estimate_from_config",
-           "estimate_model_states", "flat_layout", "flat_padding_numel", "host_grad_dtype", "host_grad_dtype_of", "make_plan",
+           "estimate_model_states", "flat_layout", "flat_padding_numel", "host_grad_dtype",
+           "host_grad_dtype_of", "make_plan",
            "paper_bytes_per_device", "price"]
