@@ -14,7 +14,7 @@ class Tier(str, enum.Enum):
     """Where bytes live, fastest first.
 
     DEVICE: compute-device memory (GPU; CPU memory on a machine without a GPU).
-    HOST: host RAM (the store's arena: pinned where CUDA exists, page-aligned always).
+    HOST: host RAM (the store's arena: pinned when the engine's device is a GPU, page-aligned always).
     NVME: files on a local disk (one swap file per shard).
     """
 

@@ -108,7 +108,7 @@ def _parts(section: str, *names: str) -> dict[str, Fate]:
 
 
 _GATHER_ON_DEMAND = "engine.full_state_dict() / `infinity consolidate` gather weights on demand"
-_ONE_ARENA = "host memory is one arena (memory.host_budget_bytes), pinned whenever CUDA is present"
+_ONE_ARENA = "host memory is one arena (memory.host_budget_bytes), pinned when the engine's device is a GPU"
 _PER_UNIT = "one collective per unit (units set by zero.unit_class_names / zero.unit_min_numel)"
 _REMOVED = "removed from DeepSpeed itself in 0.19"
 

@@ -82,9 +82,16 @@ class MemoryConfig:
     """Byte budgets of the fast tiers (enforced on every allocation by :mod:`infinity.tiers`)."""
 
     device_budget_bytes: int | Literal["auto"] = AUTO
-    """Bytes of managed shards and gathered units on the compute device; 'auto': from free memory."""
+    """Bytes of offloaded parameter shards' copies on the compute device (the store's DEVICE tier;
+    gathered units, gradients, device-held optimizer state and activations are outside it).
+    'auto' on a GPU: 80 % of the free memory at initialize, less what the engine allocates there
+    itself (the units gathered at once, the units that stay gathered, the gradient buffers, the
+    optimizer state kept on the device); the other 20 % is for activations, fragmentation and
+    CUDA/NCCL workspaces ([Note: the 'auto' device budget] in infinity/tiers/_offload_budgets.py).
+    'auto' without a GPU: the shards in flight plus 64 MiB."""
     host_budget_bytes: int | Literal["auto"] = AUTO
-    """Bytes of the host arena (pinned where CUDA exists); 'auto': sized from the model and offload."""
+    """Bytes of the host arena (pinned when the engine's device is a GPU); 'auto': sized from the
+    model and offload."""
     host_param_cache_bytes: int | Literal["auto"] = AUTO
     """With ``offload_param.device`` 'nvme' and an 'auto' host budget: the host room for
     parameter shards read from NVMe (their staging on the way to the device, and the copies kept

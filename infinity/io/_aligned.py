@@ -3,8 +3,9 @@
 [Note: direct I/O alignment] (in :mod:`infinity.io`) says why: a block whose memory is aligned
 goes straight from/to the tensor, anything else through a staging copy. :func:`aligned_empty` and
 :func:`aligned_view` give tensors that never need staging except for a tail shorter than the
-alignment. The tiered store's arena: allocate it with ``aligned_empty``, carve extents at offsets
-that are multiples of ``swapper.alignment_bytes``.
+alignment. The tiered store's arena: allocate it with ``aligned_empty`` (pinned for a CUDA engine:
+``pin_device=pin_device_for(device)``), carve extents at offsets that are multiples of
+``swapper.alignment_bytes``.
 """
 
 from __future__ import annotations
@@ -37,15 +38,41 @@ class _RegisteredMmap(mmap.mmap):
                 pass
 
 
-def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def pin_device_for(device: torch.device | str) -> torch.device | None:
+    """The device whose copies read host memory of an engine on ``device``: itself when it is a
+    CUDA device (with its index filled in), None otherwise.
+
+    [Note: pin only what a GPU copy touches] Pinning (``cudaHostRegister``) is for host memory a
+    GPU copy reads or writes: the store's arena, the optimizer's and the gradient reducer's
+    staging. It creates a CUDA context on the current device the first time (~0.5 GB of GPU
+    memory), so it happens on the rank's own device and never for memory only the CPU or the
+    disk touches (the swapper's I/O staging, benchmark buffers), nor with ``device: cpu``
+    even where CUDA exists. Callers decide from the engine's device and pass the result on.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, *,
+                  pin_device: torch.device | None = None) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements on fresh page-aligned memory (an anonymous ``mmap``).
 
-    Page alignment (4096) satisfies every file system's direct-I/O alignment we know of. Where CUDA
-    exists the pages are pinned in place (``cudaHostRegister``), at exactly this size: no allocator
-    rounding. The memory lives as long as the tensor or any view of it.
+    Page alignment (4096) satisfies every file system's direct-I/O alignment we know of.
+    ``pin_device``: a CUDA device whose copies read or write this memory (see
+    :func:`pin_device_for`): the pages are then pinned in place (``cudaHostRegister``, under that
+    device so that no other device gets a context), at exactly this size: no allocator rounding.
+    None (the default): not pinned ([Note: pin only what a GPU copy touches]). The memory lives
+    as long as the tensor or any view of it.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"aligned_empty: numel must be an integer >= 0, got {numel!r}")
+    if pin_device is not None and torch.device(pin_device).type != "cuda":
+        raise ValueError(f"aligned_empty: pin_device must be a CUDA device or None, got "
+                         f"{pin_device!r}; pass pin_device_for(engine_device)")
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
     if nbytes == 0:
@@ -60,14 +87,19 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
         except OSError:  # transparent huge pages disabled: still correct on 4 KiB pages
             pass
     flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)  # keeps ``buf`` alive
-    if torch.cuda.is_available():
-        ptr = flat.data_ptr()
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-        if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of {format_bytes(size)} failed (error {int(rc)}); "
-                               "raise RLIMIT_MEMLOCK (ulimit -l) or lower the host budget")
-        buf.cuda_registered_ptr = ptr
+    if pin_device is not None:
+        _register(buf, flat.data_ptr(), size, torch.device(pin_device))
     return flat.view(dtype)
+
+
+def _register(buf: _RegisteredMmap, ptr: int, size: int, device: torch.device) -> None:
+    """Pin ``size`` bytes at ``ptr`` (the mapping ``buf``) for copies by ``device``."""
+    with torch.cuda.device(device):
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister of {format_bytes(size)} failed (error {int(rc)}); "
+                           "raise RLIMIT_MEMLOCK (ulimit -l) or lower the host budget")
+    buf.cuda_registered_ptr = ptr
 
 
 def aligned_view(arena: torch.Tensor, offset_bytes: int, numel: int, dtype: torch.dtype,

@@ -7,6 +7,8 @@ accounting (``engine.stats()``, the offload budgets) share these rules, so they 
   :class:`Ledger`, :func:`estimate_model_states`, :func:`estimate_from_config`), the ZeRO paper's
   closed form (:func:`paper_bytes_per_device`), and where gradients live ([Note: gradient
   placement], :func:`host_grad_dtype_of`).
+- :mod:`._flat_layout`: where parameters sit in a unit's flat buffer, padding included
+  (:func:`flat_layout`; [Note: 16-byte aligned slots]).
 - :mod:`._model_shape`: a transformer's shape (:class:`ModelShape`): parameters, units.
 - :mod:`._activations`: activation bytes per micro-batch (:func:`activation_bytes`).
 - :mod:`._pricing`: every candidate configuration priced by bytes and a time model
@@ -22,6 +24,8 @@ from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP
                                        OPTIMIZERS, TERMS, Ledger, StateTerms, ceil_bytes,
                                        estimate_from_config, estimate_model_states, host_grad_dtype,
                                        host_grad_dtype_of, paper_bytes_per_device)
+from infinity.ledger._flat_layout import (FLAT_ALIGN_BYTES, FlatLayout, flat_layout,
+                                          flat_padding_numel)
 from infinity.ledger._model_shape import ModelShape
 from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE_RESERVE_BYTES,
                                       EFFICIENCY_KNEE_TOKENS, EXPOSED_FRACTION, HOST_RESERVE_BYTES,
@@ -30,9 +34,11 @@ from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE
 
 __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "DEFAULT_PREFETCH_UNITS",
            "DEFAULT_SUB_GROUP_NUMEL", "DEVICE_RESERVE_BYTES", "EFFICIENCY_KNEE_TOKENS",
-           "ENGINE_GRAD_DTYPE", "EXPOSED_FRACTION", "GB", "HOST_RESERVE_BYTES", "MICRO_BATCHES",
+           "ENGINE_GRAD_DTYPE", "EXPOSED_FRACTION", "FLAT_ALIGN_BYTES", "FlatLayout", "GB",
+           "HOST_RESERVE_BYTES", "MICRO_BATCHES",
            "OPTIMIZERS", "OPTIMIZER_STAGING_SUBGROUPS", "TERMS", "Activations", "Candidate",
            "Hardware", "Ledger", "ModelShape", "Plan", "PlanRequest", "StateTerms", "Tier",
            "activation_bytes", "candidates", "ceil_bytes", "estimate_from_config",
-           "estimate_model_states", "host_grad_dtype", "host_grad_dtype_of", "make_plan",
+           "estimate_model_states", "flat_layout", "flat_padding_numel", "host_grad_dtype",
+           "host_grad_dtype_of", "make_plan",
            "paper_bytes_per_device", "price"]

@@ -12,8 +12,10 @@ from typing import Any, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from infinity._async_copy import StagingRing
 from infinity.config import OptimizerConfig
 from infinity.errors import TierCapacityError
+from infinity.io import aligned_empty, pin_device_for
 from infinity.optim._partition import StoredGrad, check_numel, open_param_out
 from infinity.optim._runs import AdamRun, adam_runs, clipped, config_hyperparameters, covers
 from infinity.optim._sub_group import (STEP_TRANSITIONS, ReadAhead, StepRun, StepState, SubGroup,
@@ -132,6 +134,10 @@ class OffloadedShardOptimizer:
         """While streaming: host room not yet promised to a held key."""
         self._add_order: list[str] = []
         """While streaming: every key in the order it was offered (held or added)."""
+        self._ring: StagingRing | None = None
+        """Pinned staging of the copy-out to GPU parameter shards, reused under events (None
+        until a GPU shard is written; host bytes outside the arena: two sub-groups of the
+        compute dtype)."""
 
     def _to(self, new: StepState) -> None:
         STEP_TRANSITIONS.check("offloaded optimizer", self.state, new)
@@ -657,17 +663,36 @@ class OffloadedShardOptimizer:
         else:
             g = grad if grad.device.type == "cpu" else grad.to("cpu")
         low = out is not None and out.dtype in (torch.bfloat16, torch.float16)
-        staging = None
-        if low:
-            staging = out[lo:hi] if out.device.type == "cpu" else torch.empty(n, dtype=out.dtype)
+        up = out is not None and out.device.type != "cpu"  # the new values go to a GPU shard
+        staging, slot = None, None
+        if up:  # [Note: event-guarded staging] in infinity/_async_copy.py
+            slot, staging = self._out_ring(out.device).take(n, out.dtype)
+        elif low:
+            staging = out[lo:hi]
         pieces = clipped(run.runs[key], lo, hi)
         adam_runs(master, g, exp_avg, exp_avg_sq, pieces, adamw_mode=self.config.adamw_mode,
                   bias_correction=self.config.bias_correction, grad_scale=run.grad_scale,
-                  out=staging)
+                  out=staging if low else None)
         if out is None:
             return
         for a, b, _ in pieces:  # only what was updated: the rest of ``out`` keeps its values
-            if not low:
+            if up:
+                # The master's extent may be written back or reused once this sub-group is
+                # released, so an fp32 copy-out goes through the staging buffer too.
+                if not low:
+                    staging[a:b].copy_(master[a:b])
+                out[lo + a:lo + b].copy_(staging[a:b], non_blocking=True)
+            elif not low:
                 out[lo + a:lo + b].copy_(master[a:b])
-            elif out.device.type != "cpu":  # staging was a CPU buffer: move the new values up
-                out[lo + a:lo + b].copy_(staging[a:b])
+        if up:
+            self._out_ring(out.device).done(slot)
+
+    def _out_ring(self, device: torch.device) -> StagingRing:
+        """The pinned staging of the copy-out to a GPU shard, made on first use (two slots: one
+        filled by Adam while the other's copy runs)."""
+        if self._ring is None:
+            pin = pin_device_for(device)
+            self._ring = StagingRing(
+                2, device=device,
+                allocate=lambda nbytes: aligned_empty(nbytes, torch.uint8, pin_device=pin))
+        return self._ring

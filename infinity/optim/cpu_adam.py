@@ -68,9 +68,12 @@ def _kernel() -> ctypes.CDLL | None:
         return _ext.load(name, raise_on_error=True)
     lib = _ext.load("native")
     if lib is None:
-        warn_once("cpu_adam.fallback", "infinity.optim.cpu_adam: the compiled kernel could not be built (no C++ "
-                  "compiler?); using the slower pure-torch path. Install g++ to get the fast kernel "
-                  f"(built once, on next start); set {BACKEND_ENV}=native to see the build error.")
+        # The real reason (no compiler, or the compiler's own error) is in the message: a guess
+        # here sent people looking for a compiler they had while the source failed to compile.
+        reason = _ext.load_error("native") or "unknown reason"
+        warn_once("cpu_adam.fallback", "infinity.optim.cpu_adam: the compiled kernel could not be built; "
+                  "using the slower pure-torch path. Fix the cause below (install g++ if none was "
+                  f"found) and it is built once, on next start. Cause: {reason}")
     return lib
 
 

@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Protocol
 
 from infinity._common import warn_once
+from infinity._timing import EventTimer, WallTimer, apply_unit_times
 from infinity.errors import TierCapacityError
 from infinity.prefetch._planner import (Bandwidths, FetchAction, FetchQuery, Hop, hop_chain,
                                         plan_fetches)
@@ -226,8 +227,13 @@ class PrefetchExecutor:
                  locate: Callable[[Hashable], Level | str] | None = None,
                  free_bytes: Callable[[Level], int | None] | None = None,
                  evictable: Callable[[Level], list[tuple[float, int]]] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, store: TraceStore | None = None):
+                 clock: Callable[[], float] = time.perf_counter, store: TraceStore | None = None,
+                 unit_timer: WallTimer | EventTimer | None = None):
         cfg = config or PrefetchConfig()
+        self._unit_timer = unit_timer
+        """GPU: event pairs around each unit's compute, whose times replace the clock's in the
+        recorded trace ([Note: timing asynchronous GPU work] in infinity/_timing.py); None: the
+        clock's times stand (CPU: the work is synchronous)."""
         self.config = cfg
         self._issue_fn = issue
         self._locate = locate  # the store's truth about residency, when it offers one
@@ -501,6 +507,8 @@ class PrefetchExecutor:
         template = TraceEntry(unit=unit, shard_bytes=spec.shard_bytes, gathered_bytes=spec.gathered_bytes,
                               home=spec.home)
         start_s = self._clock()
+        if self._unit_timer is not None:
+            self._unit_timer.start()
         self._recorder.on_pre(template, start_s=start_s, pre_s=pre_s)
         self._open_unit = unit
         self._current = self._expected_entry(unit) or template
@@ -531,6 +539,8 @@ class PrefetchExecutor:
         """Unit ``unit`` finished its compute: record its time and plan ahead."""
         if self._recorder is not None:
             self._recorder.on_post(unit, now_s=self._clock())
+            if self._unit_timer is not None:
+                self._unit_timer.stop(unit)
         if self._open_unit == unit:
             self._open_unit = None
             self._expect_post = True
@@ -541,7 +551,10 @@ class PrefetchExecutor:
         if self._recorder is None:
             return None
         rec, self._recorder = self._recorder, None
-        trace = self.store.commit(rec.phase, rec.finish())
+        entries = rec.finish()
+        if self._unit_timer is not None:  # GPU times of the units whose work has completed
+            entries = apply_unit_times(entries, self._unit_timer.take())
+        trace = self.store.commit(rec.phase, entries)
         self._current, self._open_unit = None, None
         self._count("steps")
         return trace

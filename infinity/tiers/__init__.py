@@ -88,7 +88,8 @@ of a never-written NVME shard moves nothing); ``fetch_hits``, ``fetch_late``, ``
 
 from infinity.tiers._arena import Extent, HostArena
 from infinity.tiers._offload_budgets import (AUTO_HOST_RAM_FRACTION, AUTO_SUB_GROUP_NUMEL,
-                                             OPTIMIZER_WINDOW_SLOTS,
+                                             CUDA_FREE_FRACTION, OPTIMIZER_WINDOW_SLOTS,
+                                             DeviceWorkingSet, auto_device_budget_bytes,
                                              SUB_GROUP_BYTES_PER_NUMEL, HostNeeds, OffloadBudgets,
                                              OffloadRequest, StateSizes, extent_bytes, host_needs,
                                              least_host_bytes, resolve_offload_budgets)
@@ -97,7 +98,8 @@ from infinity.tiers._records import STATS_KEYS, StoreConfig, TierHandle
 from infinity.tiers.residency import TRANSITIONS, Residency, Tier
 from infinity.tiers.store import TieredStore
 
-__all__ = ["AUTO_HOST_RAM_FRACTION", "AUTO_SUB_GROUP_NUMEL", "OPTIMIZER_WINDOW_SLOTS", "STATS_KEYS",
+__all__ = ["AUTO_HOST_RAM_FRACTION", "AUTO_SUB_GROUP_NUMEL", "CUDA_FREE_FRACTION",
+           "DeviceWorkingSet", "OPTIMIZER_WINDOW_SLOTS", "STATS_KEYS", "auto_device_budget_bytes",
            "SUB_GROUP_BYTES_PER_NUMEL", "TRANSITIONS", "Extent", "HostArena", "HostNeeds",
            "NvmeBytes", "NvmeDemand", "OffloadBudgets", "OffloadRequest", "Residency",
            "StateSizes", "StoreConfig", "Tier", "TierHandle", "TieredStore", "check_nvme_space",

@@ -1,7 +1,7 @@
 """The host arena: one aligned buffer allocated once at the HOST budget, carved into extents.
 
 [Note: one host arena] The HOST tier never asks torch's allocator for memory after start-up: the
-arena is one ``swapper.aligned_empty`` buffer of exactly the budget (pinned in place where CUDA exists;
+arena is one ``swapper.aligned_empty`` buffer of exactly the budget (pinned in place for a GPU engine;
 page-aligned always), so there is no per-tensor pinning, no power-of-two rounding, and NVMe reads
 land in extents with direct I/O and no staging copy. Extents start at and span multiples of the
 alignment; the free list is kept sorted by offset and coalesced on every free. Best fit limits

@@ -41,7 +41,49 @@ AUTO_HOST_RAM_FRACTION = 0.125
 budget stays within this fraction of the machine's RAM ([Note: gradients on NVMe] in
 infinity/zero/_grad_reducer.py)."""
 _CPU_DEVICE_MARGIN_BYTES = 64 * 2 ** 20
-_CUDA_FREE_FRACTION = 0.8
+CUDA_FREE_FRACTION = 0.8
+"""[Note: the 'auto' device budget] The share of the GPU's free memory (at initialize) the engine
+plans for; the rest is for activations, the caching allocator's fragmentation and the CUDA / NCCL
+workspaces, which no size known at initialize bounds."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceWorkingSet:
+    """Device bytes the engine allocates outside the store's shard copies, at their peak
+    ([Note: the 'auto' device budget]): the store's budget counts shard copies only, so an
+    'auto' budget subtracts these first."""
+
+    gathered_bytes: int = 0
+    """Units gathered at once from offloaded shards: the largest, plus those prefetched."""
+    resident_bytes: int = 0
+    """Units that stay gathered (persistent units; every unit below stage 3)."""
+    grad_bytes: int = 0
+    """Gradient working buffers: the fp32 staging of the largest trainable unit and its
+    reduce-scatter output; with the optimizer on the device, its accumulators too."""
+    optimizer_bytes: int = 0
+    """Optimizer state kept on the device (the optimizer not offloaded): master and moments."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.gathered_bytes + self.resident_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def auto_device_budget_bytes(*, free_bytes: int, working: DeviceWorkingSet, needed_bytes: int
+                             ) -> int:
+    """[Note: the 'auto' device budget] The store's 'auto' device budget on a GPU with
+    ``free_bytes`` free: CUDA_FREE_FRACTION of it, less what the engine itself allocates there
+    (``working``), and never less than the store's own least need (``needed_bytes``: a unit's
+    shards in flight), which is then all it gets: warned once, since the card is likely too small
+    for what else it must hold."""
+    usable = int(free_bytes * CUDA_FREE_FRACTION) - working.total_bytes
+    if usable < needed_bytes:
+        warn_once(f"auto-device-budget:{free_bytes}:{needed_bytes}",
+                  f"memory.device_budget_bytes 'auto': {free_bytes} bytes free on the device, of "
+                  f"which {working.total_bytes} go to gathered units, gradients and device state "
+                  f"({working}), leave less than the {needed_bytes} bytes the offloaded shards "
+                  "need in flight; expect an out-of-memory error. Offload more (offload_param, "
+                  "offload_optimizer), choose smaller units, or free device memory first")
+    return max(needed_bytes, usable)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -314,9 +356,11 @@ def _param_share(sizes: StateSizes, request: OffloadRequest, sub: int) -> int:
 
 
 def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
-                            device: torch.device) -> OffloadBudgets | None:
+                            device: torch.device, device_working: DeviceWorkingSet | None = None
+                            ) -> OffloadBudgets | None:
     """Budgets for the store when anything is offloaded (None otherwise); see the module
-    docstring for what raises."""
+    docstring for what raises. ``device_working``: what the engine allocates on the device beside
+    the store (an 'auto' device budget on a GPU subtracts it; None: nothing known)."""
     if not request.offloaded:
         return None
     largest_unit = max(sizes.unit_bytes, default=0)
@@ -324,7 +368,8 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
     device_budget = request.device_budget_bytes
     device_needed = largest_unit + 2 * max(sizes.param_shard_bytes, default=0)
     if device_budget == "auto":
-        device_budget = _auto_device_budget(device, device_needed)
+        device_budget = _auto_device_budget(device, device_needed,
+                                            device_working or DeviceWorkingSet())
     elif device_budget < device_needed:
         raise ValueError(
             f"memory.device_budget_bytes={device_budget} cannot hold the largest unit gathered "
@@ -391,10 +436,10 @@ def _optimizer_host_room(sizes: StateSizes, request: OffloadRequest, sub: int, h
     return max(2, slots), resident
 
 
-def _auto_device_budget(device: torch.device, needed: int) -> int:
-    """CUDA: 80 % of the free memory; CPU (the device tier is host RAM): what the shards in flight
-    need plus 64 MiB, so that DEVICE copies never pile up in RAM."""
+def _auto_device_budget(device: torch.device, needed: int, working: DeviceWorkingSet) -> int:
+    """CUDA: :func:`auto_device_budget_bytes` of the free memory now; CPU (the device tier is host
+    RAM): what the shards in flight need plus 64 MiB, so that DEVICE copies never pile up in RAM."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return max(needed, int(free * _CUDA_FREE_FRACTION))
+        return auto_device_budget_bytes(free_bytes=free, working=working, needed_bytes=needed)
     return needed + _CPU_DEVICE_MARGIN_BYTES

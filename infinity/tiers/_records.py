@@ -7,7 +7,7 @@ import dataclasses
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -56,7 +56,8 @@ class StoreConfig:
 class _Copy:
     """One copy of a shard in one tier."""
 
-    __slots__ = ("state", "tensor", "extent", "charged_bytes", "pins", "busy", "future", "last_use")
+    __slots__ = ("state", "tensor", "extent", "charged_bytes", "pins", "busy", "future", "last_use",
+                 "ready_event")
 
     def __init__(self) -> None:
         self.state = Residency.ABSENT
@@ -74,6 +75,9 @@ class _Copy:
         """Completes (with the tensor) when the move INTO this copy ends; None when settled."""
         self.last_use = 0
         """Store clock at the last fetch/get: the LRU order."""
+        self.ready_event = None
+        """DEVICE on CUDA: the event after the copy that filled it; readers' streams wait on it
+        ([Note: device copies complete on the stream] in store.py). None: nothing pending."""
 
 
 class _Shard:
@@ -120,20 +124,30 @@ class TierHandle:
     is added to the store's ``wait_s`` counter.
     """
 
-    def __init__(self, future: Future, key: str, tier: Tier | None, on_wait: Any):
+    def __init__(self, future: Future, key: str, tier: Tier | None, on_wait: Any,
+                 before_use: Callable[[], None] | None = None):
         self._future = future
         self.key = key
         self.tier = tier
         self._on_wait = on_wait
+        self._before_use = before_use
+        """Run in the waiting thread once the tensor is there: a DEVICE copy on CUDA makes the
+        caller's stream wait for the copy ([Note: device copies complete on the stream])."""
 
     def wait(self, timeout: float | None = None) -> Any:
         if self._future.done():
-            return self._future.result()
+            return self._ready(self._future.result())
         start = time.perf_counter()
         try:
-            return self._future.result(timeout)
+            result = self._future.result(timeout)
         finally:
             self._on_wait(time.perf_counter() - start)
+        return self._ready(result)
+
+    def _ready(self, result: Any) -> Any:
+        if self._before_use is not None:
+            self._before_use()
+        return result
 
     def done(self) -> bool:
         return self._future.done()

@@ -12,6 +12,7 @@ moves use ``add_done_callback``), so a completion can always make progress.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from infinity.io import Swapper, aligned_empty
+from infinity._async_copy import blocking_event, record_on_current_stream
+from infinity.io import Swapper, aligned_empty, pin_device_for
 from infinity.tiers._arena import HostArena
 from infinity.tiers._budgets import NextUse, TierBudgets
 from infinity.tiers._records import (Counters, StoreConfig, TierHandle, _Shard, done_future,
@@ -29,6 +31,17 @@ from infinity.tiers.residency import Residency, Tier
 logger = logging.getLogger(__name__)
 
 _A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING
+
+
+# [Note: device copies complete on the stream] A copy into a DEVICE copy is RESIDENT as soon as it
+# is issued on the store's copy stream: the fetch's future resolves then, with a blocking event
+# recorded after the copy (``_Copy.ready_event``), and every reader makes its own stream wait on
+# that event (``TierHandle.wait`` and ``get`` do it), so a demand fetch holds the training thread
+# only for the issue, never until the GPU drains, and wait/stall figures no longer include GPU
+# compute. The source copy stays busy (not evictable, not changed) until the copy has run, which a
+# copy thread waits for on the blocking event, sleeping; the destination is recorded on the copy
+# stream so that an early eviction cannot hand its memory to other work first. A HOST destination
+# is read by the CPU (the optimizer, a swap-out), so its copy completes before the future does.
 
 
 class TieredStore:
@@ -42,8 +55,11 @@ class TieredStore:
         """Owned by the caller (closing the store does not close it); needed for NVME shards."""
         self._cuda = self.device.type == "cuda"
         alignment = max(4096, getattr(swapper, "alignment_bytes", 4096))
+        # Pinned for a CUDA device only, on that device ([Note: pin only what a GPU copy
+        # touches] in infinity/io/_aligned.py): host <-> device copies read and write the arena.
         self.arena = HostArena(config.host_budget_bytes, alignment_bytes=alignment,
-                               allocate_fn=aligned_empty)
+                               allocate_fn=functools.partial(
+                                   aligned_empty, pin_device=pin_device_for(self.device)))
         self._shards: dict[str, _Shard] = {}
         self._lock = threading.Lock()  # [Note: store locking]
         self._cond = threading.Condition(self._lock)
@@ -182,7 +198,10 @@ class TieredStore:
                 raise ValueError(f"get({key!r}, {tier.name}): the home copy is stale (the "
                                  f"{shard.dirty.name} copy is dirty); write_back({key!r}) first")
             copy.last_use = self._tick()
-            return copy.tensor
+            reader = self._device_reader(shard, tier)
+        if reader is not None:
+            reader()
+        return copy.tensor
 
     def _fetch(self, key: str, tier: Tier, *, next_use: float | None, pin: bool,
                overwrite: bool = False) -> TierHandle:
@@ -198,7 +217,8 @@ class TieredStore:
                 shard.next_use = next_use
             future, outcome = self._fetch_locked(shard, tier, pin, overwrite)
             self.counters.fetch[outcome] += 1
-        return TierHandle(future, key, tier, self.counters.add_wait)
+        return TierHandle(future, key, tier, self.counters.add_wait,
+                          before_use=self._device_reader(shard, tier))
 
     def _fetch_locked(self, shard: _Shard, tier: Tier, pin: bool,
                       overwrite: bool = False) -> tuple[Future, str]:
@@ -303,25 +323,46 @@ class TieredStore:
             self._submit(self._copy_then_finish, shard, src, dst, ready, None)
 
     def _copy_then_finish(self, shard, src: Tier, dst: Tier, ready, error) -> None:
+        done = None
         if error is None:
             try:
-                self._copy(shard.copies[dst].tensor, shard.copies[src].tensor, ready)
+                done = self._issue_copy(shard.copies[dst].tensor, shard.copies[src].tensor, ready)
             except BaseException as e:  # noqa: BLE001 - delivered through the handle
                 error = e
+        if done is not None and dst is Tier.DEVICE:
+            # [Note: device copies complete on the stream]
+            self._finish_move(shard, src, dst, None, ready_event=done, release_source=False)
+            try:
+                done.synchronize()  # a blocking event: this copy thread sleeps, no core spins
+            finally:
+                self._release_source(shard, src)
+            return
+        if done is not None:
+            done.synchronize()  # HOST destination: the CPU reads it next
         self._finish_move(shard, src, dst, error)
 
-    def _finish_move(self, shard: _Shard, src: Tier, dst: Tier, error, lock: bool = True) -> None:
+    def _release_source(self, shard: _Shard, src: Tier) -> None:
+        """The copy out of ``src`` has run: the source copy may be evicted or changed again."""
+        with self._lock:
+            shard.copies[src].busy -= 1
+            self._cond.notify_all()
+
+    def _finish_move(self, shard: _Shard, src: Tier, dst: Tier, error, lock: bool = True, *,
+                     ready_event=None, release_source: bool = True) -> None:
         if lock:
             with self._lock:
-                self._finish_move_locked(shard, src, dst, error)
+                self._finish_move_locked(shard, src, dst, error, ready_event=ready_event,
+                                         release_source=release_source)
         else:
             self._finish_move_locked(shard, src, dst, error)
 
-    def _finish_move_locked(self, shard: _Shard, src: Tier, dst: Tier, error) -> None:
+    def _finish_move_locked(self, shard: _Shard, src: Tier, dst: Tier, error, *,
+                            ready_event=None, release_source: bool = True) -> None:
         copy = shard.copies[dst]
         future, copy.future = copy.future, None
-        if src is not Tier.NVME:
+        if src is not Tier.NVME and release_source:
             shard.copies[src].busy -= 1
+        copy.ready_event = ready_event
         if error is None:
             shard.set_state(dst, _R)
             if not (src is Tier.NVME and shard.nvme_zeros):
@@ -361,21 +402,49 @@ class TieredStore:
                 run()
 
     def _stream_event(self):
-        """CUDA: an event on the caller's stream, so the copy stream waits for work issued so far."""
+        """CUDA: a blocking event on the caller's stream, so the copy stream waits (on the GPU,
+        not the host) for the work issued so far: it wrote the source, or last used the memory
+        the destination was allocated in (the caching allocator orders reuse by stream)."""
         if not self._cuda:
             return None
-        return torch.cuda.current_stream(self.device).record_event()
+        return record_on_current_stream(self.device)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, ready) -> None:
-        """Copy between HOST and DEVICE; CUDA: on the store's copy stream, complete on return."""
+    def _issue_copy(self, dst: torch.Tensor, src: torch.Tensor, ready):
+        """Copy between HOST and DEVICE. CPU: done on return (None). CUDA: issued on the store's
+        copy stream after ``ready``; returns the blocking event recorded after it."""
         if not self._cuda:
             host_copy(dst, src)
-            return
+            return None
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(ready)
             dst.copy_(src, non_blocking=True)
-            done = self._copy_stream.record_event()
-        done.synchronize()
+            for t in (dst, src):
+                if t.is_cuda:  # freed early (an eviction): not reused before the copy has run
+                    t.record_stream(self._copy_stream)
+            done = blocking_event()
+            done.record(self._copy_stream)
+        return done
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, ready) -> None:
+        """:meth:`_issue_copy`, complete on return (the copy thread sleeps on a blocking event)."""
+        done = self._issue_copy(dst, src, ready)
+        if done is not None:
+            done.synchronize()
+
+    def _device_reader(self, shard: _Shard, tier: Tier) -> Callable[[], None] | None:
+        """[Note: device copies complete on the stream]: what a reader of ``shard``'s copy on
+        ``tier`` runs before using it: on CUDA, its current stream waits for the copy that filled
+        it (the GPU waits, the host does not). None: nothing to wait for."""
+        if not self._cuda or tier is not Tier.DEVICE:
+            return None
+        copy = shard.copies[tier]
+        device = self.device
+
+        def wait_on_current_stream() -> None:
+            event = copy.ready_event
+            if event is not None:
+                torch.cuda.current_stream(device).wait_event(event)
+        return wait_on_current_stream
 
     # -- dirty data and write-back ---------------------------------------------------------------
 

@@ -5,9 +5,19 @@ built, the root excepted) or module class names. Each chosen module's ``forward`
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: autograd keeps only the module's
 inputs, and backward runs the forward again to rebuild what it needs (Korthikanti et al. 2022,
 arXiv 2205.05198: 2sbh bytes per transformer layer instead of sbh(34 + 5as/h)). With
-``offload_to_host`` the saved inputs go through ``torch.autograd.graph.save_on_cpu``: they are
-copied to host memory (pinned where CUDA exists) when saved and back to their device when the
-recompute needs them, so the device holds one layer's working set at a time, not L layer inputs.
+``offload_to_host`` the saved inputs go to host memory when saved and back to their device when
+the recompute needs them ([Note: activations on the host]), so the device holds one layer's working
+set at a time, not L layer inputs.
+
+[Note: activations on the host]
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` copies each saved tensor with a blocking copy
+(the host waits for the GPU at every saved tensor of the forward) into pinned memory of torch's
+own host cache, which nothing counts. :class:`HostActivations` replaces it: on a GPU the copy down
+is non-blocking into pinned memory, an event recorded after it, and the copy back up makes the
+backward's stream wait on that event (the GPU waits, never the host); every host byte is counted
+(``live_bytes``, ``peak_bytes``, reported by ``engine.stats()`` beside the host arena, which does
+not hold them: torch's host allocator may round each block up to a power of two on top). On a CPU
+device a saved tensor already is in host memory: kept as it is, as ``save_on_cpu`` did.
 
 [Note: checkpoint inside the module's hooks]
 The wrapper replaces the instance's ``forward`` (an instance attribute, so parameters, names and
@@ -52,15 +62,79 @@ from infinity.config import ActivationCheckpointingConfig
 logger = logging.getLogger(__name__)
 
 
-def _checkpointed_forward(original: Any, offload_to_host: bool, module: nn.Module, *args: Any,
-                          **kwargs: Any) -> Any:
-    """The replacement ``forward`` (bound to ``module``, so ``copy.deepcopy`` rebinds it)."""
+class _HostCopy:
+    """One saved tensor in host memory; its bytes leave the count when it is freed."""
+
+    __slots__ = ("device", "tensor", "event", "_owner", "__weakref__")
+
+    def __init__(self, device: torch.device, tensor: torch.Tensor, event: Any,
+                 owner: "HostActivations"):
+        self.device, self.tensor, self.event, self._owner = device, tensor, event, owner
+        owner._add(tensor.untyped_storage().nbytes())
+
+    def __del__(self) -> None:
+        self._owner._add(-self.tensor.untyped_storage().nbytes())
+
+
+class HostActivations:
+    """[Note: activations on the host]: saved-tensor hooks that keep saved tensors in host memory,
+    counted. ``always_copy``: copy tensors already in host memory too (tests run the GPU path's
+    bookkeeping on a CPU with it)."""
+
+    def __init__(self, *, always_copy: bool = False):
+        self.always_copy = always_copy
+        self.live_bytes = 0
+        """Host bytes of saved tensors alive now."""
+        self.peak_bytes = 0
+        """High-water mark of ``live_bytes`` since start (or :meth:`reset_peak`)."""
+
+    def _add(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        cuda = tensor.device.type == "cuda"
+        if not cuda and not self.always_copy:
+            return tensor  # already in host memory: nothing to move (save_on_cpu did the same)
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
+                           pin_memory=cuda)
+        host.copy_(tensor, non_blocking=cuda)
+        event = None
+        if cuda:
+            # The host buffer is written by the GPU later; the copy back up waits for this
+            # event on its own stream (autograd may run backward on another stream).
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(tensor.device))
+        return _HostCopy(tensor.device, host, event, self)
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed.event is None:
+            return packed.tensor.to(packed.device)
+        stream = torch.cuda.current_stream(packed.device)
+        stream.wait_event(packed.event)
+        out = packed.tensor.to(packed.device, non_blocking=True)
+        # torch's host allocator keeps the pinned block until the copy's stream passes it, so
+        # ``packed`` may be freed right after this returns.
+        return out
+
+
+def _checkpointed_forward(original: Any, host: "HostActivations | None", module: nn.Module,
+                          *args: Any, **kwargs: Any) -> Any:
+    """The replacement ``forward`` (bound to ``module``, so ``copy.deepcopy`` rebinds it);
+    ``host``: where the saved inputs go with ``offload_to_host`` (None: they stay)."""
     forward = original if original is not None else type(module).forward.__get__(module)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    # Looked up at call time, not imported: ``torch.autograd.graph.save_on_cpu`` is the one path.
-    offload = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-               if offload_to_host else contextlib.nullcontext())
+    offload = host.hooks() if host is not None else contextlib.nullcontext()
     if kwargs:  # bound here so a forward keyword never collides with checkpoint's own options
         forward = functools.partial(forward, **kwargs)
     with offload:
@@ -75,6 +149,8 @@ class CheckpointedModules:
     names: list[str]
     """Qualified names (``model.named_modules()``) of the checkpointed modules, in module order."""
     offload_to_host: bool
+    host: HostActivations | None = None
+    """With ``offload_to_host``: the saved inputs in host memory and their byte count."""
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     """The wrapped module objects (to restore their ``forward``)."""
     _originals: list[Any] = field(default_factory=list, repr=False)
@@ -140,7 +216,8 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
     """Make the chosen modules' forward run checkpointed (see [Note: checkpoint inside the
     module's hooks]); returns the handle that can undo it."""
     names = select_modules(model, config, unit_module_names=unit_module_names)
-    handle = CheckpointedModules(names=names, offload_to_host=config.offload_to_host)
+    host = HostActivations() if config.offload_to_host else None
+    handle = CheckpointedModules(names=names, offload_to_host=config.offload_to_host, host=host)
     modules = dict(model.named_modules())
     for name in names:
         module = modules[name]
@@ -148,7 +225,7 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
         if _is_checkpointed(original):
             raise ValueError(f"activation_checkpointing: module {name!r} is already checkpointed "
                              f"(was the model passed to initialize twice?)")
-        wrapper = functools.partial(_checkpointed_forward, original, config.offload_to_host)
+        wrapper = functools.partial(_checkpointed_forward, original, host)
         module.forward = types.MethodType(wrapper, module)
         handle._modules.append(module)
         handle._originals.append(original)
@@ -158,4 +235,5 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
     return handle
 
 
-__all__ = ["CheckpointedModules", "apply_activation_checkpointing", "select_modules"]
+__all__ = ["CheckpointedModules", "HostActivations", "apply_activation_checkpointing",
+           "select_modules"]

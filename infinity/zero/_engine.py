@@ -44,13 +44,13 @@ import logging
 import math
 import os
 import tempfile
-import time
 import weakref
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
+from infinity._timing import timer_for
 from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, load_config
 from infinity.ledger import host_grad_dtype
@@ -240,7 +240,9 @@ class InfinityEngine:
         """engine.backward() ran since the last engine.step() (step() requires it)."""
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping at the last optimizer step."""
-        self._step_time_s = 0.0
+        self._step_timer = timer_for(self.device)
+        """Times the optimizer steps: event pairs on a GPU, the wall clock on a CPU ([Note:
+        timing asynchronous GPU work] in infinity/_timing.py)."""
         """Seconds spent inside optimizer steps (for stats())."""
         self.defer_optimizer_step = True
         """NVMe optimizer: the updates of a step run in the next forward, each just before its
@@ -413,9 +415,17 @@ class InfinityEngine:
         window = self.gradient_accumulation_steps
         self.micro_steps = -(-self.micro_steps // window) * window  # an early boundary ends it
         self.optimizer.mark_stepped()  # torch's LR schedulers check it
-        t0 = time.perf_counter()
+        self._step_timer.start()
         self._optimizer_step(float(clip))
-        self._step_time_s += time.perf_counter() - t0
+        self._step_timer.stop()
+
+    def _host_activation_bytes(self) -> dict[str, int]:
+        """Saved activations in host memory ([Note: activations on the host] in
+        infinity/zero/_activations.py), beside the arena's bytes; empty without the offload."""
+        host = self.activations.host
+        if host is None:
+            return {}
+        return {"activations_current": host.live_bytes, "activations_peak": host.peak_bytes}
 
     def _optimizer_step(self, clip: float) -> None:
         grads = self.manager.grad_partitions()
@@ -501,7 +511,9 @@ class InfinityEngine:
             "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak)},
                       "HOST": {"current": store.get("host_used_bytes", 0),
                                "peak": store.get("host_peak_bytes", 0),
-                               "budget": store.get("host_budget_bytes", 0)},
+                               "budget": store.get("host_budget_bytes", 0),
+                               # [Note: activations on the host]: outside the arena, counted.
+                               **self._host_activation_bytes()},
                       "NVME": {"current": nvme, "peak": nvme}},
             "model_state_bytes": {**held, "optimizer_state": self.shard_optimizer.state_bytes()},
             "bytes_moved": {"NVME->HOST": store.get("bytes_nvme_to_host", 0),
@@ -512,7 +524,7 @@ class InfinityEngine:
             "stall_s": store.get("wait_s", 0.0),
             "prefetch": self.manager.prefetch_stats(),
             "num_gathers": self.manager.num_gathers,
-            "optimizer_step_s": self._step_time_s,
+            "optimizer_step_s": self._step_timer.total_s(),
             # [Note: deferred optimizer step]: updates run in the next forward, and the part of
             # both spent waiting for sub-group reads.
             "optimizer_deferred_s": self.shard_optimizer.deferred_s,

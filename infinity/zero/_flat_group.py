@@ -1,8 +1,10 @@
 """The records of the parameter manager: a unit, its flat groups, and where each parameter lives
 in its flat buffer (the slot). No hooks, no collectives: :mod:`._param_manager` drives them.
 
-:func:`layout_group` places parameters one after another in a flat buffer padded so its numel
-divides the world size (the shard of rank r is the contiguous slice ``[r*S, (r+1)*S)``).
+:func:`layout_group` places parameters one after another in a flat buffer, each slot at a multiple
+of 16 bytes, padded so that the buffer is ``world_size`` shards of a multiple of 16 bytes (the shard
+of rank r is the contiguous slice ``[r*S, (r+1)*S)``): [Note: 16-byte aligned slots] in
+infinity/ledger/_flat_layout.py.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from infinity._transitions import TransitionTable
+from infinity.ledger import flat_layout
 from infinity.optim import StoredGrad
 
 
@@ -28,15 +31,14 @@ class ParamSlot:
     shape: torch.Size
 
 
-def layout_group(params: list[tuple[str, nn.Parameter]], world_size: int
+def layout_group(params: list[tuple[str, nn.Parameter]], world_size: int, dtype: torch.dtype
                  ) -> tuple[list[ParamSlot], int, int]:
-    """Slots for ``params`` in order; returns (slots, numel, padded numel divisible by world_size)."""
-    slots, offset = [], 0
-    for name, p in params:
-        slots.append(ParamSlot(name=name, param=p, offset=offset, numel=p.numel(), shape=p.shape))
-        offset += p.numel()
-    padded = -(-offset // world_size) * world_size
-    return slots, offset, max(padded, world_size)
+    """Slots for ``params`` in order in a flat buffer of ``dtype``; returns (slots, numel of the
+    parameters, padded numel: world_size shards). [Note: 16-byte aligned slots]."""
+    layout = flat_layout([p.numel() for _, p in params], world_size, dtype.itemsize)
+    slots = [ParamSlot(name=name, param=p, offset=off, numel=p.numel(), shape=p.shape)
+             for (name, p), off in zip(params, layout.offsets)]
+    return slots, layout.numel, layout.padded_numel
 
 
 class UnitState(enum.Enum):

@@ -40,6 +40,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from infinity._async_copy import StagingRing
+from infinity.io import aligned_empty, pin_device_for
 from infinity.optim import StoredGrad
 from infinity.tiers import Tier, TieredStore, TierHandle
 from infinity.zero._collectives import Collectives
@@ -81,6 +83,9 @@ class GradientReducer:
         self.host_store = host_store
         """Holds the host accumulators of an offloaded optimizer; None: on the device."""
         self.on_ready = on_ready
+        self._ring: StagingRing | None = None
+        """Pinned staging of gradients copied down to host accumulators from a GPU (None until
+        used; [Note: event-guarded staging] in infinity/_async_copy.py)."""
         self._writebacks: list[TierHandle] = []
         """Write-backs of stored gradient slices issued in this accumulation window (their
         errors are raised by :meth:`partitions`)."""
@@ -192,8 +197,29 @@ class GradientReducer:
             # Pinned: the copy runs on the current stream; partitions() waits for it.
             g.grad_host.copy_(part, non_blocking=g.grad_host.is_pinned())
             g.grad_acc = g.grad_host
-        else:  # a blocking copy: it also waits for the earlier copies on the stream
-            g.grad_acc.add_(part.to(g.grad_host.device))
+        elif part.device.type == "cpu":
+            g.grad_acc.add_(part)
+        else:
+            self._add_from_device(g.grad_acc, part)
+
+    def _add_from_device(self, acc: torch.Tensor, part: torch.Tensor) -> None:
+        """``acc += part`` for a host accumulator and a GPU ``part`` without stalling backward:
+        the copy down is non-blocking into pinned staging, and the addition runs once it has
+        landed, when its staging slot comes round again or at :meth:`partitions` ([Note:
+        event-guarded staging] in infinity/_async_copy.py). The event also covers the earlier
+        non-blocking copies into ``acc``: they were issued before it on the same stream."""
+        ring = self._ring_for(part.device)
+        slot, staging = ring.take(part.numel(), part.dtype)
+        staging.copy_(part.reshape(-1), non_blocking=True)
+        ring.done(slot, lambda: acc.add_(staging.view_as(acc)))
+
+    def _ring_for(self, device: torch.device) -> StagingRing:
+        if self._ring is None:
+            pin = pin_device_for(device)
+            self._ring = StagingRing(
+                2, device=device,
+                allocate=lambda nbytes: aligned_empty(nbytes, torch.uint8, pin_device=pin))
+        return self._ring
 
     def _accumulate_stored(self, stored: StoredGrad, part: torch.Tensor) -> None:
         """[Note: gradients on NVMe]: add ``part`` into the stored slices (the first micro-batch
@@ -226,6 +252,7 @@ class GradientReducer:
         device = self.config.device
         if self.offloaded and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # host copies have landed
+        self._drain_ring()
         writebacks, self._writebacks = self._writebacks, []
         for handle in writebacks:
             handle.wait()
@@ -244,10 +271,16 @@ class GradientReducer:
                 out[g.key] = g.grad_acc
         return out
 
-    @staticmethod
-    def zero(groups: Iterable[FlatGroup]) -> None:
+    def _drain_ring(self) -> None:
+        """Finish the additions still waiting for their copies (before anything reads or
+        overwrites a host accumulator)."""
+        if self._ring is not None:
+            self._ring.drain()
+
+    def zero(self, groups: Iterable[FlatGroup]) -> None:
         """Forget the accumulated gradients (the host buffers stay allocated, to be overwritten;
         stored slices are overwritten unread by the next micro-batch)."""
+        self._drain_ring()  # a late addition must not land in the next window's sums
         for g in groups:
             g.grad_acc = None
             if g.grad_stored is not None:

@@ -16,25 +16,27 @@ from torch import nn
 
 from infinity.config import DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
-from infinity.ledger import host_grad_dtype
-from infinity.tiers import (HostNeeds, NvmeBytes, NvmeDemand, OffloadBudgets, OffloadRequest,
-                            StateSizes, StoreConfig, TieredStore, check_nvme_space, host_needs,
-                            least_host_bytes, nvme_bytes, resolve_offload_budgets)
+from infinity.ledger import DEFAULT_PREFETCH_UNITS, flat_layout, host_grad_dtype
+from infinity.tiers import (SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet, HostNeeds, NvmeBytes,
+                            NvmeDemand, OffloadBudgets, OffloadRequest, StateSizes, StoreConfig,
+                            Tier, TieredStore, check_nvme_space, host_needs, least_host_bytes,
+                            nvme_bytes, resolve_offload_budgets)
 from infinity.zero._unit_choice import UnitChoice, units_of
 
 
 def state_sizes(choice: UnitChoice, *, stage: int, world_size: int,
                 param_bytes: int) -> StateSizes:
     """The sizes of what the store holds for the units of ``choice`` (``param_bytes``: bytes per
-    element of the compute dtype): one flat group per unit and ``requires_grad``, each padded to
-    a multiple of ``world_size`` as :func:`~infinity.zero._flat_group.layout_group` pads it."""
+    element of the compute dtype): one flat group per unit and ``requires_grad``, laid out and
+    padded as :func:`~infinity.zero._flat_group.layout_group` does ([Note: 16-byte aligned
+    slots] in infinity/ledger/_flat_layout.py)."""
     unit_bytes, param_shards, opt_parts = [], [], []
     for unit in choice.units:
         for trainable in (True, False):
-            numel = sum(p.numel() for _, p in unit.params if p.requires_grad == trainable)
-            if not numel:
+            numels = [p.numel() for _, p in unit.params if p.requires_grad == trainable]
+            if not sum(numels):
                 continue
-            shard = -(-numel // world_size)
+            shard = flat_layout(numels, world_size, param_bytes).shard_numel
             unit_bytes.append(shard * world_size * param_bytes)
             if not unit.persistent and stage == 3:
                 param_shards.append(shard * param_bytes)
@@ -84,13 +86,48 @@ def host_needs_of(module: nn.Module, config: InfinityConfig, sub_group_numel: in
                       sub_group_numel)
 
 
+def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
+                       world_size: int) -> DeviceWorkingSet:
+    """What the engine allocates on the device beside the store's shard copies, at its peak, for
+    the units of ``choice`` ([Note: the 'auto' device budget] in infinity/tiers/_offload_budgets.py).
+    The same terms as the ledger's device working buffers (``prefetch_units`` gathered beyond the
+    current unit, a unit's full gradient), counted on the real, padded groups."""
+    stage, item = config.zero.stage, config.precision.param_bytes
+    fp32 = DTYPE_BYTES["fp32"]
+    gathered, resident, grad_staging, device_state = [], 0, [0], 0
+    opt_on_device = config.offload_optimizer.home_tier is Tier.DEVICE
+    for unit in choice.units:
+        for trainable in (True, False):
+            numels = [p.numel() for _, p in unit.params if p.requires_grad == trainable]
+            if not sum(numels):
+                continue
+            lay = flat_layout(numels, world_size, item)
+            full = lay.padded_numel * item
+            if unit.persistent or stage < 3:
+                resident += full
+            else:
+                gathered.append(full)
+            if not trainable:
+                continue
+            # [Note: gradient ledger]: fp32 staging of the whole unit, and its reduced shard.
+            grad_staging.append(lay.padded_numel * fp32 + lay.shard_numel * fp32)
+            if opt_on_device:  # accumulator, master and moments of the partition (fp32)
+                part = lay.shard_numel if stage > 0 else lay.padded_numel
+                device_state += part * (fp32 + SUB_GROUP_BYTES_PER_NUMEL)
+    largest = sorted(gathered, reverse=True)[:1 + DEFAULT_PREFETCH_UNITS]
+    return DeviceWorkingSet(gathered_bytes=sum(largest), resident_bytes=resident,
+                            grad_bytes=max(grad_staging), optimizer_bytes=device_state)
+
+
 def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: int,
                     device: torch.device) -> OffloadBudgets | None:
     """The store's budgets for the units of ``choice`` under ``config`` (None when nothing is
     offloaded); raises ``ValueError`` before any state exists when an explicit budget is too small."""
     sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
                         param_bytes=config.precision.param_bytes)
-    return resolve_offload_budgets(sizes, offload_request(config, world_size), device=device)
+    return resolve_offload_budgets(sizes, offload_request(config, world_size), device=device,
+                                   device_working=device_working_set(choice, config,
+                                                                     world_size=world_size))
 
 
 def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config: SwapperConfig,
@@ -123,5 +160,5 @@ def check_nvme_space_for(choice: UnitChoice, config: InfinityConfig, budgets: Of
     return need
 
 
-__all__ = ["build_store", "check_nvme_space_for", "host_needs_of", "least_host_budget_bytes",
-           "offload_request", "resolve_offload", "state_sizes"]
+__all__ = ["build_store", "check_nvme_space_for", "device_working_set", "host_needs_of",
+           "least_host_budget_bytes", "offload_request", "resolve_offload", "state_sizes"]

@@ -47,6 +47,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
+from infinity._timing import timer_for
 from infinity.errors import TierCapacityError
 from infinity.prefetch import FetchAction, Level, PrefetchConfig, PrefetchExecutor, UnitSizes
 from infinity.tiers import Residency, Tier
@@ -155,9 +156,12 @@ class ParamPrefetcher:
         self._is_gathered = is_gathered
         self._gathered_budget = gathered_budget_bytes  # None: only the device's own limit
         self._clock = clock
+        # [Note: timing asynchronous GPU work]: on a GPU the hooks' clock sees launches only.
+        device = getattr(store, "device", None)
+        unit_timer = timer_for(device) if getattr(device, "type", None) == "cuda" else None
         self.executor = PrefetchExecutor(issue=self._issue, config=config, locate=self._locate,
                                          free_bytes=self._free_bytes, evictable=self._evictable,
-                                         clock=clock)
+                                         clock=clock, unit_timer=unit_timer)
         for u in self._units.values():
             self.executor.register_unit(UnitSizes(unit=u.unit, shard_bytes=u.shard_bytes,
                                                  gathered_bytes=u.gathered_bytes, home=u.home))

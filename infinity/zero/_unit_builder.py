@@ -157,7 +157,7 @@ class UnitBuilder:
                      params: list[tuple[str, nn.Parameter]], always: bool) -> FlatGroup:
         s = self.settings
         world, rank = self.coll.world_size, self.coll.rank
-        slots, numel, padded = layout_group(params, world)
+        slots, numel, padded = layout_group(params, world, dtype)
         shard_numel = padded // world
         key = (f"u{chosen.index}.{str(dtype).removeprefix('torch.')}."
                f"{'train' if requires_grad else 'frozen'}")

@@ -97,9 +97,9 @@ def test_store_host_memory_is_one_arena(tmp_path, monkeypatch):
     calls = []
     real = store_mod.aligned_empty
 
-    def counting(numel, dtype):
+    def counting(numel, dtype, **kwargs):
         calls.append((numel, dtype))
-        return real(numel, dtype)
+        return real(numel, dtype, **kwargs)
 
     monkeypatch.setattr(store_mod, "aligned_empty", counting)
     with make_store(tmp_path, host_bytes=20 * KB4 + 100) as (store, _):

@@ -159,17 +159,46 @@ inline uint32_t f_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return 
 
 inline float load_s(const float* p, int64_t i) { return p[i]; }
 inline float load_s(const bf16_t* p, int64_t i) { return bits_to_f(uint32_t(p[i].x) << 16); }
-inline float load_s(const f16_t* p, int64_t i) {
-  _Float16 h; std::memcpy(&h, &p[i].x, 2); return static_cast<float>(h);
+// fp16 <-> fp32 with integer and fp32 arithmetic only. x86 GCC has `_Float16` only from GCC 12
+// (Ubuntu 22.04 ships 11), so these are the conversions of c10::Half (Maratyszcza's FP16 library,
+// which torch uses): bit for bit what torch's .half() / .float() give, round to nearest even,
+// subnormals, infinities and NaN (a NaN becomes the quiet 0x7E00 with its sign) included. They
+// rely on IEEE fp32 arithmetic in round-to-nearest mode: no -ffast-math in BASE_FLAGS.
+inline float half_to_float(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  // Normal numbers, Inf and NaN: shift exponent and mantissa into place, rebias by scaling.
+  const float normalized = bits_to_f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  // Subnormals: the mantissa under an exponent of 2^-1, minus that 2^-1, is exact.
+  const float denormalized = bits_to_f((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t denormalized_cutoff = 1u << 27;
+  return bits_to_f(sign | (two_w < denormalized_cutoff ? f_to_bits(denormalized)
+                                                        : f_to_bits(normalized)));
 }
+inline uint16_t float_to_half(float f) {
+  // Scale so that the fp32 addition below rounds the mantissa to fp16's 10 bits (nearest even),
+  // overflowing to Inf where fp16 does; subnormal results get a fixed minimum exponent.
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = f_to_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_to_f((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f_to_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+inline float load_s(const f16_t* p, int64_t i) { return half_to_float(p[i].x); }
 inline void store_s(float* p, int64_t i, float x) { p[i] = x; }
 inline void store_s(bf16_t* p, int64_t i, float x) {  // round to nearest even, like c10::BFloat16
   const uint32_t u = f_to_bits(x);
   p[i].x = std::isnan(x) ? 0x7FC0 : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
-inline void store_s(f16_t* p, int64_t i, float x) {
-  const _Float16 h = static_cast<_Float16>(x); std::memcpy(&p[i].x, &h, 2);
-}
+inline void store_s(f16_t* p, int64_t i, float x) { p[i].x = float_to_half(x); }
 inline void store_s(no_out_t*, int64_t, float) {}
 // Stochastic rounding to bf16: add 16 random bits below the kept mantissa, then truncate. The
 // result is x rounded up with probability equal to the dropped fraction, so E[stored] = x.
