@@ -3,9 +3,9 @@
 Reproduce: ``infinity bench step --model 135m --batch-size 4 --seq-len 256 --dtype bf16``
 
 Every mode runs in its own fresh process (peak RSS is per process), one after another, on the same
-GPT model and synthetic tokens: plain PyTorch (the reference every ratio is taken against), ours at
-stage 3 without offload, with CPU offload, with parameters and optimizer on NVMe, and DeepSpeed
-ZeRO-3 with the same settings when ``--deepspeed-python`` points at an interpreter with DeepSpeed.
+model (a GPT preset, or a Hugging Face one: below) and synthetic tokens: plain PyTorch (the
+reference every ratio is taken against), ours at stage 3 without offload, with CPU offload, with
+parameters and optimizer on NVMe, and DeepSpeed ZeRO-3 with the same settings when ``--deepspeed-python`` points at an interpreter with DeepSpeed.
 Plain PyTorch builds the model eagerly; ours build it under ``infinity.init`` (the README's way:
 the fp32 model never exists in full), with bitwise the same initial values.
 
@@ -19,7 +19,14 @@ PyTorch in the same run (``--modes`` defaults to ``plain,user-config`` then). Th
 precision, micro-batch size and gradient accumulation drive every mode, so x_plain compares one
 optimizer step of each on the same batches: ``infinity bench step --model 135m --ds-config
 ds_config.json --rounds 3``. ``--modes plain,stage3`` with it adds the tuned native config
-(Block units) to compare with.
+(the model's blocks as units) to compare with, and the ``x_native`` column (user-config / stage3).
+
+Hugging Face models (issue #15, item 9): ``--model hf-llama-135m`` (SmolLM-135M's shape) or
+``hf-gpt2-124m`` (GPT-2 small) builds ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` from a config in
+code (random init, no download; needs transformers), with the GPT preset's loss on the logits; the
+native modes use ``LlamaDecoderLayer`` / ``GPT2Block`` as units: ``infinity bench step --model
+hf-llama-135m --seq-len 128 --dtype fp32 --ds-config benchmarks/configs/ds_zero3.json --modes
+plain,user-config,stage3 --rounds 2``. The DeepSpeed reference (``ds-*``) builds GPT presets only.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ PARAMS_REF = "stage3-mem-params"
 DS_MODES = ("ds-stage3", "ds-stage3-cpu", "ds-stage3-nvme")
 USER_MODE = "user-config"
 """The engine under ``--ds-config FILE`` as the user wrote it."""
+NATIVE_MODE = "stage3"
+"""The tuned native config ``x_native`` divides ``user-config`` by: units = the model's blocks."""
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_DTYPE = "bf16"
 DEFAULT_DS_PYTHON = "/root/dsvenv/bin/python"
@@ -55,7 +64,9 @@ QUICK_ARGS = ("--model", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small", help="GPT preset (tiny, small, medium, 135m, "
-                        "gpt2-124m, 350m, 1b); default small")
+                        "gpt2-124m, 350m, 1b) or Hugging Face model built from its config "
+                        "(hf-llama-135m: SmolLM-135M's shape, hf-gpt2-124m: GPT-2 small; "
+                        "hf-llama-tiny, hf-gpt2-tiny; need transformers); default small")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"micro-batch size; default {DEFAULT_BATCH_SIZE}, or the --ds-config "
                         "file's train_micro_batch_size_per_gpu")
@@ -101,6 +112,9 @@ def resolve_modes(args: argparse.Namespace) -> list[str]:
     """The modes to run, and the settings ``--ds-config`` decides (dtype, micro-batch size,
     gradient accumulation), written back into ``args``. The file is read and validated here, so
     a bad config fails before any worker starts. Raises ``ValueError`` naming the option."""
+    from infinity.bench._step_model import check_model  # deferred: imports torch
+
+    bench_model = check_model(args.model, args.seq_len)
     known = ("plain",) + OURS_MODES + PARAMS_MODES + DS_MODES + (USER_MODE,)
     if args.modes is None:
         modes = ["plain", USER_MODE] if args.ds_config else [m for m in known if m != USER_MODE]
@@ -109,6 +123,10 @@ def resolve_modes(args: argparse.Namespace) -> list[str]:
         unknown = [m for m in modes if m not in known]
         if unknown:
             raise ValueError(f"--modes: unknown mode {unknown[0]!r}; known: {', '.join(known)}")
+        ds = [m for m in modes if m in DS_MODES]
+        if ds and bench_model.is_hf:
+            raise ValueError(f"--modes {ds[0]}: the DeepSpeed reference builds the GPT presets "
+                             f"only, not --model {args.model}; drop the ds-* modes")
         if args.ds_config and USER_MODE not in modes:
             modes.append(USER_MODE)
     args.gradient_accumulation_steps = 1
@@ -181,9 +199,14 @@ def run(args: argparse.Namespace) -> int:
     plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)
     rows = [_row(r, plain, _params_ratio(per_mode, r["mode"]), _paired_x(per_mode, r["mode"], "plain"))
             for r in results]
+    native = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1)
+    for row in rows:  # the user's config against the tuned native one (issue #15's 3 %)
+        if row["mode"] == USER_MODE and native is not None:
+            row["x_native"] = native
     columns = list(dict.fromkeys(k for row in rows for k in row))  # later rows may add columns
     gas = args.gradient_accumulation_steps
-    report = Report(name="step", title=f"infinity bench step: GPT {args.model}, {args.dtype}, "
+    kind = "" if args.model.startswith("hf-") else "GPT "
+    report = Report(name="step", title=f"infinity bench step: {kind}{args.model}, {args.dtype}, "
                     f"batch {args.batch_size} x {args.seq_len}"
                     + (f" x {gas} micro-batches" if gas > 1 else "")
                     + (f", {USER_MODE} {os.path.basename(args.ds_config)}" if args.ds_config else "")
@@ -197,6 +220,9 @@ def run(args: argparse.Namespace) -> int:
                            *([f"{USER_MODE}: the engine under {args.ds_config} as written; a step "
                               f"is one optimizer step ({gas} micro-batch(es)) in every mode"]
                              if args.ds_config else []),
+                           *([f"x_native: {USER_MODE} step time / {NATIVE_MODE}'s (the tuned "
+                              f"native config, the model's blocks as units), paired per round, "
+                              f"median over rounds"] if any("x_native" in r for r in rows) else []),
                            "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
                            "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
                            *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])
