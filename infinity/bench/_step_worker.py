@@ -219,6 +219,9 @@ def main() -> None:
             model = bench_model.build()
     runner, stats, close = (_plain if spec["mode"] == "plain" else _ours)(model, spec)
     times, opt_times, loss, warm = [], [], float("nan"), {}
+    # CPU seconds of every thread of this process per step: on cores shared with other jobs the
+    # wall time swings with their load, the work done (CPU time) much less.
+    cpu_times: list[float] = []
     for i in range(spec["warmup"] + spec["steps"]):
         before = stats() or {}
         if i == spec["warmup"]:
@@ -226,10 +229,11 @@ def main() -> None:
         gas = spec.get("gradient_accumulation_steps", 1)
         micro = [bench_model.batch(spec["batch_size"], spec["seq_len"], seed=i * gas + m)
                  for m in range(gas)]  # gas 1: seed i, as before accumulation was measured
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = runner(micro)
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
             # The optimizer step's share (NVMe optimizer state is read and written there, which
             # the parameter prefetcher does not hide): step minus it is forward + backward.
             after = stats() or {}
@@ -240,6 +244,7 @@ def main() -> None:
     if spec["mode"] == "stage3-nvme-params":
         timed.update(_param_reads(s, warm, len(times), spec))
     out = {"mode": spec["mode"], "step_s": statistics.median(times), "step_times_s": times,
+           "step_cpu_s": statistics.median(cpu_times), "step_cpu_times_s": cpu_times,
            "fwd_bwd_s": statistics.median(t - o for t, o in zip(times, opt_times)),
            "peak_rss_bytes": peak_rss_bytes(), "final_loss": loss,
            "num_params": sum(p.numel() for p in model.parameters()),

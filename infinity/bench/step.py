@@ -200,9 +200,14 @@ def run(args: argparse.Namespace) -> int:
     rows = [_row(r, plain, _params_ratio(per_mode, r["mode"]), _paired_x(per_mode, r["mode"], "plain"))
             for r in results]
     native = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1)
+    native_cpu = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1, key="step_cpu_s")
     for row in rows:  # the user's config against the tuned native one (issue #15's 3 %)
+        if "step_s" in row:
+            row["cpu_x_plain"] = _paired_x(per_mode, row["mode"], "plain", min_pairs=1,
+                                           key="step_cpu_s")
         if row["mode"] == USER_MODE and native is not None:
             row["x_native"] = native
+            row["cpu_x_native"] = native_cpu
     columns = list(dict.fromkeys(k for row in rows for k in row))  # later rows may add columns
     gas = args.gradient_accumulation_steps
     kind = "" if args.model.startswith("hf-") else "GPT "
@@ -222,7 +227,11 @@ def run(args: argparse.Namespace) -> int:
                              if args.ds_config else []),
                            *([f"x_native: {USER_MODE} step time / {NATIVE_MODE}'s (the tuned "
                               f"native config, the model's blocks as units), paired per round, "
-                              f"median over rounds"] if any("x_native" in r for r in rows) else []),
+                              f"median over rounds; cpu_x_native: the same of the CPU seconds "
+                              f"per step (all threads), steadier than wall time on cores shared "
+                              f"with other jobs"] if any("x_native" in r for r in rows) else []),
+                           "step_cpu_s: CPU seconds per step of the mode's process (all threads); cpu_x_plain: "
+           "its ratio to plain PyTorch's, paired per round like x_plain",
                            "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
                            "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
                            *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])
@@ -263,15 +272,17 @@ def _params_ratio(per_mode: dict[str, list[dict[str, Any]]], mode: str) -> dict[
 
 
 def _paired_x(per_mode: dict[str, list[dict[str, Any]]], mode: str, ref: str, *,
-              min_pairs: int = 2) -> float | None:
-    """Median over rounds of this mode's step time / ``ref``'s in the same round (None with
-    fewer than ``min_pairs`` rounds where both ran): a slow round slows both, so the pair's ratio
-    is what is stable."""
+              min_pairs: int = 2, key: str = "step_s") -> float | None:
+    """Median over rounds of this mode's step time (``key``) / ``ref``'s in the same round (None
+    with fewer than ``min_pairs`` rounds where both ran): a slow round slows both, so the pair's
+    ratio is what is stable."""
     pairs = [(r, b) for r, b in zip(per_mode.get(mode, []), per_mode.get(ref, []))
              if "error" not in r and "error" not in b]
     if len(pairs) < min_pairs:
         return None
-    return statistics.median(r["step_s"] / b["step_s"] for r, b in pairs)
+    if any(key not in r or key not in b for r, b in pairs):
+        return None  # a record from before the column existed
+    return statistics.median(r[key] / b[key] for r, b in pairs)
 
 
 def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any] | None,
@@ -283,6 +294,7 @@ def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any]
     row["step_s"] = r["step_s"]
     row["x_plain"] = paired if paired is not None else (
         r["step_s"] / plain["step_s"] if plain else None)
+    row["step_cpu_s"] = r.get("step_cpu_s")
     row["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
     row["rss_x_plain"] = r["peak_rss_bytes"] / plain["peak_rss_bytes"] if plain else None
     row["stall_frac"] = r.get("stall_fraction")
