@@ -116,8 +116,9 @@ def resolve_modes(args: argparse.Namespace) -> list[str]:
 
     bench_model = check_model(args.model, args.seq_len)
     known = ("plain",) + OURS_MODES + PARAMS_MODES + DS_MODES + (USER_MODE,)
-    if args.modes is None:
-        modes = ["plain", USER_MODE] if args.ds_config else [m for m in known if m != USER_MODE]
+    if args.modes is None:  # every mode that can run this model (the ds-* ones: GPT presets)
+        modes = ["plain", USER_MODE] if args.ds_config else [
+            m for m in known if m != USER_MODE and not (bench_model.is_hf and m in DS_MODES)]
     else:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = [m for m in modes if m not in known]

@@ -384,8 +384,18 @@ def test_step_hf_model_user_config_beside_native(tmp_path, capsys, model):
 @pytest.mark.parametrize("extra_argv, message", [
     (["--model", "hf-bert"], "unknown model 'hf-bert'"),
     (["--model", "hf-gpt2-tiny", "--seq-len", "65"], "exceeds --model hf-gpt2-tiny's 64"),
-    (["--model", "hf-llama-tiny", "--modes", "plain,ds-stage3"], "GPT presets only"),
+    (["--model", "hf-llama-tiny", "--seq-len", "32", "--modes", "plain,ds-stage3"],
+     "GPT presets only"),
 ])
 def test_step_bad_model_fails_before_any_worker(capsys, extra_argv, message):
     assert main(["bench", "step", "--no-save", *extra_argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_step_hf_model_default_modes_leave_out_deepspeed():
+    """The DeepSpeed reference builds GPT presets only: an HF model's default modes skip it."""
+    args = types.SimpleNamespace(model="hf-gpt2-tiny", seq_len=32, modes=None, ds_config=None,
+                                 dtype=None, batch_size=None)
+    modes = bench_step.resolve_modes(args)
+    assert "plain" in modes and bench_step.NATIVE_MODE in modes
+    assert not set(modes) & set(bench_step.DS_MODES)
