@@ -374,7 +374,7 @@ def test_step_hf_model_user_config_beside_native(tmp_path, capsys, model):
         assert rows[mode]["final_loss"] == pytest.approx(rows["plain"]["final_loss"], rel=1e-4)
     user, native = rows[bench_step.USER_MODE], rows[bench_step.NATIVE_MODE]
     assert user["x_native"] == pytest.approx(user["step_s"] / native["step_s"], rel=1e-12)
-    units = {r["mode"]: r["stats"]["unit_names"] for r in record["raw"] if "stats" in r}
+    units = {r["mode"]: r["stats"]["unit_names"] for r in record["raw"] if r["stats"]}
     assert units[bench_step.USER_MODE] == units[bench_step.NATIVE_MODE]
     blocks = HF_BLOCKS[model]
     assert [n for n in units[bench_step.USER_MODE] if n.startswith(blocks)] == [
