@@ -11,11 +11,12 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
+from infinity.bench._step_model import StepModel, step_model
 from infinity.bench.report import peak_rss_bytes
 from infinity.config import load_config
 from infinity.io import Swapper, aligned_empty
-from infinity.models.gpt import GPT, PRESETS, GPTConfig, synthetic_batch
 from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, extent_bytes
 from infinity.zero import host_needs_of, init, initialize
 
@@ -37,7 +38,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _plain(model: GPT, spec: dict[str, Any]):
+def _plain(model: nn.Module, spec: dict[str, Any]):
     """Plain PyTorch mixed precision as a user writes it: low-precision model, fp32 masters, fused AdamW."""
     dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     device = _device()
@@ -50,9 +51,11 @@ def _plain(model: GPT, spec: dict[str, Any]):
         masters = params
     opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
 
+    loss_of = step_model(spec["model"]).loss
+
     def step(micro_batches) -> float:
         for x, y in micro_batches:  # gradient accumulation: summed in param.grad, as users do
-            loss = model(x.to(device), y.to(device))
+            loss = loss_of(model, x.to(device), y.to(device))
             (loss / len(micro_batches)).backward()
         if masters is not params:
             for m, p in zip(masters, params):
@@ -70,32 +73,35 @@ def _plain(model: GPT, spec: dict[str, Any]):
     return step, lambda: {}, lambda: None
 
 
-def model_flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
-    """Training FLOPs per token of a GPT (forward + backward, no recomputation): 6 per parameter
-    in the matrix products (PaLM's model FLOPs, Appendix B) plus attention's scores and weighted
-    sum, 12 * n_layer * n_embd * seq_len; embeddings and norms add no matmul FLOPs worth
-    counting. What "model TFLOP/s" divides by the step time."""
-    block_matmul = 12 * cfg.n_embd * cfg.n_embd * cfg.n_layer  # qkv, proj, 4x MLP up and down
-    head = cfg.n_embd * cfg.vocab_size  # the tied output projection
-    return 6 * (block_matmul + head) + 12 * cfg.n_layer * cfg.n_embd * seq_len
+def model_flops_per_token(model: nn.Module, block_class_name: str, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward, no recomputation): 6 per weight of every
+    matrix product (PaLM's model FLOPs, Appendix B: 2-D weights of Linear, GPT-2's Conv1D and the
+    output projection; embedding lookups excluded) plus attention's scores and weighted sum,
+    12 * n_layer * d_model * seq_len. What "model TFLOP/s" divides by the step time."""
+    matmul = sum(m.weight.numel() for m in model.modules()
+                 if not isinstance(m, nn.Embedding)
+                 and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2)
+    n_layer = sum(type(m).__name__ == block_class_name for m in model.modules())
+    d_model = next(m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding))
+    return 6 * matmul + 12 * n_layer * d_model * seq_len
 
 
-def _cpu_device_budget(model: GPT, spec: dict[str, Any]) -> int:
+def _cpu_device_budget(model: nn.Module, spec: dict[str, Any]) -> int:
     """The host-budget fraction of the parameter bytes, but at least double buffering on the
     device: the unit computing and the next one, each gathered with its shard copy beside it
-    (units are Blocks here). With room for only one unit ahead in flight (3 of the largest), a
+    (units are the model's blocks here). With room for only one unit ahead in flight (3 of the largest), a
     prefetch waited for the unit computing to release: medium preset at fraction 0.3, hit rate
     0.91 with 5 late fetches per 54; with this, 1.00 while still reading 99.6 % of the
     parameter bytes from NVMe every step."""
     param_bytes = 2 if spec["dtype"] == "bf16" else 4
-    parts = _unit_numels(model)
+    parts = _unit_numels(model, step_model(spec["model"]).block_class_name)
     total = sum(parts) * param_bytes
     return max(int(total * spec["host_budget_fraction"]), 4 * max(parts) * param_bytes + 2 ** 20)
 
 
-def _unit_numels(model: GPT) -> list[int]:
-    """Elements per unit: one per Block, then the rest (embeddings, final norm) as the root unit."""
-    blocks = [m for m in model.modules() if type(m).__name__ == "Block"]
+def _unit_numels(model: nn.Module, block_class_name: str) -> list[int]:
+    """Elements per unit: one per block, then the rest (embeddings, final norm) as the root unit."""
+    blocks = [m for m in model.modules() if type(m).__name__ == block_class_name]
     numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
     return numels + [sum(p.numel() for p in model.parameters()) - sum(numels)]
 
@@ -105,7 +111,7 @@ PARAMS_SUB_GROUP_NUMEL = 2 ** 18
 fragmentation slack below stays a small part of the parameters' host room."""
 
 
-def _params_config(model: GPT, spec: dict[str, Any], config: dict[str, Any]) -> int:
+def _params_config(model: nn.Module, spec: dict[str, Any], config: dict[str, Any]) -> int:
     """PARAMS_MODES: the optimizer state in host memory in both, the device budget bounded the
     same way in both (on a GPU too: left 'auto' it would cache every shard on the device after the
     first step and nothing would be read from NVMe again). ``stage3-nvme-params`` homes the
@@ -122,7 +128,8 @@ def _params_config(model: GPT, spec: dict[str, Any], config: dict[str, Any]) -> 
     path = os.path.abspath(spec["dir"])
     os.makedirs(path, exist_ok=True)
     config["offload_param"] = {"device": "nvme", "nvme_path": path}
-    numels, item = _unit_numels(model), (2 if spec["dtype"] == "bf16" else 4)
+    numels = _unit_numels(model, step_model(spec["model"]).block_class_name)
+    item = 2 if spec["dtype"] == "bf16" else 4
     # What the optimizer homes in host memory (fp32 master and moments per sub-group, the gradient
     # accumulators) and the store's comfortable NVMe staging for the parameter shards (one read,
     # one prefetched, a spare: below it the engine turns the prefetcher off), from the engine's
@@ -139,12 +146,12 @@ def _params_config(model: GPT, spec: dict[str, Any], config: dict[str, Any]) -> 
     return room
 
 
-def _ours(model: GPT, spec: dict[str, Any]):
-    mode = spec["mode"]
+def _ours(model: nn.Module, spec: dict[str, Any]):
+    mode, bench_model = spec["mode"], step_model(spec["model"])
     if mode == USER_MODE:  # the user's file as written: units, budgets, offload are its own
-        return _engine_runner(initialize(model, spec["ds_config"]))
-    config: dict[str, Any] = {
-        "zero": {"stage": 3, "unit_class_names": ["Block"]},
+        return _engine_runner(initialize(model, spec["ds_config"]), bench_model)
+    config: dict[str, Any] = {  # tuned: the model's blocks are the units
+        "zero": {"stage": 3, "unit_class_names": [bench_model.block_class_name]},
         "precision": {"dtype": spec["dtype"]},
         "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
         "gradient_clipping": 1.0,
@@ -167,20 +174,22 @@ def _ours(model: GPT, spec: dict[str, Any]):
             config["memory"]["device_budget_bytes"] = _cpu_device_budget(model, spec)
     elif mode in PARAMS_MODES:
         spec["host_param_room_bytes"] = _params_config(model, spec, config)
-    return _engine_runner(initialize(model, config))
+    return _engine_runner(initialize(model, config), bench_model)
 
 
-def _engine_runner(engine):
+def _engine_runner(engine, bench_model: StepModel):
     """One optimizer step per call: each micro-batch's forward, backward and ``engine.step()``
     (the engine steps the optimizer at the last of ``gradient_accumulation_steps`` of them)."""
     def step(micro_batches) -> float:
         for x, y in micro_batches:
-            loss = engine(x, y)
+            loss = bench_model.loss(engine, x, y)
             engine.backward(loss)
             engine.step()
         return loss.item()
 
-    return step, engine.stats, engine.close
+    # The units as built, in the record: the user-config and native rows can be compared on them.
+    unit_names = [u.name for u in engine.manager.units]
+    return step, lambda: {**engine.stats(), "unit_names": unit_names}, engine.close
 
 
 def _timed(after: dict[str, Any], before: dict[str, Any], times: list[float]) -> dict[str, Any]:
@@ -228,27 +237,31 @@ def _param_reads(after: dict[str, Any], before: dict[str, Any], steps: int,
 def main() -> None:
     spec = json.loads(sys.argv[1])
     torch.manual_seed(0)
-    cfg = PRESETS[spec["model"]]
+    bench_model = step_model(spec["model"])
     if spec["mode"] == "plain":
-        model = GPT(cfg)
+        model = bench_model.build()
     else:  # as the README builds a model for the engine: on meta, materialised unit by unit
         with init():  # (bitwise the same values: final_loss matches plain's)
-            model = GPT(cfg)
+            model = bench_model.build()
     runner, stats, close = (_plain if spec["mode"] == "plain" else _ours)(model, spec)
     times, opt_times, loss, warm = [], [], float("nan"), {}
+    # CPU seconds of every thread of this process per step: on cores shared with other jobs the
+    # wall time swings with their load, the work done (CPU time) much less.
+    cpu_times: list[float] = []
     for i in range(spec["warmup"] + spec["steps"]):
         before = stats() or {}
         if i == spec["warmup"]:
             warm = before
         gas = spec.get("gradient_accumulation_steps", 1)
-        micro = [synthetic_batch(cfg, spec["batch_size"], spec["seq_len"], seed=i * gas + m)
+        micro = [bench_model.batch(spec["batch_size"], spec["seq_len"], seed=i * gas + m)
                  for m in range(gas)]  # gas 1: seed i, as before accumulation was measured
         _sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = runner(micro)
         _sync()
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
             # The optimizer step's share (NVMe optimizer state is read and written there, which
             # the parameter prefetcher does not hide): step minus it is forward + backward.
             after = stats() or {}
@@ -260,9 +273,11 @@ def main() -> None:
         timed.update(_param_reads(s, warm, len(times), spec))
     step_s = statistics.median(times)
     tokens = spec["batch_size"] * spec["seq_len"] * spec.get("gradient_accumulation_steps", 1)
+    flops = model_flops_per_token(model, bench_model.block_class_name, spec["seq_len"])
     out = {"mode": spec["mode"], "step_s": step_s, "step_times_s": times,
+           "step_cpu_s": statistics.median(cpu_times), "step_cpu_times_s": cpu_times,
            "device": str(_device()), "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
-           "model_tflops": model_flops_per_token(cfg, spec["seq_len"]) * tokens / step_s / 1e12,
+           "model_tflops": flops * tokens / step_s / 1e12,
            "fwd_bwd_s": statistics.median(t - o for t, o in zip(times, opt_times)),
            "peak_rss_bytes": peak_rss_bytes(), "final_loss": loss,
            "num_params": sum(p.numel() for p in model.parameters()),

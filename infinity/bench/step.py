@@ -3,9 +3,9 @@
 Reproduce: ``infinity bench step --model 135m --batch-size 4 --seq-len 256 --dtype bf16``
 
 Every mode runs in its own fresh process (peak RSS is per process), one after another, on the same
-GPT model and synthetic tokens: plain PyTorch (the reference every ratio is taken against), ours at
-stage 3 without offload, with CPU offload, with parameters and optimizer on NVMe, and DeepSpeed
-ZeRO-3 with the same settings when ``--deepspeed-python`` points at an interpreter with DeepSpeed.
+model (a GPT preset, or a Hugging Face one: below) and synthetic tokens: plain PyTorch (the
+reference every ratio is taken against), ours at stage 3 without offload, with CPU offload, with
+parameters and optimizer on NVMe, and DeepSpeed ZeRO-3 with the same settings when ``--deepspeed-python`` points at an interpreter with DeepSpeed.
 Plain PyTorch builds the model eagerly; ours build it under ``infinity.init`` (the README's way:
 the fp32 model never exists in full), with bitwise the same initial values.
 
@@ -19,7 +19,14 @@ PyTorch in the same run (``--modes`` defaults to ``plain,user-config`` then). Th
 precision, micro-batch size and gradient accumulation drive every mode, so x_plain compares one
 optimizer step of each on the same batches: ``infinity bench step --model 135m --ds-config
 ds_config.json --rounds 3``. ``--modes plain,stage3`` with it adds the tuned native config
-(Block units) to compare with.
+(the model's blocks as units) to compare with, and the ``x_native`` column (user-config / stage3).
+
+Hugging Face models (issue #15, item 9): ``--model hf-llama-135m`` (SmolLM-135M's shape) or
+``hf-gpt2-124m`` (GPT-2 small) builds ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` from a config in
+code (random init, no download; needs transformers), with the GPT preset's loss on the logits; the
+native modes use ``LlamaDecoderLayer`` / ``GPT2Block`` as units: ``infinity bench step --model
+hf-llama-135m --seq-len 128 --dtype fp32 --ds-config benchmarks/configs/ds_zero3.json --modes
+plain,user-config,stage3 --rounds 2``. The DeepSpeed reference (``ds-*``) builds GPT presets only.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ PARAMS_REF = "stage3-mem-params"
 DS_MODES = ("ds-stage3", "ds-stage3-cpu", "ds-stage3-nvme")
 USER_MODE = "user-config"
 """The engine under ``--ds-config FILE`` as the user wrote it."""
+NATIVE_MODE = "stage3"
+"""The tuned native config ``x_native`` divides ``user-config`` by: units = the model's blocks."""
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_DTYPE = "bf16"
 DEFAULT_DS_PYTHON = "/root/dsvenv/bin/python"
@@ -55,7 +64,9 @@ QUICK_ARGS = ("--model", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small", help="GPT preset (tiny, small, medium, 135m, "
-                        "gpt2-124m, 350m, 1b); default small")
+                        "gpt2-124m, 350m, 1b) or Hugging Face model built from its config "
+                        "(hf-llama-135m: SmolLM-135M's shape, hf-gpt2-124m: GPT-2 small; "
+                        "hf-llama-tiny, hf-gpt2-tiny; need transformers); default small")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"micro-batch size; default {DEFAULT_BATCH_SIZE}, or the --ds-config "
                         "file's train_micro_batch_size_per_gpu")
@@ -104,14 +115,22 @@ def resolve_modes(args: argparse.Namespace) -> list[str]:
     """The modes to run, and the settings ``--ds-config`` decides (dtype, micro-batch size,
     gradient accumulation), written back into ``args``. The file is read and validated here, so
     a bad config fails before any worker starts. Raises ``ValueError`` naming the option."""
+    from infinity.bench._step_model import check_model  # deferred: imports torch
+
+    bench_model = check_model(args.model, args.seq_len)
     known = ("plain",) + OURS_MODES + PARAMS_MODES + DS_MODES + (USER_MODE,)
-    if args.modes is None:
-        modes = ["plain", USER_MODE] if args.ds_config else [m for m in known if m != USER_MODE]
+    if args.modes is None:  # every mode that can run this model (the ds-* ones: GPT presets)
+        modes = ["plain", USER_MODE] if args.ds_config else [
+            m for m in known if m != USER_MODE and not (bench_model.is_hf and m in DS_MODES)]
     else:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = [m for m in modes if m not in known]
         if unknown:
             raise ValueError(f"--modes: unknown mode {unknown[0]!r}; known: {', '.join(known)}")
+        ds = [m for m in modes if m in DS_MODES]
+        if ds and bench_model.is_hf:
+            raise ValueError(f"--modes {ds[0]}: the DeepSpeed reference builds the GPT presets "
+                             f"only, not --model {args.model}; drop the ds-* modes")
         if args.ds_config and USER_MODE not in modes:
             modes.append(USER_MODE)
     args.gradient_accumulation_steps = 1
@@ -189,9 +208,19 @@ def run(args: argparse.Namespace) -> int:
     plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)
     rows = [_row(r, plain, _params_ratio(per_mode, r["mode"]), _paired_x(per_mode, r["mode"], "plain"))
             for r in results]
+    native = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1)
+    native_cpu = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1, key="step_cpu_s")
+    for row in rows:  # the user's config against the tuned native one (issue #15's 3 %)
+        if "step_s" in row:
+            row["cpu_x_plain"] = _paired_x(per_mode, row["mode"], "plain", min_pairs=1,
+                                           key="step_cpu_s")
+        if row["mode"] == USER_MODE and native is not None:
+            row["x_native"] = native
+            row["cpu_x_native"] = native_cpu
     columns = list(dict.fromkeys(k for row in rows for k in row))  # later rows may add columns
     gas = args.gradient_accumulation_steps
-    report = Report(name="step", title=f"infinity bench step: GPT {args.model}, {args.dtype}, "
+    kind = "" if args.model.startswith("hf-") else "GPT "
+    report = Report(name="step", title=f"infinity bench step: {kind}{args.model}, {args.dtype}, "
                     f"batch {args.batch_size} x {args.seq_len}"
                     + (f" x {gas} micro-batches" if gas > 1 else "")
                     + (f", {USER_MODE} {os.path.basename(args.ds_config)}" if args.ds_config else "")
@@ -206,8 +235,16 @@ def run(args: argparse.Namespace) -> int:
                               f"is one optimizer step ({gas} micro-batch(es)) in every mode"]
                              if args.ds_config else []),
                            "tokens_per_s: tokens of one step / step time; model_tflops: the "
-                           "GPT's training FLOPs (6 per parameter per token in the matmuls, plus "
+                           "model's training FLOPs (6 per weight per token in the matmuls, plus "
                            "attention) / step time, in TFLOP/s",
+                           *([f"x_native: {USER_MODE} step time / {NATIVE_MODE}'s (the tuned "
+                              f"native config, the model's blocks as units), paired per round, "
+                              f"median over rounds; cpu_x_native: the same of the CPU seconds "
+                              f"per step (all threads), steadier than wall time on cores shared "
+                              f"with other jobs"] if any("x_native" in r for r in rows) else []),
+                           "step_cpu_s: CPU seconds per step of the mode's process (all "
+                           "threads); cpu_x_plain: its ratio to plain PyTorch's, paired per "
+                           "round like x_plain",
                            "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
                            "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
                            *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])
@@ -248,15 +285,17 @@ def _params_ratio(per_mode: dict[str, list[dict[str, Any]]], mode: str) -> dict[
 
 
 def _paired_x(per_mode: dict[str, list[dict[str, Any]]], mode: str, ref: str, *,
-              min_pairs: int = 2) -> float | None:
-    """Median over rounds of this mode's step time / ``ref``'s in the same round (None with
-    fewer than ``min_pairs`` rounds where both ran): a slow round slows both, so the pair's ratio
-    is what is stable."""
+              min_pairs: int = 2, key: str = "step_s") -> float | None:
+    """Median over rounds of this mode's step time (``key``) / ``ref``'s in the same round (None
+    with fewer than ``min_pairs`` rounds where both ran): a slow round slows both, so the pair's
+    ratio is what is stable."""
     pairs = [(r, b) for r, b in zip(per_mode.get(mode, []), per_mode.get(ref, []))
              if "error" not in r and "error" not in b]
     if len(pairs) < min_pairs:
         return None
-    return statistics.median(r["step_s"] / b["step_s"] for r, b in pairs)
+    if any(key not in r or key not in b for r, b in pairs):
+        return None  # a record from before the column existed
+    return statistics.median(r[key] / b[key] for r, b in pairs)
 
 
 def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any] | None,
@@ -270,6 +309,7 @@ def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any]
         r["step_s"] / plain["step_s"] if plain else None)
     row["tokens_per_s"] = r.get("tokens_per_s")
     row["model_tflops"] = r.get("model_tflops")
+    row["step_cpu_s"] = r.get("step_cpu_s")
     row["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
     row["rss_x_plain"] = r["peak_rss_bytes"] / plain["peak_rss_bytes"] if plain else None
     row["stall_frac"] = r.get("stall_fraction")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +145,14 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
-def synthetic_batch(config: GPTConfig, batch_size: int, seq_len: int, *, seed: int,
+class HasVocab(Protocol):
+    """What :func:`synthetic_batch` reads of a model's config (a GPTConfig, a Hugging Face one)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+def synthetic_batch(config: HasVocab, batch_size: int, seq_len: int, *, seed: int,
                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic tokens with learnable structure (next token = f(previous)), so loss falls."""
     g = torch.Generator().manual_seed(seed)

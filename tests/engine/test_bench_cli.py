@@ -350,3 +350,52 @@ def test_step_bad_ds_config_names_the_key(tmp_path, capsys):
     path = _ds_config(tmp_path, zero_optimization={"stage": 3, "stage3_prefetch_bukcet_size": 1})
     assert main(["bench", "step", "--ds-config", path, "--no-save"]) == 2
     assert "stage3_prefetch_bukcet_size" in capsys.readouterr().err
+
+
+HF_BLOCKS = {"hf-llama-tiny": "model.layers", "hf-gpt2-tiny": "transformer.h"}
+"""Where each tiny Hugging Face preset keeps its 2 decoder layers."""
+
+
+@pytest.mark.parametrize("model", sorted(HF_BLOCKS))
+def test_step_hf_model_user_config_beside_native(tmp_path, capsys, model):
+    """``--model hf-*``: a Hugging Face model, a plain DeepSpeed file (no unit classes) and the
+    tuned native config (the decoder layer class as units) train what plain PyTorch trains, and
+    the file's default units are the native config's: one unit per decoder layer."""
+    pytest.importorskip("transformers")
+    argv = ["bench", "step", "--model", model, "--seq-len", "32", "--steps", "2", "--warmup", "0",
+            "--ds-config", _ds_config(tmp_path), "--modes", "plain,user-config,stage3", "--json",
+            "--no-save", "--dir", str(tmp_path / "step")]
+    assert main(argv) == 0
+    record = parse_single_json(capsys.readouterr()[0])
+    assert model in record["title"] and "GPT" not in record["title"]
+    rows = {r["mode"]: r for r in record["rows"]}
+    assert list(rows) == ["plain", bench_step.USER_MODE, bench_step.NATIVE_MODE]
+    for mode in (bench_step.USER_MODE, bench_step.NATIVE_MODE):  # after one optimizer step
+        assert rows[mode]["final_loss"] == pytest.approx(rows["plain"]["final_loss"], rel=1e-4)
+    user, native = rows[bench_step.USER_MODE], rows[bench_step.NATIVE_MODE]
+    assert user["x_native"] == pytest.approx(user["step_s"] / native["step_s"], rel=1e-12)
+    units = {r["mode"]: r["stats"]["unit_names"] for r in record["raw"] if r["stats"]}
+    assert units[bench_step.USER_MODE] == units[bench_step.NATIVE_MODE]
+    blocks = HF_BLOCKS[model]
+    assert [n for n in units[bench_step.USER_MODE] if n.startswith(blocks)] == [
+        f"{blocks}.0", f"{blocks}.1"]
+
+
+@pytest.mark.parametrize("extra_argv, message", [
+    (["--model", "hf-bert"], "unknown model 'hf-bert'"),
+    (["--model", "hf-gpt2-tiny", "--seq-len", "65"], "exceeds --model hf-gpt2-tiny's 64"),
+    (["--model", "hf-llama-tiny", "--seq-len", "32", "--modes", "plain,ds-stage3"],
+     "GPT presets only"),
+])
+def test_step_bad_model_fails_before_any_worker(capsys, extra_argv, message):
+    assert main(["bench", "step", "--no-save", *extra_argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_step_hf_model_default_modes_leave_out_deepspeed():
+    """The DeepSpeed reference builds GPT presets only: an HF model's default modes skip it."""
+    args = types.SimpleNamespace(model="hf-gpt2-tiny", seq_len=32, modes=None, ds_config=None,
+                                 dtype=None, batch_size=None)
+    modes = bench_step.resolve_modes(args)
+    assert "plain" in modes and bench_step.NATIVE_MODE in modes
+    assert not set(modes) & set(bench_step.DS_MODES)

@@ -8,7 +8,9 @@ tuned benchmarks and the README configure), compared unit by unit: names, parame
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import pathlib
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch import nn
 
 from infinity.config import ZeroConfig, load_config
 from infinity.models.gpt import GPT, PRESETS
+from infinity.models.hf import HF_PRESETS, build_hf
 from infinity.zero._unit_choice import (AUTO_UNIT_MIN_NUMEL, UnitChoice, block_class_names,
                                         choose_units, units_of)
 
@@ -209,3 +212,26 @@ def test_the_choice_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="infinity.zero._unit_choice"):
         _default(_tiny_gpt2())
     assert "GPT2Block" in caplog.text and "unit_class_names" in caplog.text
+
+
+DS_ZERO3 = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "ds_zero3.json"
+"""The plain DeepSpeed ZeRO-3 file ``infinity bench step --ds-config`` measures (issue #15)."""
+
+
+@pytest.mark.filterwarnings("ignore:DeepSpeed key")  # the file's overlap_comm etc.: no effect here
+@pytest.mark.parametrize("name", sorted(HF_PRESETS))
+def test_bench_hf_presets_under_the_plain_ds_config_are_the_native_choice(name):
+    """The bench's Hugging Face models at their measured sizes (on meta: shapes only) under the
+    shipped DeepSpeed file: the same units as the tuned native config naming the block class,
+    with the file's own persistence and size settings (not the tests' threshold)."""
+    preset = HF_PRESETS[name]
+    with torch.device("meta"):
+        model = build_hf(name)
+    zero = load_config(str(DS_ZERO3)).zero
+    got = units_of(model, zero)
+    want = units_of(model, dataclasses.replace(zero, unit_class_names=(preset.block_class_name,)))
+    _assert_same_choice(got, want)
+    layers = preset.config["num_hidden_layers" if preset.arch == "llama" else "n_layer"]
+    blocks = [n for _, n, _ in got.hooked
+              if type(model.get_submodule(n)).__name__ == preset.block_class_name]
+    assert len(blocks) == layers and len([u for u in got.units if u.name in blocks]) == layers
