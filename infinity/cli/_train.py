@@ -92,9 +92,10 @@ def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
         with open(args.config, encoding="utf-8") as f:
             return json.load(f)
     config: dict[str, Any] = {
-        # Sub-groups of 2**18 elements keep the optimizer's NVMe staging (a few sub-groups of
-        # master + moments, 12 B per element) well inside the host budget.
-        "zero": {"stage": 3, "unit_class_names": ["Block"], "sub_group_numel": 2**18},
+        # 'auto' sub-groups: the largest whose NVMe staging (a few sub-groups of master +
+        # moments, 12 B per element) fits the host budget. A fixed 2**18 (3 MiB requests) made
+        # the 3.3B model's step Python-bound on 38,000 requests at 0.4 GB/s.
+        "zero": {"stage": 3, "unit_class_names": ["Block"], "sub_group_numel": "auto"},
         "precision": {"dtype": args.dtype},
         "optimizer": {"type": "adamw", "lr": args.lr, "weight_decay": 0.01},
         "gradient_clipping": 1.0,
