@@ -20,6 +20,7 @@ from infinity.zero._collectives import Collectives
 from infinity.zero._flat_group import FlatGroup, Unit, UnitState, layout_group
 from infinity.zero._unit_choice import ChosenUnit, UnitChoice
 
+
 class MasterSink(Protocol):
     """Takes each trainable group's fp32 master as soon as its group is built
     ([Note: masters stream into the optimizer] in infinity/zero/_engine.py)."""
