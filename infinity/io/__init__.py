@@ -16,7 +16,7 @@ Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from 
 """
 
 from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, aligned_empty, aligned_view,
-                                  memory_at, pin_device_for)
+                                  memory_at, pin_device_for, pinned_staging_ring)
 from infinity.io._disk import free_disk_bytes
 from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, SafetensorsError,
                                       SafetensorsFile, TensorEntry, fsync_dir, iter_tensors,
@@ -27,4 +27,4 @@ from infinity.io._swapper import SwapHandle, Swapper
 __all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
            "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
            "address_of", "aligned_empty", "aligned_view", "free_disk_bytes", "fsync_dir",
-           "iter_tensors", "memory_at", "pin_device_for", "write_safetensors"]
+           "iter_tensors", "memory_at", "pin_device_for", "pinned_staging_ring", "write_safetensors"]

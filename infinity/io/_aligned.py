@@ -15,6 +15,7 @@ import mmap
 
 import torch
 
+from infinity._async_copy import StagingRing
 from infinity._common import align_up, format_bytes
 
 DEFAULT_ALIGNMENT_BYTES = 4096
@@ -129,3 +130,12 @@ def memory_at(addr: int, nbytes: int) -> memoryview:
 
 def address_of(mem: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mem))
+
+
+def pinned_staging_ring(device: torch.device, num_slots: int = 2) -> StagingRing:
+    """A :class:`~infinity._async_copy.StagingRing` of host slots for copies to or from
+    ``device``, pinned on it when it is a GPU ([Note: pin only what a GPU copy touches]); two
+    slots: one filled while the other's copy runs."""
+    pin = pin_device_for(device)
+    return StagingRing(num_slots, device=device,
+                       allocate=lambda nbytes: aligned_empty(nbytes, torch.uint8, pin_device=pin))

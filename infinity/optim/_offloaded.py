@@ -15,7 +15,7 @@ import torch
 from infinity._async_copy import StagingRing
 from infinity.config import OptimizerConfig
 from infinity.errors import TierCapacityError
-from infinity.io import aligned_empty, pin_device_for
+from infinity.io import pinned_staging_ring
 from infinity.optim._partition import StoredGrad, check_numel, open_param_out
 from infinity.optim._runs import AdamRun, adam_runs, clipped, config_hyperparameters, covers
 from infinity.optim._sub_group import (STEP_TRANSITIONS, ReadAhead, StepRun, StepState, SubGroup,
@@ -691,8 +691,5 @@ class OffloadedShardOptimizer:
         """The pinned staging of the copy-out to a GPU shard, made on first use (two slots: one
         filled by Adam while the other's copy runs)."""
         if self._ring is None:
-            pin = pin_device_for(device)
-            self._ring = StagingRing(
-                2, device=device,
-                allocate=lambda nbytes: aligned_empty(nbytes, torch.uint8, pin_device=pin))
+            self._ring = pinned_staging_ring(device)
         return self._ring

@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 import torch
 
 from infinity._async_copy import StagingRing
-from infinity.io import aligned_empty, pin_device_for
+from infinity.io import pinned_staging_ring
 from infinity.optim import StoredGrad
 from infinity.tiers import Tier, TieredStore, TierHandle
 from infinity.zero._collectives import Collectives
@@ -215,10 +215,7 @@ class GradientReducer:
 
     def _ring_for(self, device: torch.device) -> StagingRing:
         if self._ring is None:
-            pin = pin_device_for(device)
-            self._ring = StagingRing(
-                2, device=device,
-                allocate=lambda nbytes: aligned_empty(nbytes, torch.uint8, pin_device=pin))
+            self._ring = pinned_staging_ring(device)
         return self._ring
 
     def _accumulate_stored(self, stored: StoredGrad, part: torch.Tensor) -> None:
