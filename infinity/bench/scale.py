@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-budget", default="4GiB",
                         help="the fixed host budget of every row: 'auto' or a size (default 4GiB)")
     parser.add_argument("--dir", default="./infinity-data/scale", help="swap directory")
+    parser.add_argument("--width", type=int, help="every row at this width (a multiple of 128): "
+                        "one unit size, so the rows differ in the number of layers alone")
     parser.add_argument("--plot", metavar="FILE.png", help="RSS and step/roofline against size")
     add_common_arguments(parser)
 
@@ -61,7 +63,8 @@ def _one(numel: float, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "infinity", "train", "--params", f"{numel:g}", "--data",
            "synthetic", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
            "--seq-len", str(args.seq_len), "--dtype", args.dtype, "--host-budget", args.host_budget, "--dir",
-           os.path.join(os.path.abspath(args.dir), f"p{numel:g}"), "--json"]
+           os.path.join(os.path.abspath(args.dir), f"p{numel:g}"), "--json",
+           *(["--width", str(args.width)] if args.width else [])]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         return {"error": out.stderr.strip().splitlines()[-1:] or ["failed"], "cmd": cmd}

@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--state-ram-multiple", type=float, help="instead of --model: a GPT whose "
                       "training state (16 B per parameter) is this multiple of the machine's RAM "
                       "(e.g. 2)")
+    parser.add_argument("--width", type=int, help="with --params / --state-ram-multiple: the "
+                        "model's width (a multiple of 128), the layers making up the size")
     parser.add_argument("--no-roofline", action="store_true", help="skip the roofline probes (a "
                         "256 MiB raw disk probe of --dir and one block's compute, a few seconds)")
     parser.add_argument("--data", choices=("auto", "text", "synthetic"), default="auto",
@@ -144,7 +146,7 @@ def _model_config(args: argparse.Namespace) -> GPTConfig:
     if numel is not None:
         if numel < 1e6:
             raise ValueError(f"--params: expected at least 1e6 parameters, got {numel:g}")
-        config = gpt_for_params(numel)
+        config = gpt_for_params(numel, width=getattr(args, "width", None))
         args.model = f"gpt-{config.num_params / 1e9:.2f}b"
         return config
     if args.model not in PRESETS:

@@ -56,11 +56,16 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def gpt_for_params(numel: float, *, vocab_size: int = 32000, block_size: int = 1024) -> GPTConfig:
+def gpt_for_params(numel: float, *, vocab_size: int = 32000, block_size: int = 1024,
+                   width: int | None = None) -> GPTConfig:
     """A GPT of about ``numel`` parameters in the shape of the presets above: width 64 per layer
-    (the 3b preset's 2560 / 40), width a multiple of 128, heads of 128, an untied head."""
+    (the 3b preset's 2560 / 40), width a multiple of 128, heads of 128, an untied head.
+    ``width``: fixed instead (a multiple of 128), the layers making up the size: models of one
+    unit size, whose per-unit working set is the same at every size."""
     numel = float(numel)
-    width = max(128, round((numel * 64 / 12) ** (1 / 3) / 128) * 128)
+    if width is not None and (width < 128 or width % 128):
+        raise ValueError(f"width must be a multiple of 128 (heads of 128), got {width}")
+    width = width or max(128, round((numel * 64 / 12) ** (1 / 3) / 128) * 128)
     ends = 2 * vocab_size * width + block_size * width + 2 * width
     per_block = 12 * width * width + 13 * width
     layers = max(1, round((numel - ends) / per_block))

@@ -72,3 +72,12 @@ def test_gpt_compute_is_measured_per_unit_and_summed():
     c = gpt_compute_s(PRESETS["tiny"], batch_size=2, seq_len=16, dtype=torch.float32, repeats=1)
     assert c["forward_backward_s"] > 0 and c["adam_s"] > 0
     assert c["cpu_s"] == pytest.approx(c["forward_backward_s"] + c["adam_s"])
+
+
+def test_gpt_for_params_at_a_fixed_width_varies_the_layers_alone():
+    small, large = gpt_for_params(1e9, width=2560), gpt_for_params(3.3e9, width=2560)
+    assert small.n_embd == large.n_embd == 2560 and small.n_head == 20
+    assert small.n_layer < large.n_layer == gpt_for_params(3.3e9).n_layer
+    assert abs(small.num_params - 1e9) < 0.1e9
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gpt_for_params(1e9, width=1000)
