@@ -15,10 +15,7 @@ host budget too small for every gradient accumulator, the accumulators are NVMe-
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,11 +27,9 @@ from infinity.tiers import Tier
 from infinity.zero import host_needs_of, least_host_budget_bytes
 from tests._support.engine import (TINY, assert_close_run, batches, engine_train,
                                    offload_config, reference_train, tiny_gpt)
+from tests._support.fresh import call_in_fresh_process
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 DEEP = dataclasses.replace(TINY, n_layer=6)
 """Deep enough that its gradients take more host room than the slices' staging."""
@@ -130,13 +125,8 @@ def _measure(n_layer: int, swap_dir: str, host_budget_bytes: int,
 
 
 def _measure_in_fresh_process(tmp_path, n_layer: int, host: int, device: int) -> dict:
-    code = (f"import json; from tests.engine.test_grads_on_nvme import _measure; "
-            f"print(json.dumps(_measure({n_layer}, {str(tmp_path / str(n_layer))!r}, "
-            f"{host}, {device})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return call_in_fresh_process("tests.engine.test_grads_on_nvme", "_measure", n_layer,
+                                 str(tmp_path / str(n_layer)), host, device)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")

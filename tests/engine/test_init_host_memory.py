@@ -11,10 +11,7 @@ what those masters alone would add.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,8 +19,7 @@ import torch
 import infinity
 from infinity.models.gpt import GPT, GPTConfig, synthetic_batch
 from tests._support.engine import offload_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests._support.fresh import call_in_fresh_process
 
 WIDE = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=6, n_embd=384)
 """1.8M parameters per block: 7 MB of fp32 master each."""
@@ -65,12 +61,8 @@ def _measure(n_layer: int, swap_dir: str, host_budget_bytes: int) -> dict:
 
 
 def _measure_in_fresh_process(tmp_path, n_layer: int, host: int) -> dict:
-    code = (f"import json; from tests.engine.test_init_host_memory import _measure; "
-            f"print(json.dumps(_measure({n_layer}, {str(tmp_path / str(n_layer))!r}, {host})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return call_in_fresh_process("tests.engine.test_init_host_memory", "_measure", n_layer,
+                                 str(tmp_path / str(n_layer)), host)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak reset")
