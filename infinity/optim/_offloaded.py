@@ -174,27 +174,34 @@ class OffloadedShardOptimizer:
                 if sg.home is Tier.NVME:
                     self.store.evict(sg.store_key, Tier.HOST)
 
+    def _resident_prefix(self, n_total: int, room_bytes: int) -> tuple[int, int]:
+        """[Note: host-resident sub-groups] for a key of ``n_total`` elements given
+        ``room_bytes`` of host room: how many of its leading sub-groups are homed on HOST, and
+        the room left. A prefix only (no later, smaller sub-group lands between cached copies):
+        the first sub-group that does not fit leaves no room. Each takes the arena's own extent
+        (its alignment may exceed the plan's 4 KiB), so that the resident sub-groups never take
+        more host room than the plan left them."""
+        resident = 0
+        for lo in range(0, n_total, self.sub_group_numel):
+            n = min(n_total, lo + self.sub_group_numel) - lo
+            extent = self.store.arena.extent_bytes(SUB_GROUP_BYTES_PER_NUMEL * n)
+            if extent > room_bytes:
+                return resident, 0
+            room_bytes -= extent
+            resident += 1
+        return resident, room_bytes
+
     def _holds_back(self, key: str, master: torch.Tensor, param_out: Any,
                     param_key: str | None) -> bool:
         """While streaming: whether ``key`` is held back because its first sub-group will be
-        homed on HOST. It replays :meth:`add`'s prefix rule on the promised room, so the held
-        keys are exactly those that :meth:`add` in the offered order would make resident."""
+        homed on HOST (:meth:`_resident_prefix` on the room not yet promised, so the held keys
+        are exactly those that :meth:`add` in the offered order would make resident)."""
         if self._held is None:
             return False
         self._add_order.append(key)
-        if self._held_room_bytes <= 0:
-            return False
-        first_fits = False
-        n_total = master.numel()
-        for lo in range(0, n_total, self.sub_group_numel):
-            nbytes = SUB_GROUP_BYTES_PER_NUMEL * (min(n_total, lo + self.sub_group_numel) - lo)
-            extent = self.store.arena.extent_bytes(nbytes)
-            if extent > self._held_room_bytes:
-                self._held_room_bytes = 0
-                break
-            self._held_room_bytes -= extent
-            first_fits = first_fits or lo == 0
-        if not first_fits:
+        resident, self._held_room_bytes = self._resident_prefix(master.numel(),
+                                                                self._held_room_bytes)
+        if not resident:
             return False
         self._held[key] = (master, param_out, param_key)
         return True
@@ -213,26 +220,19 @@ class OffloadedShardOptimizer:
         if param_key is not None:
             self._param_keys[key] = param_key
         n_total, sub = master.numel(), self.sub_group_numel
-        streaming = self._held is not None
+        resident = 0  # streaming: a key that takes host room is held, added at release_held
+        if self._held is None:
+            resident, self._resident_room_bytes = self._resident_prefix(
+                n_total, self._resident_room_bytes)
         records = []
         for i, lo in enumerate(range(0, n_total, sub)):
             hi = min(n_total, lo + sub)
             n = hi - lo
             initial = torch.zeros(3 * n, dtype=torch.float32)
             initial[:n].copy_(master[lo:hi])
-            home = self.home
-            # The arena's own extent (its alignment may exceed the plan's 4 KiB), so that the
-            # resident sub-groups never take more host room than the plan left them.
-            nbytes = SUB_GROUP_BYTES_PER_NUMEL * n
-            extent = self.store.arena.extent_bytes(nbytes) if self._resident_room_bytes else 0
-            if streaming:
-                pass  # a key that takes host room is held; it is added at release_held
-            elif 0 < extent <= self._resident_room_bytes:  # [Note: host-resident sub-groups]
-                home = Tier.HOST
-                self._resident_room_bytes -= extent
-                self.host_resident_bytes += nbytes
-            else:  # a prefix only: no later, smaller sub-group lands between cached copies
-                self._resident_room_bytes = 0
+            home = Tier.HOST if i < resident else self.home
+            if i < resident:
+                self.host_resident_bytes += SUB_GROUP_BYTES_PER_NUMEL * n
             sg = SubGroup(key=key, lo=lo, hi=hi, store_key=f"opt/{key}/{i}", home=home)
             self.store.register(sg.store_key, 3 * n, torch.float32, home, initial=initial)
             self._state_bytes += 8 * n

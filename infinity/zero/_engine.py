@@ -60,9 +60,9 @@ from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedSh
 from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
-from infinity.zero._flat_group import FlatGroup
 from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
 from infinity.zero._device import resolve_device
+from infinity.zero._flat_group import FlatGroup
 from infinity.zero._grad_norm import sum_of_squares
 from infinity.zero._host_malloc import fix_mmap_threshold
 from infinity.zero._inputs import move_to_device
@@ -123,7 +123,6 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
                                  if offload is not None and offload.grads_on_nvme else None))
 
 
-
 class _MasterStream:
     """[Note: masters stream into the optimizer]
     With the optimizer on NVMe, each trainable group's fp32 master goes to the optimizer as soon
@@ -147,6 +146,7 @@ class _MasterStream:
 
     def drop_setup_copies(self) -> None:
         self.optimizer.drop_setup_copies()
+
 
 class InfinityEngine:
     """The training engine returned by :func:`initialize`; see the module docstring."""
@@ -243,7 +243,6 @@ class InfinityEngine:
         self._step_timer = timer_for(self.device)
         """Times the optimizer steps: event pairs on a GPU, the wall clock on a CPU ([Note:
         timing asynchronous GPU work] in infinity/_timing.py)."""
-        """Seconds spent inside optimizer steps (for stats())."""
         self.defer_optimizer_step = True
         """NVMe optimizer: the updates of a step run in the next forward, each just before its
         parameter shard is read ([Note: deferred optimizer step]); False runs them in step()."""
