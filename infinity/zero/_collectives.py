@@ -41,6 +41,10 @@ class Phase(enum.Enum):
     NORM = "norm"
     STATE_DICT = "state-dict"
     BROADCAST = "broadcast"
+    REPLICATE_REDUCE = "replicate-reduce"
+    """HSDP: a gradient shard summed across the replicas of its shard group."""
+    OTHER = "other"
+    """Checkpoint bookkeeping, size agreement and the like: small and rare."""
 
 
 _PHASES = list(Phase)
@@ -134,7 +138,8 @@ def _first_attr(*names: str):
 class Collectives:
     """The collectives one parameter manager issues, over one process group.
 
-    Counts bytes sent by this rank (``bytes_moved``) so that ``engine.stats()`` can report traffic.
+    Counts bytes sent by this rank, in total (``bytes_moved``) and per :class:`Phase`
+    (``bytes_by_phase``), so that ``engine.stats()`` can report traffic per kind of collective.
     """
 
     def __init__(self, group: "dist.ProcessGroup | None" = None):
@@ -143,8 +148,14 @@ class Collectives:
         self.rank = dist.get_rank(group) if is_distributed() else 0
         self.bytes_moved = 0
         """Bytes this rank contributed to collectives (input sizes), for stats()."""
+        self.bytes_by_phase: dict[str, int] = {}
+        """The same bytes split by the ``phase`` each collective was issued for (Phase values)."""
         self._all_gather = _first_attr("all_gather_single", "all_gather_into_tensor")
         self._reduce_scatter = _first_attr("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def _count(self, phase: Phase, nbytes: int) -> None:
+        self.bytes_moved += nbytes
+        self.bytes_by_phase[phase.value] = self.bytes_by_phase.get(phase.value, 0) + nbytes
 
     def _run(self, context: str, fn, *args, **kwargs) -> None:
         try:
@@ -156,27 +167,30 @@ class Collectives:
                 f"data), make every rank run the same modules, or set {CHECK_ENV}=1 to find where "
                 f"they diverge") from e
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, context: str) -> None:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, context: str,
+                   phase: Phase = Phase.OTHER) -> None:
         """``out`` (numel = W * shard numel) receives every rank's ``shard``; shard may alias out."""
         if self.world_size == 1:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
             return
-        self.bytes_moved += shard.numel() * shard.element_size()
+        self._count(phase, shard.numel() * shard.element_size())
         self._run(context, self._all_gather, out, shard)
 
-    def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, *, context: str) -> None:
+    def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, *, context: str,
+                           phase: Phase = Phase.OTHER) -> None:
         """``out`` receives this rank's slice of the sum of every rank's ``full``."""
         if self.world_size == 1:
             out.copy_(full)
             return
-        self.bytes_moved += full.numel() * full.element_size()
+        self._count(phase, full.numel() * full.element_size())
         self._run(context, self._reduce_scatter, out, full)
 
-    def all_reduce_sum(self, tensor: torch.Tensor, *, context: str) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, *, context: str,
+                       phase: Phase = Phase.OTHER) -> None:
         if self.world_size == 1:
             return
-        self.bytes_moved += tensor.numel() * tensor.element_size()
+        self._count(phase, tensor.numel() * tensor.element_size())
         self._run(context, dist.all_reduce, tensor)
 
     def all_reduce_max(self, tensor: torch.Tensor, *, context: str) -> None:
@@ -184,10 +198,11 @@ class Collectives:
             return
         self._run(context, dist.all_reduce, tensor, op=dist.ReduceOp.MAX)
 
-    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, context: str) -> None:
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, context: str,
+                  phase: Phase = Phase.OTHER) -> None:
         if self.world_size == 1:
             return
-        self.bytes_moved += tensor.numel() * tensor.element_size()
+        self._count(phase, tensor.numel() * tensor.element_size())
         self._run(context, dist.broadcast, tensor, src=src)
 
     def check_agreement(self, *, step: int, phase: Phase, unit_index: int, unit_name: str,

@@ -60,7 +60,8 @@ from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedSh
 from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
-from infinity.zero._collectives import Collectives, init_from_env_if_launched, is_distributed
+from infinity.zero._collectives import (Collectives, Phase, init_from_env_if_launched,
+                                        is_distributed)
 from infinity.zero._device import resolve_device
 from infinity.zero._flat_group import FlatGroup
 from infinity.zero._grad_norm import sum_of_squares
@@ -326,7 +327,8 @@ class InfinityEngine:
         with torch.no_grad():
             for dtype, bufs in by_dtype.items():
                 flat = torch.cat([b.reshape(-1) for b in bufs])
-                self.collectives.broadcast(flat, src=0, context=f"buffers ({dtype})")
+                self.collectives.broadcast(flat, src=0, context=f"buffers ({dtype})",
+                                          phase=Phase.BROADCAST)
                 offset = 0
                 for b in bufs:
                     b.copy_(flat[offset:offset + b.numel()].view_as(b))
@@ -474,7 +476,7 @@ class InfinityEngine:
         for g in grads.values():
             total += g.sum_sq if isinstance(g, StoredGrad) else sum_of_squares(g)
         if self.manager.stage > 0:
-            self.collectives.all_reduce_sum(total, context="global gradient norm")
+            self.collectives.all_reduce_sum(total, context="global gradient norm", phase=Phase.NORM)
         value = float(total.item())
         return value, not math.isfinite(value)
 
@@ -520,6 +522,8 @@ class InfinityEngine:
                             "DEVICE->HOST": store.get("bytes_device_to_host", 0),
                             "HOST->NVME": store.get("bytes_host_to_nvme", 0),
                             "DEVICE<->DEVICE (collectives, sent)": self.collectives.bytes_moved},
+            # Per kind (Phase values: forward-gather, backward-gather, reduce-grad, ...).
+            "collective_bytes_sent": dict(self.collectives.bytes_by_phase),
             "stall_s": store.get("wait_s", 0.0),
             "prefetch": self.manager.prefetch_stats(),
             "num_gathers": self.manager.num_gathers,

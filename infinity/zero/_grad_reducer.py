@@ -44,7 +44,7 @@ from infinity._async_copy import StagingRing
 from infinity.io import pinned_staging_ring
 from infinity.optim import StoredGrad
 from infinity.tiers import Tier, TieredStore, TierHandle
-from infinity.zero._collectives import Collectives
+from infinity.zero._collectives import Collectives, Phase
 from infinity.zero._flat_group import FlatGroup, ParamSlot
 from infinity.zero._grad_norm import sum_of_squares
 
@@ -164,10 +164,11 @@ class GradientReducer:
                 part = staging  # the shard is the whole buffer: no reduce, no copy
             elif stage >= 2:
                 part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
-                self.coll.reduce_scatter_sum(part, wire, context=context)
+                self.coll.reduce_scatter_sum(part, wire, context=context,
+                                             phase=Phase.REDUCE_GRAD)
                 part = part.float()  # no copy when the wire is fp32
             else:
-                self.coll.all_reduce_sum(wire, context=context)
+                self.coll.all_reduce_sum(wire, context=context, phase=Phase.REDUCE_GRAD)
                 if wire is not staging:
                     staging.copy_(wire)
                 part = staging

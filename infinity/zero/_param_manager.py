@@ -356,10 +356,10 @@ class ParameterManager:
                     context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
                                f"(micro-step {self.micro_step})")
                     if g.store_key is None:
-                        self.coll.all_gather(g.full, g.shard, context=context)
+                        self.coll.all_gather(g.full, g.shard, context=context, phase=phase)
                     else:
                         with self._open_stored_shard_read(g) as shard:
-                            self.coll.all_gather(g.full, shard, context=context)
+                            self.coll.all_gather(g.full, shard, context=context, phase=phase)
         finally:
             self._busy -= 1
         if unit.state is UnitState.RELEASED:
@@ -615,7 +615,8 @@ class ParameterManager:
         if self.stage == 0 or src.numel() == group.padded_numel:
             return src.float().clone()
         out = torch.empty(group.padded_numel, dtype=src.dtype, device=self.device)
-        self.coll.all_gather(out, src, context=f"state-dict gather of {group.key}")
+        self.coll.all_gather(out, src, context=f"state-dict gather of {group.key}",
+                             phase=Phase.STATE_DICT)
         return out.float()
 
     def full_state_dict(self, master_of: Any = None, keys: Any = None) -> dict[str, torch.Tensor]:

@@ -35,7 +35,10 @@ def worker_parity(rank: int, world_size: int, out_dir: str) -> dict:
         engine = infinity.initialize(tiny_gpt(), engine_config(stage=stage, dtype=dtype, gas=gas,
                                                                clip=clip, **extra))
         losses = engine_train(engine, batches(STEPS, gas), rank=rank, world_size=world_size)
-        out[name] = {"losses": losses, "state": engine.full_state_dict(), "stats": engine.stats()}
+        trainable = sum(g.padded_numel for u in engine.manager.units for g in u.groups
+                        if g.requires_grad)
+        out[name] = {"losses": losses, "state": engine.full_state_dict(), "stats": engine.stats(),
+                     "trainable_padded_numel": trainable}
     return out
 
 
@@ -54,6 +57,15 @@ def test_two_ranks_match_plain_pytorch_on_the_global_batch():
         # Resident model state per rank: stage 3 shards everything but the persistent unit.
         stats = results[0][name]["stats"]
         assert stats["world_size"] == 2
+        # Collective bytes per kind add up to the total; fp32 without accumulation reduces
+        # every trainable element once per step, in fp32 (all-reduce below stage 2, else a
+        # reduce-scatter whose input is the whole buffer: the same bytes sent).
+        by_phase = stats["collective_bytes_sent"]
+        assert sum(by_phase.values()) == stats["bytes_moved"]["DEVICE<->DEVICE (collectives, sent)"]
+        if dtype == "fp32" and gas == 1:
+            assert by_phase["reduce-grad"] == STEPS * results[0][name]["trainable_padded_numel"] * 4
+        gathers = by_phase.get("forward-gather", 0) + by_phase.get("backward-gather", 0)
+        assert (gathers > 0) == (stage == 3), (name, by_phase)
 
 
 OFFLOAD_CONFIGS = [  # (name, stage, dtype, gas, clip, optimizer offload, parameter offload, host)
