@@ -5,6 +5,8 @@ Reproduce (about 15 minutes here; 13.5 GB base checkpoint + 13.5 GB of swap unde
 
     .venv/bin/python benchmarks/lora_7b.py                 # Llama-2-7B's shape, 4 steps
     .venv/bin/python benchmarks/lora_7b.py --shape tiny    # the same flow in seconds
+    .venv/bin/python benchmarks/lora_7b.py --shape 7b-8l --host-budget 1GiB --dir ./infinity-data/lora7b8l
+                                                           # 8 of 7B's layers, streamed: ~4 min
 
 1. Once: a sharded safetensors checkpoint of the shape with random bf16 weights (``--dir/base``,
    one file per decoder layer, HF's index), and the adapters' initial values
@@ -156,6 +158,9 @@ def run_ours(args: argparse.Namespace, base: str, adapters: str) -> dict:
               "optimizer": {"type": "adamw", "lr": args.lr, "weight_decay": 0.0},
               "offload_param": {"device": "nvme", "nvme_path": os.path.join(args.dir, "swap")},
               "gradient_clipping": 1.0}
+    if args.host_budget:
+        from infinity.cli._consolidate import parse_bytes
+        config["memory"] = {"host_budget_bytes": parse_bytes(args.host_budget)}
     t0 = time.perf_counter()
     with infinity.init(config):
         model = get_peft_model(LlamaForCausalLM(LlamaConfig.from_pretrained(base)),
@@ -185,6 +190,7 @@ def _child(which: str, args: argparse.Namespace) -> dict:
            "--steps", str(args.steps), "--dir", args.dir, "--rank", str(args.rank),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
            "--lr", str(args.lr)]
+    cmd += ["--host-budget", args.host_budget] if args.host_budget else []
     print(f"{which}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
@@ -201,6 +207,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--dir", default="./infinity-data/lora7b")
+    parser.add_argument("--host-budget", default=None,
+                        help="ours: memory.host_budget_bytes (e.g. 1GiB with --shape 7b-8l, so that "
+                             "the base streams from NVMe as at 7B); default: the engine's 'auto'")
     parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--child", choices=("plain", "ours"), help=argparse.SUPPRESS)

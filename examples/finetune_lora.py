@@ -32,11 +32,17 @@ SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                max_position_embeddings=4096),
+    # Llama-2-7B's decoder layer, 8 of them: the 7B scenario's per-unit traffic in a quarter of
+    # the time and disk (with a host budget below the base, as at 7B, every unit streams).
+    "7b-8l": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=8,
+                  num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                  max_position_embeddings=4096),
 }
 
 
 DEFAULTS = {"tiny": dict(batch_size=4, seq_len=64, lr=1e-2),
-            "7b": dict(batch_size=1, seq_len=128, lr=2e-4)}
+            "7b": dict(batch_size=1, seq_len=128, lr=2e-4),
+            "7b-8l": dict(batch_size=1, seq_len=128, lr=2e-4)}
 """Per shape: a quick demonstration, and issue #16's scenario (batch 1 x 128)."""
 
 

@@ -15,8 +15,8 @@ and safetensors read and written by byte range.
 Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from above the floor.
 """
 
-from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, aligned_empty, aligned_view,
-                                  memory_at, pin_device_for, pinned_staging_ring)
+from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, advise_huge_pages,
+                                  aligned_empty, aligned_view, memory_at, pin_device_for, pinned_staging_ring)
 from infinity.io._disk import free_disk_bytes
 from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, SafetensorsError,
                                       SafetensorsFile, TensorEntry, fsync_dir, iter_tensors,
@@ -26,5 +26,5 @@ from infinity.io._swapper import SwapHandle, Swapper
 
 __all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
            "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
-           "address_of", "aligned_empty", "aligned_view", "free_disk_bytes", "fsync_dir",
-           "iter_tensors", "memory_at", "pin_device_for", "pinned_staging_ring", "write_safetensors"]
+           "address_of", "advise_huge_pages", "aligned_empty", "aligned_view", "free_disk_bytes",
+           "fsync_dir", "iter_tensors", "memory_at", "pin_device_for", "pinned_staging_ring", "write_safetensors"]

@@ -22,6 +22,7 @@ import torch
 
 from infinity._common import format_bytes
 from infinity.errors import TierCapacityError
+from infinity.io import advise_huge_pages
 from infinity.tiers._arena import HostArena
 from infinity.tiers._records import Counters, _Shard
 from infinity.tiers.residency import Residency, Tier
@@ -35,7 +36,9 @@ _A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Resid
 
 def _empty_device(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every DEVICE allocation of the store goes through here (tests wrap it to count live bytes)."""
-    return torch.empty(numel, dtype=dtype, device=device)
+    tensor = torch.empty(numel, dtype=dtype, device=device)
+    advise_huge_pages(tensor)  # a CPU engine's DEVICE tier: [Note: first touch of large host buffers]
+    return tensor
 
 
 class _Alloc:

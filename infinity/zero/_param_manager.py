@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from infinity._common import warn_once
+from infinity.io import advise_huge_pages
 from infinity.optim import StoredGrad
 from infinity.prefetch import Level
 from infinity.tiers import Tier, TieredStore
@@ -353,6 +354,7 @@ class ParameterManager:
             with torch.profiler.record_function(f"infinity::gather ({unit.name})"):
                 for g in unit.groups:
                     g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
+                    advise_huge_pages(g.full)  # [Note: first touch of large host buffers] (io)
                     context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
                                f"(micro-step {self.micro_step})")
                     if g.store_key is None:
