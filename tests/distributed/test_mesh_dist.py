@@ -1,0 +1,149 @@
+"""The engine over a device mesh on 4 ranks (gloo): HSDP 2 x 2 (shard over 2, replicate over 2)
+and the flat shard-4 layout against single-process plain PyTorch on the same global batch, at
+stages 1, 2 and 3 with clipping; the collective bytes per kind; a checkpoint saved at 2 x 2
+loaded at shard-4 and in one process ([Note: mesh dimensions] in infinity/config/_mesh.py,
+[Note: collectives over a mesh] in infinity/zero/_collectives.py).
+
+The ranks are spawned once per test; the configurations loop inside the workers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests._support.launch import launch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_torch_thread")]
+
+WORLD = 4
+STEPS = 6
+CLIP = 0.05
+HSDP = {"replicate": 2, "shard": 2}
+CONFIGS = [  # (name, stage, mesh section or "device-mesh", gradient accumulation steps)
+    *[(f"hsdp-s{s}", s, HSDP, 1) for s in (1, 2, 3)],
+    ("hsdp-s3-gas2", 3, HSDP, 2),
+    ("hsdp-s3-device-mesh", 3, "device-mesh", 1),
+    ("shard4-s3", 3, {}, 1),
+    ("ddp4-s2", 2, {"shard": 1}, 1),
+]
+
+
+def _engine(stage: int, mesh, gas: int = 1):
+    import infinity
+    from tests._support.engine import engine_config, tiny_gpt
+
+    device_mesh = None
+    if mesh == "device-mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+        device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = {}
+    return infinity.initialize(tiny_gpt(), engine_config(stage=stage, clip=CLIP, gas=gas,
+                                                         mesh=mesh),
+                               mesh=device_mesh)
+
+
+def worker_parity(rank: int, world_size: int, out_dir: str, steps: int = STEPS) -> dict:
+    import torch.distributed as dist
+
+    from tests._support.engine import batches, engine_train
+
+    out = {}
+    for name, stage, mesh, gas in CONFIGS:
+        if os.environ.get("MESH_ONLY") and name not in os.environ["MESH_ONLY"].split(","):
+            continue
+        engine = _engine(stage, mesh, gas)
+        losses = engine_train(engine, batches(steps, gas), rank=rank, world_size=world_size)
+        coll = engine.collectives
+        shard_group = (list(range(world_size)) if coll.group is None
+                       else dist.get_process_group_ranks(coll.group))
+        trainable = [(g.padded_numel, g.shard_numel) for u in engine.manager.units
+                     for g in u.groups if g.requires_grad]
+        state = engine.full_state_dict()  # a collective: on every rank
+        out[name] = {"losses": losses, "stats": engine.stats(), "shard_group": shard_group,
+                     "trainable": trainable,
+                     "state": state if rank in (0, world_size - 1) else None}
+    return out
+
+
+def test_hsdp_and_shard4_match_plain_pytorch_on_the_global_batch():
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
+
+    results = launch(__file__, "worker_parity", world_size=WORLD, timeout_s=300)
+    for name, stage, mesh, gas in CONFIGS:
+        ref_losses, ref_state = reference_train(tiny_gpt(), batches(STEPS, gas), clip=CLIP)
+        for rank in (0, WORLD - 1):  # one rank of each replica
+            got = results[rank][name]
+            assert_close_run(got["losses"], got["state"], ref_losses, ref_state, "fp32")
+        shard = {"shard4-s3": 4, "ddp4-s2": 1}.get(name, 2)
+        for rank, res in enumerate(results):  # shard groups: contiguous ranks
+            first = rank // shard * shard
+            assert res[name]["shard_group"] == list(range(first, first + shard)), name
+        got = results[0][name]
+        stats, by_phase = got["stats"], got["stats"]["collective_bytes_sent"]
+        assert stats["world_size"] == shard
+        assert stats["mesh"] == {"replicate": WORLD // shard, "shard": shard}
+        assert sum(by_phase.values()) == stats["bytes_moved"]["DEVICE<->DEVICE (collectives, sent)"]
+        micro_batches = STEPS * gas
+        full_bytes = sum(padded for padded, _ in got["trainable"]) * 4
+        shard_bytes = sum(part for _, part in got["trainable"]) * 4
+        # The shard group reduces every trainable element once per micro-batch (a reduce-scatter
+        # or all-reduce whose input is the whole buffer) ...
+        assert by_phase.get("reduce-grad", 0) == (micro_batches * full_bytes if shard > 1 else 0)
+        # ... and only this rank's gradient shard crosses the replicas (stage 1: the shard of
+        # the all-reduced buffer; stages 2-3: the reduce-scatter's output).
+        replicas = WORLD // shard
+        assert by_phase.get("replicate-reduce", 0) == (
+            micro_batches * shard_bytes if replicas > 1 else 0), (name, by_phase)
+        # The norm is summed over the shard group only: one fp64 per step.
+        assert by_phase.get("norm", 0) == (STEPS * 8 if shard > 1 else 0), (name, by_phase)
+
+
+SAVE_AT, MORE = 3, 3
+
+
+def worker_checkpoint(rank: int, world_size: int, out_dir: str, root: str) -> dict:
+    from tests._support.engine import batches, engine_train
+
+    data = batches(SAVE_AT + MORE, 1)
+    out = {}
+    for stage in (1, 3):
+        ckpt = os.path.join(root, f"s{stage}")
+        engine = _engine(stage, HSDP)
+        engine_train(engine, data[:SAVE_AT], rank=rank, world_size=world_size)
+        engine.save_checkpoint(ckpt)
+        after = engine_train(engine, data[SAVE_AT:], rank=rank, world_size=world_size)
+        state = engine.full_state_dict()
+        engine.close()
+        engine = _engine(stage, {})  # shard-4
+        engine.load_checkpoint(ckpt)
+        resumed = engine_train(engine, data[SAVE_AT:], rank=rank, world_size=world_size)
+        resumed_state = engine.full_state_dict()  # a collective: on every rank
+        out[stage] = {"after": after, "resumed": resumed,
+                      "state": state if rank == 0 else None,
+                      "resumed_state": resumed_state if rank == 0 else None,
+                      "files": sorted(os.listdir(os.path.join(ckpt, f"step-{SAVE_AT}")))}
+    return out
+
+
+def test_checkpoint_saved_at_2x2_loads_at_shard4_and_in_one_process(tmp_path):
+    import infinity
+    from tests._support.engine import (assert_close_state, batches, engine_config, engine_train,
+                                       tiny_gpt)
+
+    results = launch(__file__, "worker_checkpoint", world_size=WORLD, timeout_s=300,
+                     args={"root": str(tmp_path)})
+    data = batches(SAVE_AT + MORE, 1)
+    for stage in (1, 3):
+        got = results[0][stage]
+        # Replica 0 wrote the shards, named by shard rank; every rank its RNG state.
+        shards = {f.rsplit("-", 1)[1] for f in got["files"] if f.startswith("u")}
+        assert shards == {"r00000.safetensors", "r00001.safetensors"}, got["files"]
+        assert sum(f.startswith("rng-") for f in got["files"]) == WORLD
+        assert got["resumed"] == pytest.approx(got["after"], abs=1e-5)
+        assert_close_state(got["resumed_state"], got["state"], atol=2e-5)
+        one = infinity.initialize(tiny_gpt(), engine_config(stage=stage, clip=CLIP))
+        one.load_checkpoint(str(tmp_path / f"s{stage}"))
+        assert engine_train(one, data[SAVE_AT:]) == pytest.approx(got["after"], abs=1e-5)
+        assert_close_state(one.full_state_dict(), got["state"], atol=2e-5)
