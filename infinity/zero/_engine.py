@@ -509,7 +509,7 @@ class InfinityEngine:
         if grads_on_nvme:  # [Note: gradients on NVMe] in infinity/zero/_grad_reducer.py
             nvme += self.manager.grad_accumulator_bytes()
         return {
-            "world_size": self.collectives.world_size,  # the shard degree
+            "world_size": self.collectives.data_parallel_size,  # R * S: what "mesh" splits
             "mesh": {"replicate": self.collectives.replicate_size,
                      "shard": self.collectives.world_size},
             "stage": self.manager.stage,

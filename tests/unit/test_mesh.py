@@ -101,3 +101,20 @@ def test_deepspeed_mics_shard_size_maps_onto_the_mesh_shard_degree():
     assert config_to_deepspeed(config)["zero_optimization"]["mics_shard_size"] == 8
     off = config_from_deepspeed({"zero_optimization": {"stage": 3, "mics_shard_size": -1}})
     assert off.mesh == MeshConfig()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_ledger_prices_sharded_terms_with_the_shard_degree_not_the_world(stage):
+    from infinity.ledger import estimate_from_config, paper_bytes_per_device
+
+    numel = 10**9
+    flat = load_config({"zero": {"stage": stage}, "precision": {"dtype": "bf16"}})
+    hsdp = flat.replace(mesh=MeshConfig(replicate=4, shard=8))
+    at_32 = estimate_from_config(hsdp, numel, 32)
+    at_8 = estimate_from_config(flat, numel, 8)
+    assert at_32.states == at_8.states  # a replica of 8 ranks holds what 8 flat ranks hold
+    assert at_32.to_dict()["shard_size"] == 8 and at_32.world_size == 32
+    assert at_32.total_bytes == pytest.approx(
+        paper_bytes_per_device(numel, stage, 8, k=12.0, param_bytes=2, grad_bytes=4), rel=1e-6)
+    with pytest.raises(ValueError, match="world size 12"):
+        estimate_from_config(hsdp, numel, 12)
