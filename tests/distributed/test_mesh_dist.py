@@ -22,7 +22,7 @@ STEPS = 6
 CLIP = 0.05
 HSDP = {"replicate": 2, "shard": 2}
 CONFIGS = [  # (name, stage, mesh section or "device-mesh", gradient accumulation steps)
-    *[(f"hsdp-s{s}", s, HSDP, 1) for s in (1, 2, 3)],
+    *[(f"hsdp-s{s}", s, HSDP, 1) for s in (0, 1, 2, 3)],
     ("hsdp-s3-gas2", 3, HSDP, 2),
     ("hsdp-s3-device-mesh", 3, "device-mesh", 1),
     ("shard4-s3", 3, {}, 1),
@@ -44,12 +44,35 @@ def _engine(stage: int, mesh, gas: int = 1):
                                mesh=device_mesh)
 
 
+def _tensor_mesh_groups() -> dict:
+    """This rank's groups on a shard 2 x tensor 2 mesh, built from the config and from a 3-D
+    DeviceMesh (tensor parallelism itself is another part's; the groups are this one's)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from infinity.config import MeshConfig
+    from infinity.zero._mesh import mesh_collectives
+
+    def ranks(group):
+        return None if group is None else dist.get_process_group_ranks(group)
+
+    out = {}
+    for how in ("config", "device-mesh"):
+        device_mesh = (init_device_mesh("cpu", (1, 2, 2),
+                                        mesh_dim_names=("replicate", "shard", "tensor"))
+                       if how == "device-mesh" else None)
+        coll = mesh_collectives(MeshConfig(shard=2, tensor=2), device_mesh)
+        out[how] = {"shard": ranks(coll.group), "tensor": ranks(coll.tensor_group),
+                    "data_parallel": ranks(coll.world.group), "replicate": coll.replicate}
+    return out
+
+
 def worker_parity(rank: int, world_size: int, out_dir: str, steps: int = STEPS) -> dict:
     import torch.distributed as dist
 
     from tests._support.engine import batches, engine_train
 
-    out = {}
+    out = {"groups": _tensor_mesh_groups()}
     for name, stage, mesh, gas in CONFIGS:
         if os.environ.get("MESH_ONLY") and name not in os.environ["MESH_ONLY"].split(","):
             continue
@@ -71,6 +94,12 @@ def test_hsdp_and_shard4_match_plain_pytorch_on_the_global_batch():
     from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
 
     results = launch(__file__, "worker_parity", world_size=WORLD, timeout_s=300)
+    for rank, res in enumerate(results):  # tensor innermost: [[0, 1], [2, 3]] x shard [0, 2]
+        for how, groups in res["groups"].items():
+            assert groups["tensor"] == [rank // 2 * 2, rank // 2 * 2 + 1], (how, rank)
+            assert groups["shard"] == [rank % 2, rank % 2 + 2], (how, rank)
+            assert groups["data_parallel"] == groups["shard"], (how, rank)
+            assert groups["replicate"] is None
     for name, stage, mesh, gas in CONFIGS:
         ref_losses, ref_state = reference_train(tiny_gpt(), batches(STEPS, gas), clip=CLIP)
         for rank in (0, WORLD - 1):  # one rank of each replica
@@ -86,6 +115,12 @@ def test_hsdp_and_shard4_match_plain_pytorch_on_the_global_batch():
         assert stats["mesh"] == {"replicate": WORLD // shard, "shard": shard}
         assert sum(by_phase.values()) == stats["bytes_moved"]["DEVICE<->DEVICE (collectives, sent)"]
         micro_batches = STEPS * gas
+        if stage == 0:  # replicated: the whole buffer crosses the replicas, no norm exchange
+            full_bytes = sum(padded for padded, _ in got["trainable"]) * 4
+            assert by_phase["reduce-grad"] == micro_batches * full_bytes
+            assert by_phase["replicate-reduce"] == micro_batches * full_bytes
+            assert "norm" not in by_phase
+            continue
         full_bytes = sum(padded for padded, _ in got["trainable"]) * 4
         shard_bytes = sum(part for _, part in got["trainable"]) * 4
         # The shard group reduces every trainable element once per micro-batch (a reduce-scatter
