@@ -27,10 +27,13 @@ CONFIGS = [  # (name, stage, mesh section or "device-mesh", gradient accumulatio
     ("hsdp-s3-device-mesh", 3, "device-mesh", 1),
     ("shard4-s3", 3, {}, 1),
     ("ddp4-s2", 2, {"shard": 1}, 1),
+    ("hsdp-s3-bf16-gas2", 3, HSDP, 2),
 ]
+BF16 = {"dtype": "bf16", "reduce_dtype": "compute"}
+"""The ``-bf16`` configs: the wire (reduce-scatter and replicate all-reduce) in bf16."""
 
 
-def _engine(stage: int, mesh, gas: int = 1):
+def _engine(stage: int, mesh, gas: int = 1, precision: dict | None = None):
     import infinity
     from tests._support.engine import engine_config, tiny_gpt
 
@@ -40,7 +43,7 @@ def _engine(stage: int, mesh, gas: int = 1):
         device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         mesh = {}
     return infinity.initialize(tiny_gpt(), engine_config(stage=stage, clip=CLIP, gas=gas,
-                                                         mesh=mesh),
+                                                         mesh=mesh, precision=precision or {}),
                                mesh=device_mesh)
 
 
@@ -76,7 +79,7 @@ def worker_parity(rank: int, world_size: int, out_dir: str, steps: int = STEPS) 
     for name, stage, mesh, gas in CONFIGS:
         if os.environ.get("MESH_ONLY") and name not in os.environ["MESH_ONLY"].split(","):
             continue
-        engine = _engine(stage, mesh, gas)
+        engine = _engine(stage, mesh, gas, BF16 if "bf16" in name else None)
         losses = engine_train(engine, batches(steps, gas), rank=rank, world_size=world_size)
         coll = engine.collectives
         shard_group = (list(range(world_size)) if coll.group is None
@@ -101,10 +104,13 @@ def test_hsdp_and_shard4_match_plain_pytorch_on_the_global_batch():
             assert groups["data_parallel"] == groups["shard"], (how, rank)
             assert groups["replicate"] is None
     for name, stage, mesh, gas in CONFIGS:
-        ref_losses, ref_state = reference_train(tiny_gpt(), batches(STEPS, gas), clip=CLIP)
+        # bf16: the reference runs each rank's quarter as its own backward (as the ranks do).
+        dtype, wire_bytes = ("bf16", 2) if "bf16" in name else ("fp32", 4)
+        ref_losses, ref_state = reference_train(tiny_gpt(), batches(STEPS, gas), clip=CLIP,
+                                                dtype=dtype, splits=1 if dtype == "fp32" else WORLD)
         for rank in (0, WORLD - 1):  # one rank of each replica
             got = results[rank][name]
-            assert_close_run(got["losses"], got["state"], ref_losses, ref_state, "fp32")
+            assert_close_run(got["losses"], got["state"], ref_losses, ref_state, dtype)
         shard = {"shard4-s3": 4, "ddp4-s2": 1}.get(name, 2)
         for rank, res in enumerate(results):  # shard groups: contiguous ranks
             first = rank // shard * shard
@@ -121,8 +127,8 @@ def test_hsdp_and_shard4_match_plain_pytorch_on_the_global_batch():
             assert by_phase["replicate-reduce"] == micro_batches * full_bytes
             assert "norm" not in by_phase
             continue
-        full_bytes = sum(padded for padded, _ in got["trainable"]) * 4
-        shard_bytes = sum(part for _, part in got["trainable"]) * 4
+        full_bytes = sum(padded for padded, _ in got["trainable"]) * wire_bytes
+        shard_bytes = sum(part for _, part in got["trainable"]) * wire_bytes
         # The shard group reduces every trainable element once per micro-batch (a reduce-scatter
         # or all-reduce whose input is the whole buffer) ...
         assert by_phase.get("reduce-grad", 0) == (micro_batches * full_bytes if shard > 1 else 0)
