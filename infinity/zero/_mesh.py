@@ -137,6 +137,9 @@ def groups_from_device_mesh(mesh: Any) -> MeshGroups:
 
 def mesh_collectives(config: MeshConfig, device_mesh: Any = None) -> Collectives:
     """The engine's collectives over the mesh of ``device_mesh`` (if given) or ``config``."""
+    if device_mesh is not None and config != MeshConfig():
+        raise ValueError(f"initialize: both a DeviceMesh (mesh=...) and a config 'mesh' section "
+                         f"{config} were given; pass one of them")
     groups = (groups_from_device_mesh(device_mesh) if device_mesh is not None
               else groups_from_config(config))
     r = groups.ranks

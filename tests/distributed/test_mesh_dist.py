@@ -33,7 +33,7 @@ BF16 = {"dtype": "bf16", "reduce_dtype": "compute"}
 """The ``-bf16`` configs: the wire (reduce-scatter and replicate all-reduce) in bf16."""
 
 
-def _engine(stage: int, mesh, gas: int = 1, precision: dict | None = None):
+def _engine(stage: int, mesh, gas: int = 1, precision: dict | None = None, **extra):
     import infinity
     from tests._support.engine import engine_config, tiny_gpt
 
@@ -43,7 +43,8 @@ def _engine(stage: int, mesh, gas: int = 1, precision: dict | None = None):
         device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         mesh = {}
     return infinity.initialize(tiny_gpt(), engine_config(stage=stage, clip=CLIP, gas=gas,
-                                                         mesh=mesh, precision=precision or {}),
+                                                         mesh=mesh, precision=precision or {},
+                                                         **extra),
                                mesh=device_mesh)
 
 
@@ -142,6 +143,11 @@ def test_hsdp_and_shard4_match_plain_pytorch_on_the_global_batch():
 
 
 SAVE_AT, MORE = 3, 3
+CHECKPOINT_CONFIGS = {  # name: (stage, extra config)
+    "s1": (1, {}),
+    "s3": (3, {}),
+    "s2-optimizer-cpu": (2, {"offload_optimizer": {"device": "cpu"}}),
+}
 
 
 def worker_checkpoint(rank: int, world_size: int, out_dir: str, root: str) -> dict:
@@ -149,19 +155,19 @@ def worker_checkpoint(rank: int, world_size: int, out_dir: str, root: str) -> di
 
     data = batches(SAVE_AT + MORE, 1)
     out = {}
-    for stage in (1, 3):
-        ckpt = os.path.join(root, f"s{stage}")
-        engine = _engine(stage, HSDP)
+    for name, (stage, extra) in CHECKPOINT_CONFIGS.items():
+        ckpt = os.path.join(root, name)
+        engine = _engine(stage, HSDP, **extra)
         engine_train(engine, data[:SAVE_AT], rank=rank, world_size=world_size)
         engine.save_checkpoint(ckpt)
         after = engine_train(engine, data[SAVE_AT:], rank=rank, world_size=world_size)
         state = engine.full_state_dict()
         engine.close()
-        engine = _engine(stage, {})  # shard-4
+        engine = _engine(stage, {}, **extra)  # shard-4
         engine.load_checkpoint(ckpt)
         resumed = engine_train(engine, data[SAVE_AT:], rank=rank, world_size=world_size)
         resumed_state = engine.full_state_dict()  # a collective: on every rank
-        out[stage] = {"after": after, "resumed": resumed,
+        out[name] = {"after": after, "resumed": resumed,
                       "state": state if rank == 0 else None,
                       "resumed_state": resumed_state if rank == 0 else None,
                       "files": sorted(os.listdir(os.path.join(ckpt, f"step-{SAVE_AT}")))}
@@ -176,15 +182,15 @@ def test_checkpoint_saved_at_2x2_loads_at_shard4_and_in_one_process(tmp_path):
     results = launch(__file__, "worker_checkpoint", world_size=WORLD, timeout_s=300,
                      args={"root": str(tmp_path)})
     data = batches(SAVE_AT + MORE, 1)
-    for stage in (1, 3):
-        got = results[0][stage]
+    for name, (stage, extra) in CHECKPOINT_CONFIGS.items():
+        got = results[0][name]
         # Replica 0 wrote the shards, named by shard rank; every rank its RNG state.
         shards = {f.rsplit("-", 1)[1] for f in got["files"] if f.startswith("u")}
         assert shards == {"r00000.safetensors", "r00001.safetensors"}, got["files"]
         assert sum(f.startswith("rng-") for f in got["files"]) == WORLD
         assert got["resumed"] == pytest.approx(got["after"], abs=1e-5)
         assert_close_state(got["resumed_state"], got["state"], atol=2e-5)
-        one = infinity.initialize(tiny_gpt(), engine_config(stage=stage, clip=CLIP))
-        one.load_checkpoint(str(tmp_path / f"s{stage}"))
+        one = infinity.initialize(tiny_gpt(), engine_config(stage=stage, clip=CLIP, **extra))
+        one.load_checkpoint(str(tmp_path / name))
         assert engine_train(one, data[SAVE_AT:]) == pytest.approx(got["after"], abs=1e-5)
         assert_close_state(one.full_state_dict(), got["state"], atol=2e-5)

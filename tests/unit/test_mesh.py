@@ -118,3 +118,10 @@ def test_the_ledger_prices_sharded_terms_with_the_shard_degree_not_the_world(sta
         paper_bytes_per_device(numel, stage, 8, k=12.0, param_bytes=2, grad_bytes=4), rel=1e-6)
     with pytest.raises(ValueError, match="world size 12"):
         estimate_from_config(hsdp, numel, 12)
+
+
+def test_a_device_mesh_and_a_mesh_section_together_are_refused():
+    from infinity.zero._mesh import mesh_collectives
+
+    with pytest.raises(ValueError, match="pass one of them"):
+        mesh_collectives(MeshConfig(shard=2), device_mesh=object())
