@@ -65,7 +65,8 @@ def _tensor_mesh_groups() -> dict:
         device_mesh = (init_device_mesh("cpu", (1, 2, 2),
                                         mesh_dim_names=("replicate", "shard", "tensor"))
                        if how == "device-mesh" else None)
-        coll = mesh_collectives(MeshConfig(shard=2, tensor=2), device_mesh)
+        config = MeshConfig(shard=2, tensor=2) if device_mesh is None else MeshConfig()
+        coll = mesh_collectives(config, device_mesh)
         out[how] = {"shard": ranks(coll.group), "tensor": ranks(coll.tensor_group),
                     "data_parallel": ranks(coll.world.group), "replicate": coll.replicate}
     return out
