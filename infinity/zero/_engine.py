@@ -181,7 +181,7 @@ class InfinityEngine:
         self.offload = None
         if config.offload_param.device != "none" or config.offload_optimizer.device != "none":
             self.offload = resolve_offload(units_of(model, config.zero), config, world_size=world,
-                                           device=self.device)
+                                           device=self.device, data_parallel_size=data_parallel)
         self.store, self._swapper = None, None
         if self.offload is not None:
             # [Note: freed buffers leave the process] in infinity/zero/_host_malloc.py
@@ -193,7 +193,8 @@ class InfinityEngine:
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None:
             check_nvme_space_for(units_of(model, config.zero), config, self.offload,
-                                 world_size=world, store=self.store)
+                                 world_size=world, store=self.store,
+                                 data_parallel_size=data_parallel)
         recording = recording_of(model)  # built under infinity.init: values come unit by unit
         names_before = {id(p): n for n, p in model.named_parameters()}
         initial_values = None if recording is None else materialise_placeholders(model, recording)

@@ -28,6 +28,9 @@ CONFIGS = [  # (name, stage, mesh section or "device-mesh", gradient accumulatio
     ("shard4-s3", 3, {}, 1),
     ("ddp4-s2", 2, {"shard": 1}, 1),
     ("hsdp-s3-bf16-gas2", 3, HSDP, 2),
+    # Shard degree 1: gradients cross ranks only between replicas (in fp32 into fp32 host
+    # accumulators, priced so by the offload budgets).
+    ("ddp4-s2-bf16-fp32wire-optimizer-cpu", 2, {"shard": 1}, 1),
 ]
 BF16 = {"dtype": "bf16", "reduce_dtype": "compute"}
 """The ``-bf16`` configs: the wire (reduce-scatter and replicate all-reduce) in bf16."""
@@ -81,7 +84,10 @@ def worker_parity(rank: int, world_size: int, out_dir: str, steps: int = STEPS) 
     for name, stage, mesh, gas in CONFIGS:
         if os.environ.get("MESH_ONLY") and name not in os.environ["MESH_ONLY"].split(","):
             continue
-        engine = _engine(stage, mesh, gas, BF16 if "bf16" in name else None)
+        extra = {"offload_optimizer": {"device": "cpu"}} if "optimizer-cpu" in name else {}
+        precision = None if "bf16" not in name else {"dtype": "bf16"} if "fp32wire" in name \
+            else BF16
+        engine = _engine(stage, mesh, gas, precision, **extra)
         losses = engine_train(engine, batches(steps, gas), rank=rank, world_size=world_size)
         coll = engine.collectives
         shard_group = (list(range(world_size)) if coll.group is None
@@ -107,13 +113,14 @@ def test_hsdp_and_shard4_match_plain_pytorch_on_the_global_batch():
             assert groups["replicate"] is None
     for name, stage, mesh, gas in CONFIGS:
         # bf16: the reference runs each rank's quarter as its own backward (as the ranks do).
-        dtype, wire_bytes = ("bf16", 2) if "bf16" in name else ("fp32", 4)
+        dtype = "bf16" if "bf16" in name else "fp32"
+        wire_bytes = 2 if dtype == "bf16" and "fp32wire" not in name else 4
         ref_losses, ref_state = reference_train(tiny_gpt(), batches(STEPS, gas), clip=CLIP,
                                                 dtype=dtype, splits=1 if dtype == "fp32" else WORLD)
         for rank in (0, WORLD - 1):  # one rank of each replica
             got = results[rank][name]
             assert_close_run(got["losses"], got["state"], ref_losses, ref_state, dtype)
-        shard = {"shard4-s3": 4, "ddp4-s2": 1}.get(name, 2)
+        shard = 4 if name.startswith("shard4") else 1 if name.startswith("ddp4") else 2
         for rank, res in enumerate(results):  # shard groups: contiguous ranks
             first = rank // shard * shard
             assert res[name]["shard_group"] == list(range(first, first + shard)), name

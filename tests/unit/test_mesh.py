@@ -125,3 +125,23 @@ def test_a_device_mesh_and_a_mesh_section_together_are_refused():
 
     with pytest.raises(ValueError, match="pass one of them"):
         mesh_collectives(MeshConfig(shard=2), device_mesh=object())
+
+
+def test_offload_budgets_price_fp32_accumulators_when_only_replicas_reduce():
+    """Shard degree 1 over 4 replicas, bf16, fp32 reduction: the gradients are summed across
+    ranks, so the host accumulators are fp32 (ledger.host_grad_dtype), and the 'auto' host budget
+    must hold 2 more bytes per trainable parameter than on one rank."""
+    import torch
+
+    from infinity.ledger import host_grad_dtype
+    from infinity.zero._offload import resolve_offload
+    from infinity.zero._unit_choice import units_of
+    from tests._support.engine import engine_config, tiny_gpt
+
+    config = load_config(engine_config(stage=2, dtype="bf16", offload_optimizer={"device": "cpu"}))
+    model = tiny_gpt()
+    budget = {dp: resolve_offload(units_of(model, config.zero), config, world_size=1,
+                                  device=torch.device("cpu"), data_parallel_size=dp
+                                  ).host_budget_bytes for dp in (1, 4)}
+    assert host_grad_dtype(config, 1) == "bf16" and host_grad_dtype(config, 4) == "fp32"
+    assert budget[4] - budget[1] >= 2 * sum(p.numel() for p in model.parameters())
