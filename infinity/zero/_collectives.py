@@ -187,6 +187,10 @@ class Collectives:
         return 0 if self.replicate is None else self.replicate.rank
 
     @property
+    def tensor_size(self) -> int:
+        return 1 if self.tensor_group is None else dist.get_world_size(self.tensor_group)
+
+    @property
     def data_parallel_size(self) -> int:
         """Ranks whose gradients are averaged: replicate x shard (R * S)."""
         return self.world.world_size

@@ -512,7 +512,8 @@ class InfinityEngine:
         return {
             "world_size": self.collectives.data_parallel_size,  # R * S: what "mesh" splits
             "mesh": {"replicate": self.collectives.replicate_size,
-                     "shard": self.collectives.world_size},
+                     "shard": self.collectives.world_size,
+                     "tensor": self.collectives.tensor_size},
             "stage": self.manager.stage,
             "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak)},
                       "HOST": {"current": store.get("host_used_bytes", 0),

@@ -127,7 +127,7 @@ def test_hsdp_and_shard4_match_plain_pytorch_on_the_global_batch():
         got = results[0][name]
         stats, by_phase = got["stats"], got["stats"]["collective_bytes_sent"]
         assert stats["world_size"] == WORLD
-        assert stats["mesh"] == {"replicate": WORLD // shard, "shard": shard}
+        assert stats["mesh"] == {"replicate": WORLD // shard, "shard": shard, "tensor": 1}
         assert sum(by_phase.values()) == stats["bytes_moved"]["DEVICE<->DEVICE (collectives, sent)"]
         micro_batches = STEPS * gas
         if stage == 0:  # replicated: the whole buffer crosses the replicas, no norm exchange
