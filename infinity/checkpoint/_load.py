@@ -44,7 +44,9 @@ def _prepare_load(engine: Any, directory: str | os.PathLike[str]) -> CheckpointR
         except ValueError as e:
             raise CheckpointError(f"{reader.manifest_path}: {e}", path=reader.manifest_path
                                   ) from None
-        rank, world = engine.collectives.rank, engine.collectives.world_size
+        # Every data-parallel rank: the file checks and RNG states are per rank, the
+        # partitions per shard rank ([Note: replica 0 writes the shards] in ._save).
+        rank, world = engine.collectives.world.rank, engine.collectives.world.world_size
         needed = {reader.manifest["buffers_file"]}
         for unit in engine.manager.units:
             for g in unit.groups:
@@ -133,7 +135,7 @@ def _apply(engine: Any, reader: CheckpointReader) -> None:
     with torch.no_grad():
         for key, tensor in current.items():
             tensor.copy_(buffers.get(key).to(tensor.device))
-    rank = engine.collectives.rank
+    rank = engine.collectives.world.rank
     if rank < len(reader.manifest["rng_files"]):
         set_rng_state(reader.open(reader.manifest["rng_files"][rank]))
     else:

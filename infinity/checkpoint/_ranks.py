@@ -18,7 +18,7 @@ def on_every_rank(engine: Any, what: str, fn: Callable[[], Any],
     its own error, the others a CheckpointError quoting it), so no rank goes on to change state
     or waits forever in a later collective. ``cleanup(result)`` runs on a rank whose own ``fn``
     succeeded before it raises for another's."""
-    coll = engine.collectives
+    coll = engine.collectives.world  # every data-parallel rank ([Note: collectives over a mesh])
     error, result = None, None
     try:
         result = fn()

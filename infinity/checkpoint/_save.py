@@ -8,6 +8,15 @@ Layout of a checkpoint root ``DIR`` (``save_checkpoint(engine, DIR)`` on every r
     DIR/step-6/buffers.safetensors        module buffers (replicated; written by rank 0)
     DIR/step-6/rng-r00001.safetensors     rank 1's RNG states (torch CPU/CUDA, python, numpy)
 
+[Note: replica 0 writes the shards]
+Over a mesh ([Note: mesh dimensions] in infinity/config/_mesh.py) the R replicas hold the same
+shards, so only replica 0 writes them, named by the shard rank (``u0003-r00001``: shard 1 of
+S), and the manifest's ``world_size`` is the shard degree S: a save at R x S reads like one at S
+ranks, which the loader reshards to any shard degree. The other replicas writing the same
+bytes to the same names would cost R times the disk traffic and race on one file name. RNG
+states differ on every rank (each replica draws its own dropout), so every data-parallel rank
+writes its own, named by its data-parallel rank.
+
 [Note: crash safety]
 Every file goes to a temporary name, is fsynced and renamed (``write_safetensors``); the manifest
 goes last the same way, then ``latest``. Each save gets a directory name no earlier save used, so
@@ -50,7 +59,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike[str]) -> str:
     on_every_rank(engine, f"writing checkpoint {step_dir}",
                   lambda: _write_rank_files(engine, step_dir))
     on_every_rank(engine, f"committing checkpoint {step_dir}",
-                  lambda: _commit(engine, directory, name) if engine.collectives.rank == 0
+                  lambda: _commit(engine, directory, name) if engine.collectives.world.rank == 0
                   else None)
     logger.info("checkpoint saved: %s", step_dir)
     return step_dir
@@ -71,7 +80,8 @@ def save_bytes(engine: Any) -> int:
     m = engine.manager
     param_itemsize = engine.compute_dtype.itemsize
     total = FIXED_BYTES
-    for unit in m.units:
+    writes_shards = engine.collectives.replicate_rank == 0  # [Note: replica 0 writes the shards]
+    for unit in m.units if writes_shards else ():
         for group in unit.groups:
             kinds = [4] * len(TRAIN_KINDS) if group.requires_grad else []
             if not group.requires_grad or engine.compute_dtype != torch.float32:
@@ -83,7 +93,7 @@ def save_bytes(engine: Any) -> int:
                                        + HEADER_BYTES_PER_TENSOR)
             if m.rank == 0:
                 total += MANIFEST_BYTES_PER_PARAM * len(group.slots)
-    if m.rank == 0:
+    if engine.collectives.world.rank == 0:
         total += sum(v.numel() * v.element_size() + len(k) + HEADER_BYTES_PER_TENSOR
                      for k, v in module_buffers(m.module))
     return total
@@ -93,8 +103,8 @@ def _check_free_space(engine: Any, directory: str) -> None:
     """[Note: space before a save]: raise DiskSpaceError on every rank when the save's files
     would not fit in ``directory``'s file system; writes nothing."""
     needed = torch.tensor([save_bytes(engine)], dtype=torch.int64, device=engine.device)
-    if engine.collectives.world_size > 1:
-        engine.collectives.all_reduce_sum(needed, context="checkpoint size")
+    if engine.collectives.world.world_size > 1:
+        engine.collectives.world.all_reduce_sum(needed, context="checkpoint size")
     needed_bytes = int(needed.item())
 
     def check() -> None:
@@ -127,7 +137,7 @@ def _agree_on_name(engine: Any, directory: str) -> str:
     base = f"step-{engine.global_steps}"
 
     def pick() -> int:
-        if engine.collectives.rank != 0:
+        if engine.collectives.world.rank != 0:
             return 0
         os.makedirs(directory, exist_ok=True)
         suffix = 0
@@ -144,19 +154,19 @@ def _agree_on_name(engine: Any, directory: str) -> str:
 
 
 def _write_rank_files(engine: Any, step_dir: str) -> None:
-    m, rank = engine.manager, engine.collectives.rank
+    m, rank, coll = engine.manager, engine.collectives.rank, engine.collectives
     engine.flush_offload()  # home tiers hold every updated shard before we read them
     meta = {"format": FORMAT, "version": str(VERSION)}
-    for unit in m.units:
+    for unit in m.units if coll.replicate_rank == 0 else ():  # [Note: replica 0 writes the shards]
         tensors = [t for g in unit.groups for t in _group_tensors(engine, g)]
         if tensors:  # the manifest lists exactly the non-empty files (see _manifest)
             write_safetensors(os.path.join(step_dir, shard_file(unit.index, rank)), tensors,
                               metadata=meta)
-    if rank == 0:  # copies: see _group_tensors
+    if coll.world.rank == 0:  # copies: see _group_tensors
         write_safetensors(os.path.join(step_dir, BUFFERS_FILE),
                           [(k, v.clone()) for k, v in module_buffers(m.module)], metadata=meta)
     tensors, rng_meta = rng_state()
-    write_safetensors(os.path.join(step_dir, rng_file(rank)), tensors,
+    write_safetensors(os.path.join(step_dir, rng_file(coll.world.rank)), tensors,
                       metadata={**meta, "rng": json.dumps(rng_meta)})
 
 
@@ -230,4 +240,5 @@ def _manifest(engine: Any) -> dict[str, Any]:
             "compute_dtype": dtype_name(engine.compute_dtype), "torch_version": torch.__version__,
             "engine": engine.step_state_dict(), "params": params, "state_dict": state_dict,
             "buffers_file": BUFFERS_FILE, "shards": shards,
-            "rng_files": [rng_file(r) for r in range(m.world_size)]}
+            "mesh": {"replicate": engine.collectives.replicate_size, "shard": m.world_size},
+            "rng_files": [rng_file(r) for r in range(engine.collectives.data_parallel_size)]}

@@ -12,8 +12,9 @@ file a user already has works unchanged.
 what is left to ``transformers.TrainingArguments``' defaults (:mod:`._auto`). Every DeepSpeed key
 and its fate (mapped / replaced / ignored / rejected) is listed in :mod:`._ds_keys`.
 
-Module DAG inside the package: ``_checks`` <- ``_scheduler`` <- ``_sections`` <- ``_native`` <-
-``_ds_keys`` <- ``_auto`` <- ``_deepspeed`` <- ``_load``; this ``__init__`` is the public surface.
+Module DAG inside the package: ``_checks`` <- ``_scheduler``, ``_mesh`` <- ``_sections`` <-
+``_native`` <- ``_ds_keys`` <- ``_auto`` <- ``_deepspeed`` <- ``_load``; this ``__init__`` is the
+public surface.
 """
 
 from infinity.config._auto import TRAINING_ARGUMENTS_DEFAULTS, fill_auto, resolve_auto
@@ -23,6 +24,7 @@ from infinity.config._deepspeed import (DS_ONLY_TOP_KEYS, config_from_deepspeed,
 from infinity.config._ds_keys import TOP_KEYS as DEEPSPEED_KEYS
 from infinity.config._ds_keys import Fate, fate_of
 from infinity.config._load import is_deepspeed_config, load_config
+from infinity.config._mesh import MeshConfig
 from infinity.config._native import config_from_native, did_you_mean, unknown_key_error
 from infinity.config._sections import (DTYPE_BYTES, ActivationCheckpointingConfig, DTypeName,
                                        InfinityConfig, MemoryConfig, OffloadConfig, OffloadDevice,
@@ -31,8 +33,8 @@ from infinity.config._scheduler import SchedulerConfig
 
 __all__ = ["AUTO", "DEEPSPEED_KEYS", "DS_ONLY_TOP_KEYS", "DTYPE_BYTES",
            "TRAINING_ARGUMENTS_DEFAULTS", "ActivationCheckpointingConfig", "DTypeName", "Fate",
-           "InfinityConfig", "MemoryConfig", "OffloadConfig", "OffloadDevice", "OptimizerConfig",
-           "PrecisionConfig", "SchedulerConfig", "SwapperConfig", "ZeroConfig",
+           "InfinityConfig", "MemoryConfig", "MeshConfig", "OffloadConfig", "OffloadDevice",
+           "OptimizerConfig", "PrecisionConfig", "SchedulerConfig", "SwapperConfig", "ZeroConfig",
            "config_from_deepspeed", "config_from_native", "config_to_deepspeed", "did_you_mean",
            "fate_of", "fill_auto", "is_deepspeed_config", "load_config", "resolve_auto",
            "unknown_key_error"]

@@ -18,6 +18,7 @@ from infinity._common import warn_once
 from infinity.config._auto import resolve_auto_raw
 from infinity.config._checks import AUTO
 from infinity.config._ds_keys import SCHEDULER_PARAM_FIELDS, SCHEDULER_PARAMS, TOP_KEYS, Fate
+from infinity.config._mesh import MeshConfig
 from infinity.config._native import did_you_mean
 from infinity.config._scheduler import FIELDS_OF, SchedulerConfig
 from infinity.config._sections import (DTYPE_BYTES, InfinityConfig, MemoryConfig, OffloadConfig,
@@ -293,7 +294,9 @@ def config_from_deepspeed(raw: Mapping[str, Any]) -> InfinityConfig:
     zero_raw = _section(raw, "zero_optimization", "zero_optimization")
     zero, offload_param, offload_optimizer, memory = _zero(zero_raw, DTYPE_BYTES[precision.dtype])
     gas, micro = _batch(raw)
+    mics = _as_int(zero_raw.get("mics_shard_size", -1))
     return InfinityConfig(
+        mesh=MeshConfig() if mics == -1 else MeshConfig(shard=mics),
         zero=zero,
         offload_param=offload_param,
         offload_optimizer=offload_optimizer,
@@ -332,6 +335,8 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
         zero["stage3_max_live_parameters"] = z.max_live_bytes // param_bytes
     if z.max_reuse_distance_numel != AUTO:
         zero["stage3_max_reuse_distance"] = z.max_reuse_distance_numel
+    if config.mesh.shard != AUTO and config.mesh.tensor == 1:
+        zero["mics_shard_size"] = config.mesh.shard
     out: dict[str, Any] = {"zero_optimization": zero}
     p = config.precision
     if p.dtype != "fp32":  # DeepSpeed's own default would be the compute dtype: say which

@@ -204,7 +204,7 @@ ZERO_KEYS: dict[str, Fate] = {
     "zero_hpz_partition_size": rejected("hierarchical partitioning (ZeRO++ hpZ) is not "
                                         "implemented", 1),
     "zenflow": rejected("ZenFlow (asynchronous offloaded updates) is not implemented", None),
-    "mics_shard_size": rejected(f"MiCS sub-group sharding ({_REMOVED})", -1),
+    "mics_shard_size": mapped("mesh.shard (-1: off, the flat mesh; replicas: world / shard)"),
     "mics_hierarchical_params_gather": rejected(f"MiCS ({_REMOVED})", False),
     "zeropp_loco_param": rejected(f"LoCo-ZeRO++ ({_REMOVED})", None),
 }

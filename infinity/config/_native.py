@@ -8,6 +8,7 @@ import difflib
 from typing import Any, Mapping
 
 from infinity.config._checks import fail
+from infinity.config._mesh import MeshConfig
 from infinity.config._scheduler import SchedulerConfig
 from infinity.config._sections import (ActivationCheckpointingConfig, InfinityConfig, MemoryConfig,
                                        OffloadConfig, OptimizerConfig, PrecisionConfig,
@@ -23,6 +24,7 @@ _SECTIONS: dict[str, type] = {
     "optimizer": OptimizerConfig,
     "activation_checkpointing": ActivationCheckpointingConfig,
     "scheduler": SchedulerConfig,
+    "mesh": MeshConfig,
 }
 _DS_ACTIVATION_KEYS = frozenset({"partition_activations", "cpu_checkpointing", "number_checkpoints",
                                  "contiguous_memory_optimization", "synchronize_checkpoint_boundary",

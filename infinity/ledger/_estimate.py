@@ -230,6 +230,8 @@ class Ledger:
     when everything trains."""
     offload_param: str
     offload_optimizer: str
+    shard_size: int | None = None
+    """The shard degree S that sharded terms divided by (None: ``world_size``, the flat mesh)."""
     states: Mapping[str, Mapping[Tier, int]]
     """term -> tier -> bytes on one rank (see [Note: ledger placement])."""
     buffers: Mapping[Tier, Mapping[str, int]] = field(default_factory=dict)
@@ -286,6 +288,7 @@ class Ledger:
         return {
             "numel": self.numel, "trainable_numel": self.trainable_numel,
             "stage": self.stage, "world_size": self.world_size,
+            "shard_size": self.world_size if self.shard_size is None else self.shard_size,
             "gpus_per_node": self.gpus_per_node, "terms": self.terms.to_dict(),
             "offload_param": self.offload_param, "offload_optimizer": self.offload_optimizer,
             "params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
@@ -306,8 +309,13 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
                           prefetch_units: int = DEFAULT_PREFETCH_UNITS,
                           optimizer_host_resident_bytes: int = 0,
                           grads_on_nvme: bool = False, trainable_numel: int | None = None,
-                          unit_trainable_numel: int | None = None) -> Ledger:
+                          unit_trainable_numel: int | None = None,
+                          shard_size: int | None = None) -> Ledger:
     """The per-rank ledger of ``numel`` parameters at ZeRO ``stage`` over ``world_size`` ranks.
+
+    ``shard_size``: the shard degree S the sharded terms divide by, over a mesh of replicas
+    (HSDP / MiCS: [Note: mesh dimensions] in infinity/config/_mesh.py); None: ``world_size``
+    (the flat mesh). Replicas add no bytes per rank: each holds what a rank of S ranks holds.
 
     ``trainable_numel``: how many of them train (None: all); the others are frozen, with a
     params term and no gradient or optimizer state ([Note: frozen parameters]).
@@ -333,6 +341,10 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
         raise ValueError(f"stage: expected one of 0, 1, 2, 3, got {stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected an integer >= 1, got {world_size!r}")
+    n = world_size if shard_size is None else shard_size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or world_size % n:
+        raise ValueError(f"shard_size: expected an integer >= 1 dividing world_size "
+                         f"{world_size}, got {shard_size!r}")
     terms = terms or StateTerms()
     trainable = numel if trainable_numel is None else trainable_numel
     if isinstance(trainable, bool) or not isinstance(trainable, int) or not 0 <= trainable <= numel:
@@ -343,14 +355,14 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     if stage < 3 and param_home is not Tier.DEVICE:
         raise ValueError(f"offload_param = {offload_param!r} needs stage 3 (got stage {stage}); "
                          "parameters are replicated below stage 3, set --offload-param none")
-    shard = ceil_bytes(numel / world_size)
+    shard = ceil_bytes(numel / n)
     states: dict[str, dict[Tier, int]] = {t: {} for t in TERMS}
 
     def put(term: str, tier: Tier, nbytes: float) -> None:
         states[term][tier] = states[term].get(tier, 0) + ceil_bytes(nbytes)
 
     put("params", param_home, (shard if stage == 3 else numel) * terms.param_bytes)
-    trainable_shard = ceil_bytes(trainable / world_size)
+    trainable_shard = ceil_bytes(trainable / n)
     stepped = trainable if stage == 0 else trainable_shard
     # [Note: gradient placement]: the accumulator sits beside the optimizer, in host memory when
     # the optimizer is offloaded (to 'cpu' or 'nvme'), holding just the part the optimizer steps.
@@ -380,11 +392,11 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
         if unit_trainable_numel is None:
             unit_trainable_numel = unit_numel if trainable == numel else \
                 ceil_bytes(unit_numel * trainable / max(1, numel))
-        _add_unit_buffers(buffers, stage=stage, world_size=world_size, terms=terms,
+        _add_unit_buffers(buffers, stage=stage, world_size=n, terms=terms,
                           unit_numel=unit_numel, unit_trainable_numel=unit_trainable_numel,
                           prefetch_units=prefetch_units,
                           param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE)
-    return Ledger(numel=numel, stage=stage, world_size=world_size,
+    return Ledger(numel=numel, stage=stage, world_size=world_size, shard_size=n,
                   gpus_per_node=gpus_per_node or world_size, terms=terms, trainable_numel=trainable,
                   offload_param=offload_param, offload_optimizer=offload_optimizer,
                   states=states, buffers=buffers)
@@ -423,7 +435,9 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
     """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size);
     ``optimizer_host_resident_bytes`` and ``grads_on_nvme`` as in :func:`estimate_model_states`
     (the engine's plan), ``trainable_numel`` and ``unit_trainable_numel`` too (frozen
-    parameters: [Note: frozen parameters])."""
+    parameters: [Note: frozen parameters]). ``world_size``: every rank (the config's ``mesh``
+    says how many shard a unit: the sharded terms divide by that shard degree)."""
+    _, shard_size, _ = config.mesh.resolve(world_size)
     z = config.zero
     sub_group = z.sub_group_numel if isinstance(z.sub_group_numel, int) else None
     prefetch_units = DEFAULT_PREFETCH_UNITS
@@ -436,7 +450,8 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
         offload_optimizer=config.offload_optimizer.device, gpus_per_node=gpus_per_node,
         sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units,
         optimizer_host_resident_bytes=optimizer_host_resident_bytes, grads_on_nvme=grads_on_nvme,
-        trainable_numel=trainable_numel, unit_trainable_numel=unit_trainable_numel)
+        trainable_numel=trainable_numel, unit_trainable_numel=unit_trainable_numel,
+        shard_size=shard_size)
 
 
 def paper_bytes_per_device(numel: float, stage: int, world_size: int, k: float = 12.0,

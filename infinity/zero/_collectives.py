@@ -136,25 +136,66 @@ def _first_attr(*names: str):
 
 
 class Collectives:
-    """The collectives one parameter manager issues, over one process group.
+    """The collectives one parameter manager issues, over one process group: the shard group.
+
+    [Note: collectives over a mesh]
+    ``group`` is the shard group (``world_size`` and ``rank`` are the shard degree S and this
+    rank's place in it: what sharding divides by). Over a mesh ([Note: mesh dimensions] in
+    infinity/config/_mesh.py) two more groups come with it: ``replicate`` (a Collectives over
+    the R ranks holding the same shard; :meth:`all_reduce_replicas` sums a gradient shard across
+    them) and ``world`` (the R * S data-parallel ranks: broadcasts, agreement and the
+    any-rank-has-it maxima run there, so every copy of the model starts and stays the same, and
+    ranks of different replicas agree on which collectives follow). Without a mesh both are the
+    flat case: no replicas, ``world`` is this object.
 
     Counts bytes sent by this rank, in total (``bytes_moved``) and per :class:`Phase`
-    (``bytes_by_phase``), so that ``engine.stats()`` can report traffic per kind of collective.
+    (``bytes_by_phase``, one dict shared by the mesh's Collectives), so that ``engine.stats()``
+    can report traffic per kind of collective.
     """
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None):
+    def __init__(self, group: "dist.ProcessGroup | None" = None, *,
+                 replicate: "Collectives | None" = None, world: "Collectives | None" = None,
+                 tensor_group: "dist.ProcessGroup | None" = None,
+                 counts: "Collectives | None" = None):
         self.group = group
         self.world_size = dist.get_world_size(group) if is_distributed() else 1
         self.rank = dist.get_rank(group) if is_distributed() else 0
-        self.bytes_moved = 0
-        """Bytes this rank contributed to collectives (input sizes), for stats()."""
-        self.bytes_by_phase: dict[str, int] = {}
-        """The same bytes split by the ``phase`` each collective was issued for (Phase values)."""
+        self.replicate = replicate
+        """The replicate group's collectives (R > 1), or None: no replicas."""
+        self.world = self if world is None else world
+        """The data-parallel group's collectives (broadcasts, agreement, checkpoints)."""
+        self.tensor_group = tensor_group
+        """The tensor-parallel group of this rank (T > 1), or None; used by tensor parallelism."""
+        shared = counts if counts is not None else world
+        self.bytes_by_phase: dict[str, int] = {} if shared is None else shared.bytes_by_phase
+        """Bytes this rank contributed to collectives (input sizes) by the ``phase`` each was
+        issued for (Phase values), for stats()."""
         self._all_gather = _first_attr("all_gather_single", "all_gather_into_tensor")
         self._reduce_scatter = _first_attr("reduce_scatter_single", "reduce_scatter_tensor")
 
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes this rank contributed to collectives (input sizes), all phases."""
+        return sum(self.bytes_by_phase.values())
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate is None else self.replicate.world_size
+
+    @property
+    def replicate_rank(self) -> int:
+        return 0 if self.replicate is None else self.replicate.rank
+
+    @property
+    def tensor_size(self) -> int:
+        return 1 if self.tensor_group is None else dist.get_world_size(self.tensor_group)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients are averaged: replicate x shard (R * S)."""
+        return self.world.world_size
+
     def _count(self, phase: Phase, nbytes: int) -> None:
-        self.bytes_moved += nbytes
         self.bytes_by_phase[phase.value] = self.bytes_by_phase.get(phase.value, 0) + nbytes
 
     def _run(self, context: str, fn, *args, **kwargs) -> None:
@@ -193,24 +234,43 @@ class Collectives:
         self._count(phase, tensor.numel() * tensor.element_size())
         self._run(context, dist.all_reduce, tensor)
 
+    def all_reduce_replicas(self, tensor: torch.Tensor, *, context: str) -> None:
+        """Sum ``tensor`` (a gradient shard) across the replicas ([Note: collectives over a
+        mesh]); a no-op without replicas."""
+        if self.replicate is not None:
+            self.replicate.all_reduce_sum(tensor, context=context, phase=Phase.REPLICATE_REDUCE)
+
     def all_reduce_max(self, tensor: torch.Tensor, *, context: str) -> None:
+        """Over the data-parallel group ([Note: collectives over a mesh])."""
+        if self.world is not self:
+            self.world.all_reduce_max(tensor, context=context)
+            return
         if self.world_size == 1:
             return
         self._run(context, dist.all_reduce, tensor, op=dist.ReduceOp.MAX)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, context: str,
                   phase: Phase = Phase.OTHER) -> None:
+        """From the data-parallel group's rank ``src`` ([Note: collectives over a mesh])."""
+        if self.world is not self:
+            self.world.broadcast(tensor, src=src, context=context, phase=phase)
+            return
         if self.world_size == 1:
             return
         self._count(phase, tensor.numel() * tensor.element_size())
-        self._run(context, dist.broadcast, tensor, src=src)
+        self._run(context, dist.broadcast, tensor, group_src=src)
 
     def check_agreement(self, *, step: int, phase: Phase, unit_index: int, unit_name: str,
                         device: torch.device) -> None:
         """All-gather ``(step, phase, unit)`` and raise on every rank if the ranks disagree.
 
         Costs one tiny collective; run on the first step and when ``INFINITY_CHECK_COLLECTIVES=1``.
+        Over the data-parallel group ([Note: collectives over a mesh]).
         """
+        if self.world is not self:
+            self.world.check_agreement(step=step, phase=phase, unit_index=unit_index,
+                                       unit_name=unit_name, device=device)
+            return
         if self.world_size == 1:
             return
         mine = torch.tensor([step, _PHASES.index(phase), unit_index], dtype=torch.int64, device=device)

@@ -60,8 +60,7 @@ from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedSh
 from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
-from infinity.zero._collectives import (Collectives, Phase, init_from_env_if_launched,
-                                        is_distributed)
+from infinity.zero._collectives import Phase, init_from_env_if_launched, is_distributed
 from infinity.zero._device import resolve_device
 from infinity.zero._flat_group import FlatGroup
 from infinity.zero._grad_norm import sum_of_squares
@@ -71,6 +70,7 @@ from infinity.zero._lazy import materialise_placeholders, recording_of
 from infinity.zero._loss_scale import LossScaler
 from infinity.zero._managed import check_not_wrapped
 from infinity.zero._manager_config import ManagerConfig
+from infinity.zero._mesh import mesh_collectives
 from infinity.zero._offload import build_store, check_nvme_space_for, resolve_offload
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._step_plan import StepPlan
@@ -154,7 +154,7 @@ class InfinityEngine:
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *,
                  model_parameters: Any = None,
-                 progress: Callable[[BuildProgress], None] | None = None):
+                 progress: Callable[[BuildProgress], None] | None = None, mesh: Any = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         config.check_resolved("initialize")
@@ -172,14 +172,16 @@ class InfinityEngine:
         self.compute_dtype = DTYPES[config.precision.dtype]
         self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
         init_from_env_if_launched(self.device)  # binds the device first, then the group
-        self.collectives = Collectives()
+        # [Note: collectives over a mesh] in infinity/zero/_collectives.py
+        self.collectives = mesh_collectives(config.mesh, mesh)
         self.module = model
-        world = self.collectives.world_size
+        world = self.collectives.world_size  # the shard degree: what sizes divide by
+        data_parallel = self.collectives.data_parallel_size
         # Sized on the parameters as they are: a budget error leaves a recorded model untouched.
         self.offload = None
         if config.offload_param.device != "none" or config.offload_optimizer.device != "none":
             self.offload = resolve_offload(units_of(model, config.zero), config, world_size=world,
-                                           device=self.device)
+                                           device=self.device, data_parallel_size=data_parallel)
         self.store, self._swapper = None, None
         if self.offload is not None:
             # [Note: freed buffers leave the process] in infinity/zero/_host_malloc.py
@@ -191,7 +193,8 @@ class InfinityEngine:
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None:
             check_nvme_space_for(units_of(model, config.zero), config, self.offload,
-                                 world_size=world, store=self.store)
+                                 world_size=world, store=self.store,
+                                 data_parallel_size=data_parallel)
         recording = recording_of(model)  # built under infinity.init: values come unit by unit
         names_before = {id(p): n for n, p in model.named_parameters()}
         initial_values = None if recording is None else materialise_placeholders(model, recording)
@@ -206,14 +209,14 @@ class InfinityEngine:
             streaming.hold_host_resident()
         self.manager = ParameterManager(
             model, units_of(model, config.zero),
-            _manager_config(config, self.device, world, self.offload),
+            _manager_config(config, self.device, data_parallel, self.offload),
             collectives=self.collectives, store=self.store, initial_values=initial_values,
             on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
             master_sink=None if streaming is None else _MasterStream(streaming),
             on_build_progress=progress)
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
-        if world > 1:
+        if data_parallel > 1:
             self._broadcast_buffers()
         self.activations = apply_activation_checkpointing(
             model, config.activation_checkpointing,
@@ -297,7 +300,7 @@ class InfinityEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.module.training and self.collectives.world_size > 1:
+        if self.module.training and self.collectives.data_parallel_size > 1:
             self._broadcast_buffers()
         # [Note: the engine moves inputs] in infinity/zero/_inputs.py
         args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
@@ -507,7 +510,10 @@ class InfinityEngine:
         if grads_on_nvme:  # [Note: gradients on NVMe] in infinity/zero/_grad_reducer.py
             nvme += self.manager.grad_accumulator_bytes()
         return {
-            "world_size": self.collectives.world_size,
+            "world_size": self.collectives.data_parallel_size,  # R * S: what "mesh" splits
+            "mesh": {"replicate": self.collectives.replicate_size,
+                     "shard": self.collectives.world_size,
+                     "tensor": self.collectives.tensor_size},
             "stage": self.manager.stage,
             "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak)},
                       "HOST": {"current": store.get("host_used_bytes", 0),
@@ -546,7 +552,7 @@ class InfinityEngine:
         ``model.state_dict()``; ``keys``: only those entries (e.g. a LoRA adapter's, without
         gathering the frozen base). A collective: call it on every rank with the same keys."""
         self.shard_optimizer.drain()  # a deferred step's updates land first
-        if self.collectives.world_size > 1:
+        if self.collectives.data_parallel_size > 1:
             self._broadcast_buffers()
         return self.manager.full_state_dict(master_of=self.shard_optimizer.master_values,
                                             keys=keys)
@@ -664,7 +670,8 @@ def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
                *, model_parameters: Any = None,
-               progress: Callable[[BuildProgress], None] | None = None) -> InfinityEngine:
+               progress: Callable[[BuildProgress], None] | None = None,
+               mesh: Any = None) -> InfinityEngine:
     """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
     DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
     it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
@@ -673,11 +680,16 @@ def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | s
     take the config's values (:func:`~infinity.optim.resolve_param_groups`). ``progress``: called
     with a :class:`~infinity.zero.BuildProgress` after each unit is built (units done, bytes
     written to NVMe): building a large model under ``infinity.init`` writes its whole state and
-    takes minutes. Uses the default process group when ``torch.distributed`` is initialised."""
+    takes minutes. Uses the default process group when ``torch.distributed`` is initialised.
+    ``mesh``: a ``torch.distributed.DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP:
+    shard over "shard", replicate over "replicate") or ``("replicate", "shard", "tensor")``
+    (tensor innermost), instead of the one the config's ``mesh`` section builds
+    ([Note: mesh dimensions] in infinity/config/_mesh.py)."""
     if config is None:
         recording = recording_of(model) if isinstance(model, nn.Module) else None
         config = recording.config if recording is not None else None
     config = load_config(config)
     if is_distributed():
         logger.debug("using the default process group")
-    return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress)
+    return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress,
+                          mesh=mesh)

@@ -71,7 +71,7 @@ class GradPresence:
         candidates = [s.param for u in self.units if u.index in self._partial
                       for g in u.groups if g.requires_grad for s in g.slots]
         flags = [id(p) in self._with_grad for p in candidates]
-        if self.coll.world_size > 1:
+        if self.coll.data_parallel_size > 1:
             t = torch.tensor(flags, dtype=torch.int32, device=self.device)
             self.coll.all_reduce_max(t, context="parameters with a gradient (optimizer step)")
             flags = [bool(f) for f in t.tolist()]

@@ -8,7 +8,10 @@ what happens to a gradient from ``param.grad`` to the optimizer's fp32 partition
 Autograd writes ``param.grad`` (compute dtype); the post-accumulate-grad hook adds it into the
 unit's fp32 staging buffer (full padded size, alive only during backward) and drops ``param.grad``.
 When every trainable parameter of the unit has its gradient, the staging buffer is averaged over
-ranks (reduce-scatter for stages 2-3, all-reduce for 0-1) into the fp32 accumulator, which holds
+ranks (reduce-scatter for stages 2-3, all-reduce for 0-1, on the shard group; over a mesh the
+partition is then summed across the replicas, and the average is over all R * S data-parallel
+ranks: [Note: collectives over a mesh] in infinity/zero/_collectives.py) into the fp32
+accumulator, which holds
 the sum over micro-batches until the optimizer step. Where that accumulator lives (the device,
 or host memory when the optimizer is offloaded) is [Note: gradient placement] in
 infinity/ledger/_estimate.py. Units with parameters unused in this backward are reduced at the end
@@ -79,7 +82,10 @@ class GradientReducer:
         self.config = config
         self.coll = collectives
         self.world_size = collectives.world_size
+        """The shard degree (S): what the reduce-scatter splits over."""
         self.rank = collectives.rank
+        self.data_parallel_size = collectives.data_parallel_size
+        """What the gradients are averaged over: every data-parallel rank (R * S)."""
         self.host_store = host_store
         """Holds the host accumulators of an offloaded optimizer; None: on the device."""
         self.on_ready = on_ready
@@ -133,7 +139,7 @@ class GradientReducer:
         """One rank, an empty host accumulator on the compute device (CPU): the staging buffer is
         the accumulator itself, so the reduce and the host copy are no-ops (two full fp32 copies
         of the gradients a step saved)."""
-        return (self.world_size == 1 and g.grad_host is not None and g.grad_acc is None
+        return (self.data_parallel_size == 1 and g.grad_host is not None and g.grad_acc is None
                 and g.grad_host.device == self.config.device
                 and g.grad_host.numel() == g.padded_numel)
 
@@ -156,21 +162,30 @@ class GradientReducer:
             if staging is None:
                 staging = self._new_staging(g)
             g.grad_staging = None
-            if self.world_size > 1:
-                staging.div_(self.world_size)
+            if self.data_parallel_size > 1:
+                staging.div_(self.data_parallel_size)
             # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
             # bytes with bf16/fp16); the sum lands back in fp32 for the accumulator.
-            wire = staging if self.world_size == 1 or self.config.reduce_dtype == torch.float32 \
+            wire = staging if self.data_parallel_size == 1 \
+                or self.config.reduce_dtype == torch.float32 \
                 else staging.to(self.config.reduce_dtype)
             if stage >= 2 and self.world_size == 1:
-                part = staging  # the shard is the whole buffer: no reduce, no copy
+                part = wire  # the shard is the whole buffer: no reduce-scatter, no copy
+                self.coll.all_reduce_replicas(part, context=context)
+                part = part.float()
             elif stage >= 2:
                 part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
                 self.coll.reduce_scatter_sum(part, wire, context=context,
                                              phase=Phase.REDUCE_GRAD)
+                self.coll.all_reduce_replicas(part, context=context)
                 part = part.float()  # no copy when the wire is fp32
             else:
                 self.coll.all_reduce_sum(wire, context=context, phase=Phase.REDUCE_GRAD)
+                # Stage 1 uses only this rank's shard of the sum: only it crosses replicas.
+                self.coll.all_reduce_replicas(
+                    wire if stage == 0 else
+                    wire[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel],
+                    context=context)
                 if wire is not staging:
                     staging.copy_(wire)
                 part = staging

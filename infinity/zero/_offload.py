@@ -120,12 +120,17 @@ def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
 
 
 def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: int,
-                    device: torch.device) -> OffloadBudgets | None:
+                    device: torch.device, data_parallel_size: int | None = None
+                    ) -> OffloadBudgets | None:
     """The store's budgets for the units of ``choice`` under ``config`` (None when nothing is
-    offloaded); raises ``ValueError`` before any state exists when an explicit budget is too small."""
+    offloaded); raises ``ValueError`` before any state exists when an explicit budget is too small.
+    ``world_size``: the shard degree the sizes divide by; ``data_parallel_size``: the ranks the
+    gradients are summed over, which decide the accumulators' dtype (None: ``world_size``;
+    [Note: collectives over a mesh] in infinity/zero/_collectives.py)."""
     sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
                         param_bytes=config.precision.param_bytes)
-    return resolve_offload_budgets(sizes, offload_request(config, world_size), device=device,
+    request = offload_request(config, data_parallel_size or world_size)
+    return resolve_offload_budgets(sizes, request, device=device,
                                    device_working=device_working_set(choice, config,
                                                                      world_size=world_size))
 
@@ -141,14 +146,15 @@ def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config
 
 
 def check_nvme_space_for(choice: UnitChoice, config: InfinityConfig, budgets: OffloadBudgets, *,
-                         world_size: int, store: TieredStore) -> NvmeBytes:
+                         world_size: int, store: TieredStore,
+                         data_parallel_size: int | None = None) -> NvmeBytes:
     """[Note: NVMe space check] in infinity/tiers/_nvme_space.py: raise ``DiskSpaceError`` when
     the file system of ``budgets.nvme_path`` cannot take what the store built from ``budgets``
     (``store``, not yet holding anything) will write for the units of ``choice``, times the ranks
     on this machine (``LOCAL_WORLD_SIZE``, set by torchrun). Returns the bytes checked."""
     sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
                         param_bytes=config.precision.param_bytes)
-    need = nvme_bytes(sizes, offload_request(config, world_size), budgets,
+    need = nvme_bytes(sizes, offload_request(config, data_parallel_size or world_size), budgets,
                       extent_bytes=store.arena.extent_bytes, header_bytes=store.swapper.header_bytes)
     fields = " and ".join(s.name for s in (config.offload_param, config.offload_optimizer)
                           if s.device == "nvme")

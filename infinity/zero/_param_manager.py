@@ -339,7 +339,7 @@ class ParameterManager:
     # ------------------------------------------------------------------ gather / release
 
     def _check_now(self) -> bool:
-        return self.world_size > 1 and (self.micro_step == 0 or check_env_enabled())
+        return self.coll.data_parallel_size > 1 and (self.micro_step == 0 or check_env_enabled())
 
     def _gather_phase(self) -> Phase:
         return Phase.BACKWARD_GATHER if self.state is TrainingState.BACKWARD else \
@@ -499,7 +499,7 @@ class ParameterManager:
         """End of one backward: reduce units whose gradients are incomplete (unused parameters),
         in unit order, on every rank that has any; drop backward holds; release."""
         flags = [int(any(g.grad_staging is not None for g in u.groups)) for u in self.units]
-        if self.world_size > 1:
+        if self.coll.data_parallel_size > 1:  # replicas must agree too: they reduce together
             pending = torch.tensor(flags, dtype=torch.int32, device=self.device)
             self.coll.all_reduce_max(pending,
                                      context=f"end of backward (micro-step {self.micro_step})")

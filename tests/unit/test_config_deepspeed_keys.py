@@ -114,7 +114,7 @@ def test_the_table_covers_every_deepspeed_key_with_a_fate_and_a_reason():
     missing = [k for k in DEEPSPEED_0_19_8_KEYS if fate_of(k) is None]
     assert not missing, missing
     native = ("zero", "offload_param", "offload_optimizer", "memory", "swapper", "precision",
-              "optimizer", "scheduler", "gradient_", "train_micro", "checked")
+              "optimizer", "scheduler", "mesh", "gradient_", "train_micro", "checked")
     for key in DEEPSPEED_0_19_8_KEYS:
         fate = fate_of(key)
         assert fate.kind in ("mapped", "replaced", "ignored", "rejected"), key
