@@ -149,7 +149,7 @@ def measure_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measured_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per mode: bytes per step by kind (MiB... in bytes), total, ratio to flat, time."""
+    """One row per mode: bytes per step by kind, their total and its ratio to flat's, time."""
     flat = next((r for r in results if r["mode"] == "flat" and r["status"] == "ok"), None)
     rows = []
     for r in results:
@@ -161,7 +161,7 @@ def measured_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for kind, nbytes in r["bytes_per_step"].items():
             row[f"{kind}_bytes"] = int(nbytes)
         row["total_bytes"] = int(r["total_bytes_per_step"])
-        row["x_flat_bytes"] = (r["total_bytes_per_step"] / flat["total_bytes_per_step"]
+        row["bytes_x_flat"] = (r["total_bytes_per_step"] / flat["total_bytes_per_step"]
                                if flat and flat["total_bytes_per_step"] else None)
         row["step_s"] = r["step_s"]
         row["final_loss"] = r["final_loss"]
@@ -243,7 +243,11 @@ def run(args: argparse.Namespace) -> int:
     if measured:
         notes.insert(0, f"part A: {args.ranks} gloo processes, GPT tiny, {args.dtype}, batch "
                      f"{args.batch_size} x {args.seq_len} per rank, median of {args.steps} steps; "
-                     "bytes: sent per rank per step by kind (engine.stats())")
+                     "bytes: per rank per step by kind, as engine.stats() counts them: each "
+                     "collective's input (an all-gather: the rank's shard; a reduce-scatter or "
+                     "all-reduce: the whole buffer). A ring sends (k-1)/k of the gathered size "
+                     "for either, the unit of part B: (k-1) x a gather's count, (k-1)/k x a "
+                     "reduce-scatter's")
         if not args.json:
             print(f"\ninfinity bench comm, part A: measured on {args.ranks} gloo processes")
             columns = list(dict.fromkeys(k for row in measured for k in row))
