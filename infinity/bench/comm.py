@@ -31,8 +31,8 @@ from typing import Any
 
 from infinity._common import GiB
 from infinity.bench.report import Report, add_common_arguments, format_table
-from infinity.ledger import (DEFAULT_MFU, GB, Cluster, MeshCandidate, MeshRequest, ModelShape,
-                             make_mesh_plan)
+from infinity.ledger import (DEFAULT_MFU, EXPOSED_FRACTION, GB, Cluster, MeshCandidate,
+                             MeshRequest, ModelShape, make_mesh_plan)
 
 MODES = ("flat", "hsdp", "hpz", "qwz-qgz")
 """flat ZeRO-3 over all ranks; HSDP 2 x (ranks/2); hpZ partition 2; qwZ + qgZ (int8)."""
@@ -56,6 +56,16 @@ ZEROPP_PUBLISHED = {
                       "per GPU, +24-29% at 2k tokens per GPU",
     "equivalence": "ZeRO++ at 200 Gb/s matches ZeRO-3 at 800 Gb/s (18B and 138B models)",
 }
+ZEROPP_SETTING = {
+    "nodes": 24, "gpus_per_node": 16, "intra_node_gbps": 150.0, "device_tflops": 125.0,
+    "gpu_memory_gb": 32.0, "device_mem_gbs": 900.0, "numel": 18_000_000_000,
+    "published": {(50.0, 1024): "1.28-1.36x", (50.0, 2048): "1.24-1.29x",
+                  (12.5, 1024): "up to 2.16x (~2x average)", (12.5, 2048): "up to 2.16x (~2x average)"},
+}
+"""ZeRO++'s own evaluation, priced by our model: 384 V100 (24 DGX-2 nodes of 16, NVSwitch: 6 NVLinks
+x 25 GB/s per GPU; 125 TFLOP/s fp16 peak; 32 GB), an 18B GPT (shape assumed from the count), 1k
+or 2k tokens per GPU, 4 x 100 Gb/s (50 GB/s) or 1 x 100 Gb/s (12.5 GB/s) per node; fp16
+gradients for the baseline and int4 for qgZ, as the paper compares."""
 PLANNED = (  # part B rows: (label, layout kind, qwZ, qgZ)
     ("flat ZeRO-3", "flat", False, False),
     ("HSDP (shard = node)", "hsdp", False, False),
@@ -211,6 +221,35 @@ def predicted_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def zeropp_setting_rows(mfu: float) -> list[dict[str, Any]]:
+    """Flat ZeRO-3 against ZeRO++ (hpZ + qwZ + qgZ int4) at ZeRO++'s own setting
+    (:data:`ZEROPP_SETTING`): the model's predicted gain next to the published one."""
+    z = ZEROPP_SETTING
+    rows = []
+    for (inter, tokens), published in z["published"].items():
+        shape = ModelShape.assumed(z["numel"], seq_len=tokens)
+        cluster = Cluster(nodes=z["nodes"], gpus_per_node=z["gpus_per_node"],
+                          intra_node_bytes_per_s=z["intra_node_gbps"] * GB,
+                          inter_node_bytes_per_s=inter * GB)
+        row: dict[str, Any] = {"setting": f"384 V100, {shape.num_params() / 1e9:.0f}B GPT",
+                               "tokens_per_gpu": tokens, "inter_gbps": inter}
+        for label, exposed in (("", EXPOSED_FRACTION), ("serial_", 1.0)):
+            req = MeshRequest(numel=shape.num_params(), shape=shape, reduce_dtype="compute",
+                              gradient_bits=4, max_tensor=1, mfu=mfu, exposed_fraction=exposed,
+                              device_memory_bytes=int(z["gpu_memory_gb"] * GiB),
+                              device_flops=z["device_tflops"] * 1e12,
+                              device_memory_bytes_per_s=z["device_mem_gbs"] * GB)
+            plan = make_mesh_plan(req, cluster)
+            flat, zpp = plan.baseline(), _pick(plan.candidates, "hpz", True, True)
+            if not label:
+                row.update(flat_step_s=flat.step_s, flat_bound=flat.bound,
+                           zeropp_step_s=zpp.step_s, zeropp_bound=zpp.bound)
+            row[f"{label}predicted_x"] = flat.step_s / zpp.step_s
+        row["published_x"] = published
+        rows.append(row)
+    return rows
+
+
 TIME_MODEL_NOTES = [
     "time model ([Note: mesh time model], infinity/ledger/_mesh_plan.py): ring all-gather / "
     "reduce-scatter of M bytes over k ranks, c per node: (k-1)/k M per rank; time = max((k-1)/k "
@@ -252,11 +291,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"\ninfinity bench comm, part A: measured on {args.ranks} gloo processes")
             columns = list(dict.fromkeys(k for row in measured for k in row))
             print(format_table(measured, columns))
+    setting = zeropp_setting_rows(args.mfu)
+    notes.append("zeropp_setting: ZeRO++'s own evaluation (384 V100, 18B GPT) priced by the same "
+                 "model: predicted_x (flat ZeRO-3 step / ZeRO++ step) with the planner's overlap "
+                 f"rule (exposed fraction {EXPOSED_FRACTION}), serial_predicted_x with none (the "
+                 "serial bound), beside the published gain")
+    if not args.json:
+        print("\ninfinity bench comm, part B at ZeRO++'s own setting (predicted vs published)")
+        print(format_table(setting))
     report = Report(
         name="comm", title=f"infinity bench comm, part B: predicted on {args.nodes} nodes x "
         f"{args.gpus_per_node} GPUs, {args.intra_node_gbps:g} GB/s per GPU inside, "
         f"{args.inter_node_gbps} GB/s per node across", rows=predicted,
         params={k: v for k, v in vars(args).items() if not k.startswith("_")},
-        notes=notes, extra={"measured": measured, "zeropp_published": ZEROPP_PUBLISHED})
+        notes=notes, extra={"measured": measured, "zeropp_published": ZEROPP_PUBLISHED,
+                                  "zeropp_setting": setting})
     report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
     return 0 if all(r["status"] != "error" for r in measured) else 1

@@ -36,7 +36,8 @@ Collective costs are [Note: collective cost over nodes] in infinity/ledger/_comm
   at the device memory bandwidth, on the compute stream.
 * micro = overlap(compute + quantize, ZeRO collectives) + tensor-parallel, where
   overlap(xs) = max(xs) + EXPOSED_FRACTION x (sum(xs) - max(xs)) ([Note: time model] in
-  infinity/ledger/_pricing.py): ZeRO's gathers and reductions are prefetched and overlap compute,
+  infinity/ledger/_pricing.py; ``MeshRequest.exposed_fraction``, 1.0 for the serial bound):
+  ZeRO's gathers and reductions are prefetched and overlap compute,
   TP's all-reduces sit on the critical path (the next matmul needs their result).
   step = GA x micro + replicate-reduce (exposed: it runs after the last backward).
 * Memory per rank: the ledger of ZeRO-3 over the shard group (``estimate_model_states(P/T, 3,
@@ -155,6 +156,9 @@ class MeshRequest:
     headroom: float = 0.10
     max_tensor: int | None = None
     """Largest tensor-parallel degree tried (None: the GPUs of a node)."""
+    exposed_fraction: float = EXPOSED_FRACTION
+    """Share of the smaller of compute and ZeRO communication that overlap fails to hide (the
+    single-node planner's rule; 1.0: no overlap, the serial bound)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -170,6 +174,9 @@ class MeshRequest:
             raise ValueError(f"gradient_bits: expected 8 or 4, got {self.gradient_bits!r}")
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"headroom: expected a fraction in [0, 1), got {self.headroom!r}")
+        if not 0.0 <= self.exposed_fraction <= 1.0:
+            raise ValueError(f"exposed_fraction: expected a fraction in [0, 1], got "
+                             f"{self.exposed_fraction!r}")
 
     def sequences_per_step(self, cluster: Cluster) -> int:
         return self.global_batch or cluster.world_size * self.micro_batch
@@ -351,7 +358,7 @@ def price_mesh(req: MeshRequest, cluster: Cluster, layout: MeshLayout, *,
     tp_s = tp.time_s + tp.count * COLLECTIVE_LATENCY_S
     rep_s = rep.time_s + rep.count * COLLECTIVE_LATENCY_S
     parts = [compute + quant_s, zero_s]
-    micro = max(parts) + EXPOSED_FRACTION * (sum(parts) - max(parts)) + tp_s
+    micro = max(parts) + req.exposed_fraction * (sum(parts) - max(parts)) + tp_s
     step_s = ga * micro + rep_s
 
     terms = StateTerms.for_training(dtype=req.dtype, grad_dtype=ENGINE_GRAD_DTYPE)

@@ -125,6 +125,9 @@ def test_step_time_of_flat_zero3_on_two_by_two_by_hand():
     assert c.times_s["compute"] == pytest.approx(1200e-6)
     assert c.times_s["zero-comm"] == pytest.approx(1500e-6)
     assert c.step_s == pytest.approx(1800e-6)
+    serial = price_mesh(tiny_request(exposed_fraction=1.0), TWO_BY_TWO,
+                        MeshLayout(replicate=1, shard=4), checkpointing=False)
+    assert serial.step_s == pytest.approx(1200e-6 + 1500e-6)  # no overlap: the sum
     assert c.traffic["forward-gather"].inter_bytes == pytest.approx(0.75e6)
     assert c.traffic["reduce-grad"].total_bytes == pytest.approx(3e6)
     assert c.traffic["replicate-reduce"].total_bytes == 0
@@ -280,6 +283,8 @@ def test_layout_validation_names_the_field():
     with pytest.raises(ValueError, match="does not tile"):
         price_mesh(tiny_request(), TWO_BY_TWO, MeshLayout(replicate=1, shard=2),
                    checkpointing=False)
+    with pytest.raises(ValueError, match="exposed_fraction"):
+        tiny_request(exposed_fraction=1.5)
     with pytest.raises(ValueError, match="Cluster.inter_node_bytes_per_s"):
         Cluster(nodes=2, gpus_per_node=2, intra_node_bytes_per_s=1.0, inter_node_bytes_per_s=0)
 
