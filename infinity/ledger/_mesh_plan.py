@@ -308,22 +308,13 @@ def _groups(layout: MeshLayout, cluster: Cluster) -> dict[str, tuple[int, int]]:
             "hpz": (hpz, hpz), "tensor": (layout.tensor, layout.tensor)}
 
 
-def price_mesh(req: MeshRequest, cluster: Cluster, layout: MeshLayout, *,
-               checkpointing: bool) -> MeshCandidate:
-    """Memory per rank and time per step of one candidate ([Note: mesh time model])."""
-    t, g_node = layout.tensor, cluster.gpus_per_node
-    if g_node % t or layout.replicate * layout.shard * t != cluster.world_size:
-        raise ValueError(f"mesh {layout.replicate} x {layout.shard} x {t} does not tile "
-                         f"{cluster.nodes} x {g_node} GPUs")
-    p = DTYPE_BYTES[req.dtype]
-    gw = p if req.reduce_dtype == "compute" else DTYPE_BYTES["fp32"]
-    pt = req.numel / t
-    b, s, shape = req.micro_batch, req.shape.seq_len, req.shape
-    d = layout.replicate * layout.shard
-    ga = max(1, math.ceil(req.sequences_per_step(cluster) / (d * b)))
+def _traffic(req: MeshRequest, cluster: Cluster, layout: MeshLayout, *,
+             checkpointing: bool) -> dict[str, Traffic]:
+    """Phase -> one rank's traffic: per micro-step, except replicate-reduce (once per step)."""
+    p, gw = DTYPE_BYTES[req.dtype], _wire_grad_bytes(req)
+    pt, shape, t = req.numel / layout.tensor, req.shape, layout.tensor
     groups = _groups(layout, cluster)
-    block, bits = req.quantization_block_numel, layout.gradient_bits
-
+    block = req.quantization_block_numel
     weight_bytes = (plan_quantized_bytes(pt, block_numel=block, bits=8) if layout.quantized_weights
                     else pt * p)
     size, c = groups["shard"]
@@ -334,7 +325,7 @@ def price_mesh(req: MeshRequest, cluster: Cluster, layout: MeshLayout, *,
     size, c = groups["shard"]
     if layout.quantized_gradients:
         red = hierarchical_all_to_all(cluster, group_size=size, ranks_per_node=c, numel=pt,
-                                      block_numel=block, bits=bits)
+                                      block_numel=block, bits=layout.gradient_bits)
     else:
         red = ring_reduce_scatter(cluster, group_size=size, ranks_per_node=c, payload_bytes=pt * gw)
     # One collective per unit (the bytes are the whole model's either way).
@@ -343,23 +334,44 @@ def price_mesh(req: MeshRequest, cluster: Cluster, layout: MeshLayout, *,
     size, c = groups["replicate"]
     rep = ring_all_reduce(cluster, group_size=size, ranks_per_node=c,
                           payload_bytes=pt / layout.shard * gw)
-    ar_per_layer = TP_ALL_REDUCES_PER_LAYER + (TP_RECOMPUTE_ALL_REDUCES_PER_LAYER
-                                               if checkpointing else 0)
+    per_layer = TP_ALL_REDUCES_PER_LAYER + (TP_RECOMPUTE_ALL_REDUCES_PER_LAYER
+                                            if checkpointing else 0)
     tp = ring_all_reduce(cluster, group_size=t, ranks_per_node=t,
-                         payload_bytes=b * s * shape.hidden_size * p).times(
-        ar_per_layer * shape.num_layers)
+                         payload_bytes=req.micro_batch * shape.seq_len * shape.hidden_size * p)
+    return {"forward-gather": fwd, "backward-gather": bwd, "reduce-grad": red,
+            "replicate-reduce": rep, "tensor-parallel": tp.times(per_layer * shape.num_layers)}
 
-    compute = (8 if checkpointing else 6) * pt * b * s / (req.device_flops * req.mfu)
-    quant = (2 * pt * (1 + p) if layout.quantized_weights else 0.0) + (
-        2 * pt * (1 + gw) if layout.quantized_gradients else 0.0)
-    quant_s = quant / req.device_memory_bytes_per_s
-    zero_s = fwd.time_s + bwd.time_s + red.time_s + (fwd.count + bwd.count + red.count) \
-        * COLLECTIVE_LATENCY_S
-    tp_s = tp.time_s + tp.count * COLLECTIVE_LATENCY_S
-    rep_s = rep.time_s + rep.count * COLLECTIVE_LATENCY_S
+
+def _wire_grad_bytes(req: MeshRequest) -> int:
+    """Bytes per gradient element a full-precision reduction sends (precision.reduce_dtype)."""
+    return DTYPE_BYTES[req.dtype] if req.reduce_dtype == "compute" else DTYPE_BYTES["fp32"]
+
+
+def _busy_s(x: Traffic) -> float:
+    return x.time_s + x.count * COLLECTIVE_LATENCY_S
+
+
+def price_mesh(req: MeshRequest, cluster: Cluster, layout: MeshLayout, *,
+               checkpointing: bool) -> MeshCandidate:
+    """Memory per rank and time per step of one candidate ([Note: mesh time model])."""
+    t, g_node = layout.tensor, cluster.gpus_per_node
+    if g_node % t or layout.replicate * layout.shard * t != cluster.world_size:
+        raise ValueError(f"mesh {layout.replicate} x {layout.shard} x {t} does not tile "
+                         f"{cluster.nodes} x {g_node} GPUs")
+    p, gw = DTYPE_BYTES[req.dtype], _wire_grad_bytes(req)
+    pt, b, shape = req.numel / t, req.micro_batch, req.shape
+    d = layout.replicate * layout.shard
+    ga = max(1, math.ceil(req.sequences_per_step(cluster) / (d * b)))
+    micro = _traffic(req, cluster, layout, checkpointing=checkpointing)
+
+    compute = (8 if checkpointing else 6) * pt * b * shape.seq_len / (req.device_flops * req.mfu)
+    quant_s = ((2 * pt * (1 + p) if layout.quantized_weights else 0.0)
+               + (2 * pt * (1 + gw) if layout.quantized_gradients else 0.0)
+               ) / req.device_memory_bytes_per_s
+    zero_s = sum(_busy_s(micro[k]) for k in ("forward-gather", "backward-gather", "reduce-grad"))
+    tp_s, rep_s = _busy_s(micro["tensor-parallel"]), _busy_s(micro["replicate-reduce"])
     parts = [compute + quant_s, zero_s]
-    micro = max(parts) + req.exposed_fraction * (sum(parts) - max(parts)) + tp_s
-    step_s = ga * micro + rep_s
+    step_s = ga * (max(parts) + req.exposed_fraction * (sum(parts) - max(parts)) + tp_s) + rep_s
 
     terms = StateTerms.for_training(dtype=req.dtype, grad_dtype=ENGINE_GRAD_DTYPE)
     ledger = estimate_model_states(ceil_bytes(pt), 3, layout.shard, terms, gpus_per_node=g_node,
@@ -368,15 +380,15 @@ def price_mesh(req: MeshRequest, cluster: Cluster, layout: MeshLayout, *,
     acts = _tp_activation_bytes(shape, micro_batch=b, checkpointing=checkpointing, tensor=t,
                                 dtype_bytes=p)
     need = ledger.tier_bytes(Tier.DEVICE) + hpz_bytes + acts + DEVICE_RESERVE_BYTES
-    traffic = {"forward-gather": fwd.times(ga), "backward-gather": bwd.times(ga),
-               "reduce-grad": red.times(ga), "replicate-reduce": rep, "tensor-parallel": tp.times(ga)}
+    traffic = {k: (v if k == "replicate-reduce" else v.times(ga)) for k, v in micro.items()}
     times = {"compute": ga * compute, "quantize": ga * quant_s, "zero-comm": ga * zero_s,
              "tensor-parallel": ga * tp_s, "replicate-reduce": rep_s}
     return MeshCandidate(layout=layout, checkpointing=checkpointing, grad_accum=ga, micro_batch=b,
                          ledger=ledger, hpz_secondary_bytes=hpz_bytes, activation_bytes=acts,
-                         need_bytes=need, usable_bytes=int(req.device_memory_bytes * (1 - req.headroom)),
+                         need_bytes=need,
+                         usable_bytes=int(req.device_memory_bytes * (1 - req.headroom)),
                          traffic=traffic, times_s=times, step_s=step_s,
-                         tokens_per_step=ga * d * b * s)
+                         tokens_per_step=ga * d * b * shape.seq_len)
 
 
 def make_mesh_plan(req: MeshRequest, cluster: Cluster) -> MeshPlan:
