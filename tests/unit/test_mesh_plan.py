@@ -315,3 +315,22 @@ def test_plan_nodes_cli_rejections(capsys):
     assert cli.main(["plan", "--params", "7e9", "--nodes", "2", "--out-deepspeed", "x.json"]) == 2
     assert "--out-native" in capsys.readouterr().err
 
+
+
+def test_plan_nodes_reads_a_model_config_and_plans_one_node(tmp_path, capsys):
+    """--model takes the shape from a Hugging Face config (no 'assumed' shape note); one node has
+    no inter-node link to save, so flat ZeRO-3 over its GPUs is chosen."""
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+        "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}))
+    rc = cli.main(["plan", "--model", str(model), "--seq-len", "2048", "--nodes", "1",
+                   "--gpus-per-node", "8", "--intra-node-gbps", "900", "--inter-node-gbps", "50",
+                   "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["model"]["numel"] == LLAMA_7B.num_params()
+    assert not any("shape assumed" in n for n in doc["notes"])
+    assert doc["config"]["mesh"] == {"replicate": 1, "shard": 8, "tensor": 1}
+    assert doc["config"]["zero"]["hpz_partition_size"] == 1
+    assert not doc["config"]["zero"]["quantized_weights"]
