@@ -251,7 +251,7 @@ def zeropp_setting_rows(mfu: float) -> list[dict[str, Any]]:
 
 
 TIME_MODEL_NOTES = [
-    "time model ([Note: mesh time model], infinity/ledger/_mesh_plan.py): ring all-gather / "
+    "time model ([Note: mesh time model] in infinity/ledger/_mesh_plan.py): ring all-gather / "
     "reduce-scatter of M bytes over k ranks, c per node: (k-1)/k M per rank; time = max((k-1)/k "
     "M / B_in, G x (k-1)/k M / c / B_out) (B_in per GPU, B_out per node); qgZ: hierarchical "
     "all-to-all of int8 + fp32 scales per block, max((c-1)/c Q(M) / B_in, G (n-1)/n Q(M/c) / B_out)",
