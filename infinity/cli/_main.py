@@ -15,6 +15,7 @@ import logging
 import sys
 
 from infinity.bench import adam as bench_adam
+from infinity.bench import comm as bench_comm
 from infinity.bench import io as bench_io
 from infinity.bench import scale as bench_scale
 from infinity.bench import step as bench_step
@@ -27,8 +28,11 @@ BENCHES = {
 }
 LONG_BENCHES = {
     "scale": (bench_scale, "model size swept at a fixed host budget: peak RSS, step vs roofline"),
+    "comm": (bench_comm, "collective bytes per kind for flat / HSDP / hpZ / qwZ+qgZ on gloo, and "
+             "the planner's step time past one node"),
 }
-"""Benchmarks of many minutes (a fresh training process per row): not part of ``bench all``."""
+"""Benchmarks of many minutes or many processes (a fresh training process per row, or a set of
+gloo ranks per mode): not part of ``bench all``."""
 COMMANDS = {
     "estimate": (_estimate, "memory ledger per ZeRO stage and tier"),
     "plan": (_plan, "recommend a configuration for a model on given hardware"),

@@ -5,7 +5,8 @@ Example (the acceptance case: full fine-tuning of a 7B model on a 4 x 24 GB work
     infinity plan --params 7e9 --gpus 4 --gpu-memory-gb 24 --host-memory-gb 128 \\
         --nvme-path /mnt/nvme --out-native infinity.json --out-deepspeed ds_config.json
 
-This module is the command's I/O: it gathers the hardware (:mod:`._hardware`), prices every
+With ``--nodes N`` it plans past one node instead (mesh, hpZ, quantized collectives, tensor
+parallelism: :mod:`._plan_mesh`). This module is the command's I/O: it gathers the hardware (:mod:`._hardware`), prices every
 candidate with the pure pricing of :mod:`infinity.ledger` (how it chooses, and [Note: time model],
 are there), prints the table and writes the chosen configuration. Figures not given are measured
 where cheap (RAM, disk capacity, a direct-I/O probe, GPU memory) and assumed otherwise; the output
@@ -24,6 +25,7 @@ from typing import Any
 from infinity._common import MiB, format_bytes
 from infinity.cli._estimate import add_model_arguments, gpus_per_node, resolve_model
 from infinity.cli._hardware import detect_hardware
+from infinity.cli._plan_mesh import add_mesh_arguments, run_mesh
 from infinity.config import (AUTO, ActivationCheckpointingConfig, InfinityConfig, MemoryConfig,
                              OffloadConfig, PrecisionConfig, ZeroConfig, config_to_deepspeed,
                              load_config)
@@ -126,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-deepspeed", metavar="PATH", help="write a DeepSpeed ds_config.json here")
     parser.add_argument("--all", action="store_true", help="list every fitting candidate, fastest first")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_mesh_arguments(parser)
 
 
 def request_from_args(args: argparse.Namespace, hw: Hardware) -> PlanRequest:
@@ -242,6 +245,8 @@ def _memory_rows(c: Candidate, ranks: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nodes is not None:  # past one node: the mesh planner (infinity/cli/_plan_mesh.py)
+        return run_mesh(args)
     args.gpus_given = args.gpus is not None
     if args.gpus is None:
         args.gpus = 1  # replaced by the detected device count in detect_hardware

@@ -13,12 +13,20 @@ accounting (``engine.stats()``, the offload budgets) share these rules, so they 
 - :mod:`._activations`: activation bytes per micro-batch (:func:`activation_bytes`).
 - :mod:`._pricing`: every candidate configuration priced by bytes and a time model
   (:func:`make_plan`; [Note: time model]).
+- :mod:`._comm_time`: what a collective costs on nodes x GPUs with two link kinds
+  (:class:`Cluster`, ring and hierarchical all-to-all costs; [Note: collective cost over nodes]).
+- :mod:`._mesh_plan`: the planner past one node: flat / HSDP / hpZ, qwZ / qgZ and tensor
+  parallelism priced per step (:func:`make_mesh_plan`; [Note: mesh time model]).
 
-Module DAG inside the package: ``_estimate``, ``_model_shape`` <- ``_activations`` <- ``_pricing``.
+Module DAG inside the package: ``_estimate``, ``_model_shape`` <- ``_activations`` <- ``_pricing``
+<- ``_mesh_plan`` -> ``_comm_time``.
 """
 
 from infinity._tier import Tier
 from infinity.ledger._activations import Activations, activation_bytes
+from infinity.ledger._comm_time import (Cluster, Traffic, hierarchical_all_to_all,
+                                        plan_quantized_bytes, ring_all_gather, ring_all_reduce,
+                                        ring_reduce_scatter)
 from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP_NUMEL,
                                        ENGINE_GRAD_DTYPE, GB, OPTIMIZER_STAGING_SUBGROUPS,
                                        OPTIMIZERS, TERMS, Ledger, StateTerms, ceil_bytes,
@@ -26,13 +34,21 @@ from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP
                                        host_grad_dtype_of, paper_bytes_per_device)
 from infinity.ledger._flat_layout import (FLAT_ALIGN_BYTES, FlatLayout, flat_layout,
                                           flat_padding_numel)
+from infinity.ledger._mesh_plan import (DEFAULT_MFU, DEFAULT_QUANTIZATION_BLOCK_NUMEL,
+                                        MIN_GAIN_FRACTION, MeshCandidate, MeshLayout, MeshPlan,
+                                        MeshRequest, make_mesh_plan, mesh_config_dict, mesh_layouts,
+                                        price_mesh)
 from infinity.ledger._model_shape import ModelShape
 from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE_RESERVE_BYTES,
                                       EFFICIENCY_KNEE_TOKENS, EXPOSED_FRACTION, HOST_RESERVE_BYTES,
                                       MICRO_BATCHES, Candidate, Hardware, Plan, PlanRequest,
                                       candidates, make_plan, price)
 
-__all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "DEFAULT_PREFETCH_UNITS",
+__all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "Cluster", "DEFAULT_MFU", "DEFAULT_PREFETCH_UNITS",
+           "DEFAULT_QUANTIZATION_BLOCK_NUMEL", "MIN_GAIN_FRACTION", "MeshCandidate", "MeshLayout",
+           "MeshPlan", "MeshRequest", "Traffic", "hierarchical_all_to_all", "make_mesh_plan",
+           "mesh_config_dict", "mesh_layouts", "plan_quantized_bytes", "price_mesh",
+           "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
            "DEFAULT_SUB_GROUP_NUMEL", "DEVICE_RESERVE_BYTES", "EFFICIENCY_KNEE_TOKENS",
            "ENGINE_GRAD_DTYPE", "EXPOSED_FRACTION", "FLAT_ALIGN_BYTES", "FlatLayout", "GB",
            "HOST_RESERVE_BYTES", "MICRO_BATCHES",
