@@ -11,6 +11,8 @@ accounting (``engine.stats()``, the offload budgets) share these rules, so they 
   (:func:`flat_layout`; [Note: 16-byte aligned slots]).
 - :mod:`._model_shape`: a transformer's shape (:class:`ModelShape`): parameters, units.
 - :mod:`._activations`: activation bytes per micro-batch (:func:`activation_bytes`).
+- :mod:`._quantized`: bytes of a block-quantized tensor on the wire (:func:`quantized_bytes`;
+  [Note: quantized wire format]), for ZeRO++'s quantized collectives.
 - :mod:`._pricing`: every candidate configuration priced by bytes and a time model
   (:func:`make_plan`; [Note: time model]).
 
@@ -27,6 +29,8 @@ from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP
 from infinity.ledger._flat_layout import (FLAT_ALIGN_BYTES, FlatLayout, flat_layout,
                                           flat_padding_numel)
 from infinity.ledger._model_shape import ModelShape
+from infinity.ledger._quantized import (QUANTIZED_BITS, SCALE_BYTES, num_blocks, payload_bytes,
+                                        quantized_bytes)
 from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE_RESERVE_BYTES,
                                       EFFICIENCY_KNEE_TOKENS, EXPOSED_FRACTION, HOST_RESERVE_BYTES,
                                       MICRO_BATCHES, Candidate, Hardware, Plan, PlanRequest,
@@ -41,4 +45,6 @@ __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "DEFAULT_PREFETCH_UNITS",
            "activation_bytes", "candidates", "ceil_bytes", "estimate_from_config",
            "estimate_model_states", "flat_layout", "flat_padding_numel", "host_grad_dtype",
            "host_grad_dtype_of", "make_plan",
-           "paper_bytes_per_device", "price"]
+           "paper_bytes_per_device", "price",
+           # ZeRO++ quantized collectives (the quantization part of issue #17)
+           "QUANTIZED_BITS", "SCALE_BYTES", "num_blocks", "payload_bytes", "quantized_bytes"]
