@@ -30,7 +30,7 @@ from infinity.ledger._flat_layout import (FLAT_ALIGN_BYTES, FlatLayout, flat_lay
                                           flat_padding_numel)
 from infinity.ledger._model_shape import ModelShape
 from infinity.ledger._quantized import (QUANTIZED_BITS, SCALE_BYTES, num_blocks, payload_bytes,
-                                        quantized_bytes)
+                                        qgz_buffer_bytes, quantized_bytes, qwz_buffer_bytes)
 from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE_RESERVE_BYTES,
                                       EFFICIENCY_KNEE_TOKENS, EXPOSED_FRACTION, HOST_RESERVE_BYTES,
                                       MICRO_BATCHES, Candidate, Hardware, Plan, PlanRequest,
@@ -47,4 +47,5 @@ __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "DEFAULT_PREFETCH_UNITS",
            "host_grad_dtype_of", "make_plan",
            "paper_bytes_per_device", "price",
            # ZeRO++ quantized collectives (the quantization part of issue #17)
-           "QUANTIZED_BITS", "SCALE_BYTES", "num_blocks", "payload_bytes", "quantized_bytes"]
+           "QUANTIZED_BITS", "SCALE_BYTES", "num_blocks", "payload_bytes", "qgz_buffer_bytes",
+           "quantized_bytes", "qwz_buffer_bytes"]

@@ -39,3 +39,17 @@ def quantized_bytes(numel: int, block_numel: int, bits: int, scale_bytes: int = 
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     return payload_bytes(numel, bits) + num_blocks(numel, block_numel) * scale_bytes
+
+
+def qwz_buffer_bytes(unit_numel: int, world_size: int, block_numel: int) -> int:
+    """Transient bytes of one qwZ gather beside the gathered unit: this rank's encoded shard and
+    the W encoded shards received (``unit_numel`` padded to a multiple of ``world_size``)."""
+    wire = quantized_bytes(-(-unit_numel // world_size), block_numel, 8)
+    return (world_size + 1) * wire
+
+
+def qgz_buffer_bytes(unit_numel: int, world_size: int, block_numel: int, bits: int) -> int:
+    """Transient bytes of one qgZ reduce-scatter beside the fp32 staging buffer: the encoded
+    send and receive buffers (W destination slices each) and one fp32 slice decoded at a time."""
+    shard = -(-unit_numel // world_size)
+    return 2 * world_size * quantized_bytes(shard, block_numel, bits) + 4 * shard

@@ -123,7 +123,7 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         grad_host_dtype=DTYPES[host_grad_dtype(config, world_size)],
         stored_grad_slice_numel=(offload.sub_group_numel
                                  if offload is not None and offload.grads_on_nvme else None),
-        **quant_settings(zero))
+        **quant_settings(zero, precision))
 
 
 class _MasterStream:

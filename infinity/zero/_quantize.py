@@ -26,6 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from infinity._common import warn_once
 from infinity.ledger import QUANTIZED_BITS, SCALE_BYTES, num_blocks, payload_bytes, quantized_bytes
 
 _QMAX = {8: 127, 4: 7}
@@ -124,11 +125,17 @@ def decode(wire: torch.Tensor, numel: int, spec: QuantSpec, out: torch.Tensor) -
                out=out)
 
 
-def quant_settings(zero) -> dict:
+def quant_settings(zero, precision=None) -> dict:
     """The parameter manager's quantization settings from ``zero`` (a ``ZeroConfig``):
     ``weight_quant``, ``weight_quant_frozen_only`` and ``grad_quant`` (qwZ is int8 only, as in
-    ZeRO++; qgZ takes ``zero.quantized_gradient_bits``)."""
+    ZeRO++; qgZ takes ``zero.quantized_gradient_bits``). ``precision`` (a ``PrecisionConfig``):
+    its ``reduce_dtype`` 'compute' has no effect under qgZ, which says so once."""
     block = zero.quantization_block_numel
+    if zero.quantized_gradients and precision is not None and precision.reduce_dtype != "fp32":
+        warn_once("quantized-gradients-reduce-dtype",
+                  f"precision.reduce_dtype {precision.reduce_dtype!r} has no effect with "
+                  f"zero.quantized_gradients: gradients cross ranks as "
+                  f"int{zero.quantized_gradient_bits} with fp32 block scales and are summed in fp32")
     frozen_only = zero.quantized_frozen_weights and not zero.quantized_weights
     weights = zero.quantized_weights or zero.quantized_frozen_weights
     return dict(

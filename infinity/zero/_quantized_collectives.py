@@ -23,6 +23,12 @@ Every rank sends ``W * wire_bytes(shard_numel)`` bytes, the figure of a reduce-s
 input were the quantized buffer, and the sum is rounded once per contribution (never
 re-quantized between hops, so the error does not grow with W beyond W independent roundings).
 gloo supports ``all_to_all_single`` on CPU (checked with torch 2.x), as NCCL does on GPUs.
+
+Memory: both forms allocate their byte buffers per call and drop them on return. qwZ holds the
+gathered wire (W * wire bytes: about half the gathered unit's bf16 bytes) beside the unit's full
+buffer while it decodes; qgZ holds a send and a receive buffer (about 1/4 of the fp32 staging
+each, int8) beside the staging buffer. Their sizes are ``infinity.ledger.qwz_buffer_bytes`` and
+``qgz_buffer_bytes``, for the planner; the estimator's working buffers do not add them yet.
 """
 
 from __future__ import annotations

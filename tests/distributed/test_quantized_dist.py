@@ -133,9 +133,12 @@ def worker_text(rank: int, world_size: int, out_dir: str, steps: int) -> dict:
 def test_quantized_training_ends_within_two_percent_of_the_exact_loss():
     """300 steps with INFINITY_SLOW=1 (the issue's test); 40 in CI. The loss compared is the mean
     of the last 10 steps of each run (same data, same seeds: what differs is the rounding of the
-    collectives). At 40 steps the loss has fallen from 5.5 to about 3, and is still falling
-    fast, so a small lag of the quantized run shows more than at 300; the same 2% bound holds
-    there (measured: see the test's report), so the bounded version keeps it."""
+    collectives; one step's loss is too noisy a figure). At 40 steps the loss is still falling
+    fast (5.5 -> ~3.4), where a lag of the quantized run would show most, and the two runs'
+    difference measured here was within 0.4% (-0.37%, +0.38% on two runs; +0.40% at 300 steps,
+    loss ~2.78), so the bounded version keeps the issue's 2% bound: a margin of 5x over the
+    measured effect, still tight enough to catch a broken dequantization (which leaves the loss
+    near its start) or a missing scale (which diverges)."""
     results = launch(__file__, "worker_text", world_size=TEXT_WORLD, timeout_s=120 if not SLOW else 900,
                      args={"steps": TEXT_STEPS})
     exact, quant = results[0]["exact"], results[0]["qwz-qgz8"]

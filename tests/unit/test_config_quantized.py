@@ -89,3 +89,11 @@ def test_the_deepspeed_form_round_trips():
         ds = config_to_deepspeed(config)["zero_optimization"]
     assert ds["zero_quantized_weights"] is True and ds["zero_quantized_gradients"] is True
     assert load_config({"zero_optimization": ds}).zero == config.zero
+
+
+def test_reduce_dtype_compute_under_quantized_gradients_warns_that_it_does_nothing():
+    from infinity.config._sections import PrecisionConfig
+
+    with pytest.warns(UserWarning, match="reduce_dtype 'compute' has no effect"):
+        quant_settings(ZeroConfig(quantized_gradients=True),
+                       PrecisionConfig(dtype="bf16", reduce_dtype="compute"))

@@ -132,3 +132,16 @@ def test_quantized_bytes_formula():
     assert quantized_bytes(n, 2048, 4) / (4 * n) == pytest.approx(0.125 + 1 / 2048)
     with pytest.raises(ValueError, match="bits"):
         quantized_bytes(10, 2048, 2)
+
+
+def test_transient_buffer_bytes_match_what_the_collectives_allocate():
+    from infinity.ledger import qgz_buffer_bytes, qwz_buffer_bytes
+
+    # 4 ranks, a unit of 1000 elements: shards of 250, 4 blocks of 64 each (the last partial).
+    wire8 = 250 + 4 * 4
+    assert qwz_buffer_bytes(1000, 4, 64) == 5 * wire8  # own shard + 4 received
+    wire4 = 125 + 4 * 4
+    assert qgz_buffer_bytes(1000, 4, 64, 4) == 2 * 4 * wire4 + 4 * 250  # send, receive, a slice
+    # Against a bf16 gathered unit, qwZ's buffers are about half of it.
+    assert qwz_buffer_bytes(2048 * 64, 4, 2048) / (2 * 2048 * 64) == pytest.approx(
+        0.5 * 5 / 4, rel=1e-2)
