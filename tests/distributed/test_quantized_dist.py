@@ -28,6 +28,7 @@ BYTES_CONFIGS = [  # (name, stage, quantized weights, quantized gradients, gradi
     ("s3-qwz-qgz8", 3, True, True, 8),
     ("s2-qgz4", 2, False, True, 4),
     ("s3-lora-qwz-frozen", 3, False, False, 8),  # DeepSpeed's zero_quantized_nontrainable_weights
+    ("s3-qwz-qgz8-param-cpu", 3, True, True, 8),  # shards gathered from the store's host copies
 ]
 
 
@@ -38,7 +39,8 @@ def _zero(stage: int, weights: bool, grads: bool, bits: int, block: int) -> dict
 
 def worker_bytes(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
-    from tests._support.engine import batches, engine_config, engine_train, lora_like, tiny_gpt
+    from tests._support.engine import (batches, engine_config, engine_train, lora_like,
+                                       offload_config, tiny_gpt)
 
     out = {}
     for name, stage, weights, grads, bits in BYTES_CONFIGS:
@@ -46,7 +48,12 @@ def worker_bytes(rank: int, world_size: int, out_dir: str) -> dict:
         if "frozen" in name:
             zero["quantized_frozen_weights"] = True
         model = lora_like() if "lora" in name else tiny_gpt()
-        engine = infinity.initialize(model, engine_config(stage=stage, dtype="bf16", zero=zero))
+        if "param-cpu" in name:
+            config = offload_config(os.path.join(out_dir, f"swap-{rank}"), stage=stage,
+                                    dtype="bf16", param="cpu", zero=zero)
+        else:
+            config = engine_config(stage=stage, dtype="bf16", zero=zero)
+        engine = infinity.initialize(model, config)
         losses = engine_train(engine, batches(BYTES_STEPS, 1), rank=rank, world_size=world_size)
         units = [{"always_gathered": u.always_gathered,
                   "groups": [(g.shard_numel, g.padded_numel, g.requires_grad) for g in u.groups]}
@@ -61,7 +68,7 @@ def test_collective_bytes_per_step_are_what_the_formats_predict():
 
     results = launch(__file__, "worker_bytes", world_size=WORLD, timeout_s=180)
     for res in results:
-        exact, quant, qgz4, frozen = (res[name] for name, *_ in BYTES_CONFIGS)
+        exact, quant, qgz4, frozen, offloaded = (res[name] for name, *_ in BYTES_CONFIGS)
         gathered = [s for u in exact["units"] if not u["always_gathered"] for s, _, _ in u["groups"]]
         trainable = [s for u in exact["units"] for s, _, rg in u["groups"] if rg]
         assert gathered and trainable
@@ -93,6 +100,12 @@ def test_collective_bytes_per_step_are_what_the_formats_predict():
         assert any(rg for _, rg in lora) and not all(rg for _, rg in lora)
         mixed = BYTES_STEPS * sum(2 * s if rg else quantized_bytes(s, BLOCK, 8, 4) for s, rg in lora)
         assert frozen["bytes"]["forward-gather"] == mixed
+        # Parameter offload: the shards come from the store, are quantized the same way, and
+        # the same numbers train (the prefetcher may keep units between forward and backward,
+        # so only the forward's gathers are compared).
+        assert offloaded["bytes"]["forward-gather"] == q_gather
+        assert offloaded["bytes"]["reduce-grad"] == q_reduce
+        assert offloaded["losses"] == quant["losses"]
         # Rounding the collectives does not derail these first steps (the loss test below
         # measures the cost properly).
         for got in (quant["losses"], qgz4["losses"]):
