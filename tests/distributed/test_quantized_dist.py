@@ -22,7 +22,7 @@ WORLD = 4
 BLOCK = 64
 """Small blocks: TINY's shards hold several, the last one partial, so the scale bytes and the
 partial block both show in the byte count."""
-BYTES_STEPS = 3
+BYTES_STEPS = 2
 BYTES_CONFIGS = [  # (name, stage, quantized weights, quantized gradients, gradient bits)
     ("s3-exact", 3, False, False, 8),
     ("s3-qwz-qgz8", 3, True, True, 8),
