@@ -204,6 +204,13 @@ def _zero(zero: Mapping[str, Any], param_bytes: int) -> tuple[ZeroConfig, Offloa
         value = pick(*ds_names)
         if value is not None:
             kwargs[native] = convert(value)
+    for ds_name, native in (("zero_quantized_weights", "quantized_weights"),
+                            ("zero_quantized_nontrainable_weights", "quantized_frozen_weights"),
+                            ("zero_quantized_gradients", "quantized_gradients")):
+        if ds_name in zero:
+            kwargs[native] = zero[ds_name]
+    if zero.get("zero_quantized_gradients") is True:
+        kwargs["quantized_gradient_bits"] = 4  # DeepSpeed's qgZ sends int4 (coalesced_collectives)
     if kwargs.get("max_live_bytes") == 0:
         kwargs["max_live_bytes"] = AUTO
     if kwargs.get("unit_min_numel") == 0:
@@ -337,6 +344,12 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
         zero["stage3_max_reuse_distance"] = z.max_reuse_distance_numel
     if config.mesh.shard != AUTO and config.mesh.tensor == 1:
         zero["mics_shard_size"] = config.mesh.shard
+    if z.quantized_weights:
+        zero["zero_quantized_weights"] = True
+    if z.quantized_frozen_weights:
+        zero["zero_quantized_nontrainable_weights"] = True
+    if z.quantized_gradients:  # DeepSpeed has no block size or width knob: its int4 qgZ
+        zero["zero_quantized_gradients"] = True
     out: dict[str, Any] = {"zero_optimization": zero}
     p = config.precision
     if p.dtype != "fp32":  # DeepSpeed's own default would be the compute dtype: say which

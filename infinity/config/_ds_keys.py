@@ -195,12 +195,12 @@ ZERO_KEYS: dict[str, Fate] = {
     "gather_16bit_weights_on_model_save": replaced(_GATHER_ON_DEMAND),
     "stage3_gather_fp16_weights_on_model_save": replaced(_GATHER_ON_DEMAND),
     "save_muon_momentum_buffer_in_memory": ignored("the Muon optimizer is not implemented", False),
-    "zero_quantized_weights": rejected("quantized weight communication (ZeRO++) is not "
-                                       "implemented", False),
-    "zero_quantized_nontrainable_weights": rejected("quantized frozen weights are not "
-                                                    "implemented", False),
-    "zero_quantized_gradients": rejected("quantized gradient communication (ZeRO++) is not "
-                                         "implemented", False),
+    "zero_quantized_weights": mapped("zero.quantized_weights (qwZ: int8 parameter all-gather)"),
+    "zero_quantized_nontrainable_weights": mapped(
+        "zero.quantized_frozen_weights (qwZ for frozen parameters only)"),
+    "zero_quantized_gradients": mapped(
+        "zero.quantized_gradients with zero.quantized_gradient_bits = 4 (qgZ: DeepSpeed "
+        "reduces gradients in int4)"),
     "zero_hpz_partition_size": rejected("hierarchical partitioning (ZeRO++ hpZ) is not "
                                         "implemented", 1),
     "zenflow": rejected("ZenFlow (asynchronous offloaded updates) is not implemented", None),

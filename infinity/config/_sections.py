@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from infinity._common import MiB
+from infinity._common import MiB, warn_once
 from infinity._tier import Tier
 from infinity.config._checks import (AUTO, check_choice, check_float, check_int, fail,
                                      is_power_of_two)
@@ -137,6 +137,25 @@ class ZeroConfig:
     """Keep a unit gathered when the trace says it is used again within this many elements of fetches."""
     sub_group_numel: int | Literal["auto"] = AUTO
     """Optimizer-state elements stepped and swapped as one piece (the NVMe pipeline's grain)."""
+    # ZeRO++ quantized collectives (infinity/zero/_quantized_collectives.py; issue #17, part 3)
+    quantized_weights: bool = False
+    """qwZ: stage 3's parameter all-gathers (forward and backward) send int8 with fp32 block
+    scales, dequantized into the gathered unit; shards and masters stay exact (DeepSpeed
+    ``zero_quantized_weights``). No effect below stage 3 (nothing is gathered): a warning."""
+    quantized_frozen_weights: bool = False
+    """qwZ for the frozen parameters' flat groups only (DeepSpeed
+    ``zero_quantized_nontrainable_weights``); implied by ``quantized_weights``."""
+    quantized_gradients: bool = False
+    """qgZ: stage 2-3 gradient reduce-scatters send ``quantized_gradient_bits`` integers with
+    fp32 block scales over one all-to-all and sum in fp32 (DeepSpeed
+    ``zero_quantized_gradients``). Rejected below stage 2 (whole-gradient all-reduce)."""
+    quantization_block_numel: int = 2048
+    """Elements sharing one fp32 scale in quantized collectives (4 B of scale per block: 0.2% of
+    the int8 payload at 2048, the block size ZeRO++ quantizes in; smaller blocks track outliers
+    more closely for more scale bytes)."""
+    quantized_gradient_bits: int = 8
+    """Width of a quantized gradient element: 8 (int8, ~1/4 of the fp32 bytes) or 4 (int4 packed
+    two per byte, ~1/8; what DeepSpeed's qgZ sends)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -150,6 +169,24 @@ class ZeroConfig:
         check_int("zero.max_live_bytes", self.max_live_bytes, minimum=1, allow_auto=True)
         check_int("zero.max_reuse_distance_numel", self.max_reuse_distance_numel, allow_auto=True)
         check_int("zero.sub_group_numel", self.sub_group_numel, minimum=1, allow_auto=True)
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        for name in ("quantized_weights", "quantized_frozen_weights", "quantized_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                fail(f"zero.{name}", "true or false", getattr(self, name))
+        check_int("zero.quantization_block_numel", self.quantization_block_numel, minimum=1)
+        if isinstance(self.quantized_gradient_bits, bool) or self.quantized_gradient_bits not in (8, 4):
+            fail("zero.quantized_gradient_bits", "8 or 4", self.quantized_gradient_bits)
+        if self.quantized_gradients and self.stage < 2:
+            fail("zero.quantized_gradients", "false at stage 0-1", True,
+                 "stages 0 and 1 all-reduce whole gradients, and only the reduce-scatter of "
+                 "stages 2-3 is quantized (qgZ): set zero_optimization.stage to 2 or 3, or "
+                 "turn quantized gradients off")
+        if (self.quantized_weights or self.quantized_frozen_weights) and self.stage < 3:
+            warn_once("zero.quantized_weights",
+                      f"zero.quantized_weights / quantized_frozen_weights have no effect at stage "
+                      f"{self.stage}: parameters are all-gathered (and quantized) only at stage 3")
 
 
 @dataclass(frozen=True, kw_only=True)

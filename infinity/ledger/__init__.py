@@ -11,6 +11,8 @@ accounting (``engine.stats()``, the offload budgets) share these rules, so they 
   (:func:`flat_layout`; [Note: 16-byte aligned slots]).
 - :mod:`._model_shape`: a transformer's shape (:class:`ModelShape`): parameters, units.
 - :mod:`._activations`: activation bytes per micro-batch (:func:`activation_bytes`).
+- :mod:`._quantized`: bytes of a block-quantized tensor on the wire (:func:`quantized_bytes`;
+  [Note: quantized wire format]), for ZeRO++'s quantized collectives.
 - :mod:`._pricing`: every candidate configuration priced by bytes and a time model
   (:func:`make_plan`; [Note: time model]).
 - :mod:`._comm_time`: what a collective costs on nodes x GPUs with two link kinds
@@ -39,6 +41,8 @@ from infinity.ledger._mesh_plan import (DEFAULT_MFU, DEFAULT_QUANTIZATION_BLOCK_
                                         MeshRequest, make_mesh_plan, mesh_config_dict, mesh_layouts,
                                         price_mesh)
 from infinity.ledger._model_shape import ModelShape
+from infinity.ledger._quantized import (QUANTIZED_BITS, SCALE_BYTES, num_blocks, payload_bytes,
+                                        qgz_buffer_bytes, quantized_bytes, qwz_buffer_bytes)
 from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE_RESERVE_BYTES,
                                       EFFICIENCY_KNEE_TOKENS, EXPOSED_FRACTION, HOST_RESERVE_BYTES,
                                       MICRO_BATCHES, Candidate, Hardware, Plan, PlanRequest,
@@ -57,4 +61,7 @@ __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "Cluster", "DEFAULT_MFU", "DE
            "activation_bytes", "candidates", "ceil_bytes", "estimate_from_config",
            "estimate_model_states", "flat_layout", "flat_padding_numel", "host_grad_dtype",
            "host_grad_dtype_of", "make_plan",
-           "paper_bytes_per_device", "price"]
+           "paper_bytes_per_device", "price",
+           # ZeRO++ quantized collectives (the quantization part of issue #17)
+           "QUANTIZED_BITS", "SCALE_BYTES", "num_blocks", "payload_bytes", "qgz_buffer_bytes",
+           "quantized_bytes", "qwz_buffer_bytes"]

@@ -227,6 +227,17 @@ class Collectives:
         self._count(phase, full.numel() * full.element_size())
         self._run(context, self._reduce_scatter, out, full)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, context: str,
+                   phase: Phase = Phase.OTHER) -> None:
+        """Rank r's ``out`` slice s receives rank s's ``inp`` slice r (W equal slices each; the
+        quantized reduce-scatter's transport, :mod:`infinity.zero._quantized_collectives`).
+        Counted like the reduce-scatter: the whole input, this rank's own slice included."""
+        if self.world_size == 1:
+            out.copy_(inp)
+            return
+        self._count(phase, inp.numel() * inp.element_size())
+        self._run(context, dist.all_to_all_single, out, inp)
+
     def all_reduce_sum(self, tensor: torch.Tensor, *, context: str,
                        phase: Phase = Phase.OTHER) -> None:
         if self.world_size == 1:

@@ -73,6 +73,7 @@ from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._mesh import mesh_collectives
 from infinity.zero._offload import build_store, check_nvme_space_for, resolve_offload
 from infinity.zero._param_manager import ParameterManager
+from infinity.zero._quantize import quant_settings
 from infinity.zero._step_plan import StepPlan
 from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_builder import BuildProgress
@@ -121,7 +122,8 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         reduce_dtype=compute if precision.reduce_dtype == "compute" else torch.float32,
         grad_host_dtype=DTYPES[host_grad_dtype(config, world_size)],
         stored_grad_slice_numel=(offload.sub_group_numel
-                                 if offload is not None and offload.grads_on_nvme else None))
+                                 if offload is not None and offload.grads_on_nvme else None),
+        **quant_settings(zero, precision))
 
 
 class _MasterStream:

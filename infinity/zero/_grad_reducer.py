@@ -50,6 +50,8 @@ from infinity.tiers import Tier, TieredStore, TierHandle
 from infinity.zero._collectives import Collectives, Phase
 from infinity.zero._flat_group import FlatGroup, ParamSlot
 from infinity.zero._grad_norm import sum_of_squares
+from infinity.zero._quantize import QuantSpec
+from infinity.zero._quantized_collectives import reduce_scatter_sum_quantized
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,9 @@ class ReducerConfig:
     stored_slice_numel: int | None = None
     """The optimizer's sub-group size when the accumulators are NVMe-homed slices of it
     ([Note: gradients on NVMe]); None: whole HOST-homed accumulators."""
+    grad_quant: QuantSpec | None = None
+    """qgZ: the reduce-scatter sends quantized slices, summed in fp32 ([Note: qgZ as one
+    all-to-all] in infinity/zero/_quantized_collectives.py); None: ``reduce_dtype``."""
 
 
 class GradientReducer:
@@ -166,13 +171,20 @@ class GradientReducer:
                 staging.div_(self.data_parallel_size)
             # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
             # bytes with bf16/fp16); the sum lands back in fp32 for the accumulator.
-            wire = staging if self.data_parallel_size == 1 \
-                or self.config.reduce_dtype == torch.float32 \
+            wire = staging if (self.data_parallel_size == 1
+                               or self.config.reduce_dtype == torch.float32
+                               or self.config.grad_quant is not None) \
                 else staging.to(self.config.reduce_dtype)
             if stage >= 2 and self.world_size == 1:
                 part = wire  # the shard is the whole buffer: no reduce-scatter, no copy
                 self.coll.all_reduce_replicas(part, context=context)
                 part = part.float()
+            elif stage >= 2 and self.config.grad_quant is not None:
+                # qgZ inside the shard group; the replicas then sum the fp32 shard exactly.
+                part = torch.empty(g.shard_numel, dtype=torch.float32, device=device)
+                reduce_scatter_sum_quantized(self.coll, part, staging, spec=self.config.grad_quant,
+                                             context=context, phase=Phase.REDUCE_GRAD)
+                self.coll.all_reduce_replicas(part, context=context)
             elif stage >= 2:
                 part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
                 self.coll.reduce_scatter_sum(part, wire, context=context,

@@ -68,6 +68,7 @@ from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
+from infinity.zero._quantized_collectives import all_gather_quantized
 from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
 from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
                                          UnitBuilder)
@@ -141,7 +142,8 @@ class ParameterManager:
         self.reducer = GradientReducer(
             ReducerConfig(stage=config.stage, device=config.device,
                           reduce_dtype=config.reduce_dtype, host_dtype=config.grad_host_dtype,
-                          stored_slice_numel=config.stored_grad_slice_numel),
+                          stored_slice_numel=config.stored_grad_slice_numel,
+                          grad_quant=config.grad_quant),
             collectives=collectives, host_store=store if config.optimizer_offloaded else None,
             on_ready=on_grad_ready)
         if config.optimizer_offloaded:
@@ -358,16 +360,29 @@ class ParameterManager:
                     context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
                                f"(micro-step {self.micro_step})")
                     if g.store_key is None:
-                        self.coll.all_gather(g.full, g.shard, context=context, phase=phase)
+                        self._all_gather(unit, g, g.shard, context=context, phase=phase)
                     else:
                         with self._open_stored_shard_read(g) as shard:
-                            self.coll.all_gather(g.full, shard, context=context, phase=phase)
+                            self._all_gather(unit, g, shard, context=context, phase=phase)
         finally:
             self._busy -= 1
         if unit.state is UnitState.RELEASED:
             unit.transition(UnitState.GATHERED)
         self.num_gathers += 1
         self._note_peak()
+
+    def _all_gather(self, unit: Unit, g: FlatGroup, shard: torch.Tensor, *, context: str,
+                    phase: Phase) -> None:
+        """One group's all-gather: quantized (qwZ) for the gathers around compute of units
+        gathered on demand, when configured; exact for the always-gathered units, after-step
+        and state-dict gathers (they are kept or saved, not recomputed each step)."""
+        spec = self.config.weight_quant
+        if (spec is not None and phase in (Phase.FORWARD_GATHER, Phase.BACKWARD_GATHER)
+                and not unit.always_gathered
+                and not (self.config.weight_quant_frozen_only and g.requires_grad)):
+            all_gather_quantized(self.coll, g.full, shard, spec=spec, context=context, phase=phase)
+        else:
+            self.coll.all_gather(g.full, shard, context=context, phase=phase)
 
     def _release(self, unit: Unit) -> None:
         # [Note: release keeps parameter identity]
