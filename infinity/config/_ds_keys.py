@@ -201,8 +201,7 @@ ZERO_KEYS: dict[str, Fate] = {
                                                     "implemented", False),
     "zero_quantized_gradients": rejected("quantized gradient communication (ZeRO++) is not "
                                          "implemented", False),
-    "zero_hpz_partition_size": rejected("hierarchical partitioning (ZeRO++ hpZ) is not "
-                                        "implemented", 1),
+    "zero_hpz_partition_size": mapped("zero.hpz_partition_size"),
     "zenflow": rejected("ZenFlow (asynchronous offloaded updates) is not implemented", None),
     "mics_shard_size": rejected(f"MiCS sub-group sharding ({_REMOVED})", -1),
     "mics_hierarchical_params_gather": rejected(f"MiCS ({_REMOVED})", False),

@@ -35,6 +35,10 @@ class Phase(enum.Enum):
 
     FORWARD_GATHER = "forward-gather"
     BACKWARD_GATHER = "backward-gather"
+    SECONDARY_GATHER = "secondary-gather"
+    """hpZ: a unit gathered in backward from the secondary shards, inside the hpz_partition_size
+    group only ([Note: hpZ secondary shards] in infinity/zero/_hpz.py); with hpZ on,
+    backward-gather counts only the backward gathers that found no secondary shard."""
     REDUCE_GRAD = "reduce-grad"
     STEP_GATHER = "step-gather"
     FLUSH = "flush"
@@ -150,10 +154,22 @@ class Collectives:
         """Bytes this rank contributed to collectives (input sizes), for stats()."""
         self.bytes_by_phase: dict[str, int] = {}
         """The same bytes split by the ``phase`` each collective was issued for (Phase values)."""
+        self.counts_into: Collectives | None = None
+        """Where this object's bytes are counted: the parent of a sub-group's collectives
+        (:meth:`over`), so that engine.stats() reports one total per phase; None: here."""
         self._all_gather = _first_attr("all_gather_single", "all_gather_into_tensor")
         self._reduce_scatter = _first_attr("reduce_scatter_single", "reduce_scatter_tensor")
 
+    def over(self, group: "dist.ProcessGroup") -> "Collectives":
+        """Collectives over ``group`` (a sub-group of these ranks) whose bytes count here."""
+        sub = Collectives(group)
+        sub.counts_into = self
+        return sub
+
     def _count(self, phase: Phase, nbytes: int) -> None:
+        if self.counts_into is not None:
+            self.counts_into._count(phase, nbytes)
+            return
         self.bytes_moved += nbytes
         self.bytes_by_phase[phase.value] = self.bytes_by_phase.get(phase.value, 0) + nbytes
 

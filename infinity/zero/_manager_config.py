@@ -38,3 +38,6 @@ class ManagerConfig:
     stored_grad_slice_numel: int | None = None
     """The optimizer's sub-group size when the gradient accumulators are NVMe-homed slices
     ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py); None: in host memory."""
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ secondary group size (``zero.hpz_partition_size``); 1: off ([Note: hpZ
+    secondary shards] in infinity/zero/_hpz.py)."""
