@@ -528,7 +528,7 @@ class InfinityEngine:
             "stall_s": store.get("wait_s", 0.0),
             "prefetch": self.manager.prefetch_stats(),
             "num_gathers": self.manager.num_gathers,
-            # [Note: hpZ secondary shards]: None when hpZ is off.
+            # [Note: hpZ secondary shards] in infinity/zero/_hpz.py; None when hpZ is off.
             "hpz": self.manager.hpz.stats() if self.manager.hpz is not None else None,
             "optimizer_step_s": self._step_timer.total_s(),
             # [Note: deferred optimizer step]: updates run in the next forward, and the part of

@@ -128,7 +128,8 @@ class ParameterManager:
         self.param_names = choice.param_names
         self.hpz = (SecondaryPartition(collectives, config.hpz_partition_size)
                     if config.hpz_partition_size > 1 else None)
-        """hpZ's secondary shards and group ([Note: hpZ secondary shards]); None: off."""
+        """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
+        infinity/zero/_hpz.py); None: off."""
         settings = BuildSettings(stage=config.stage, device=config.device,
                                  compute_dtype=config.compute_dtype, param_home=config.param_home,
                                  optimizer_offloaded=config.optimizer_offloaded)
@@ -351,7 +352,7 @@ class ParameterManager:
     def _gather(self, unit: Unit, phase: Phase) -> None:
         hpz = self.hpz
         if hpz is not None and phase is Phase.BACKWARD_GATHER and hpz.holds(unit.groups):
-            phase = Phase.SECONDARY_GATHER  # [Note: hpZ secondary shards]
+            phase = Phase.SECONDARY_GATHER  # gathered inside the node: see self.hpz
         keep = (hpz is not None and phase is Phase.FORWARD_GATHER and not unit.always_gathered
                 and torch.is_grad_enabled())
         if self._check_now():
@@ -521,7 +522,7 @@ class ParameterManager:
         self.presence.end_backward()  # before the holds drop: reads which units were complete
         self._drop_holds()
         if self.hpz is not None:
-            self.hpz.drop()  # every backward gather is done ([Note: hpZ secondary shards])
+            self.hpz.drop()  # every backward gather is done (see self.hpz)
         self.micro_step += 1
         self._to(TrainingState.IDLE)
 
@@ -545,7 +546,7 @@ class ParameterManager:
         (stages 1-3; stage 0 stepped the full buffer in place) and drop the gradients."""
         self.zero_grads()
         if self.hpz is not None:
-            self.hpz.drop()  # stale: the parameters changed ([Note: hpZ secondary shards])
+            self.hpz.drop()  # stale: the parameters change (see self.hpz)
         if self.stage == 0:
             return
         for unit in self.units:
