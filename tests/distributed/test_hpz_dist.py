@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_torch_thread
 
 WORLD = 4
 H = 2
-STEPS = 6
+STEPS = 4
 CONFIGS = [  # (name, dtype, gradient accumulation steps, clip, extra engine_config settings)
     ("fp32", "fp32", 1, 0.0, {}),
     ("fp32-gas3-clip", "fp32", 3, 0.05, {}),
@@ -125,7 +125,7 @@ LEDGER_DTYPE = "bf16"
 def _ledger_model():
     from infinity.models.gpt import GPTConfig
 
-    return GPTConfig(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    return GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64)
 
 
 def _ledger_config(hpz: int, unit_numel: int) -> dict:
