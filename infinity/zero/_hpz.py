@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from infinity._common import warn_once
 from infinity.zero._collectives import Collectives, Phase
 from infinity.zero._flat_group import FlatGroup
 
@@ -78,6 +79,12 @@ class SecondaryPartition:
     def __init__(self, collectives: Collectives, partition_size: int):
         """``collectives``: the data-parallel group's (W ranks); ``partition_size``: H."""
         groups = secondary_group_ranks(collectives.world_size, partition_size)
+        if partition_size == collectives.world_size:
+            warn_once("hpz:whole-world",
+                      f"zero.hpz_partition_size = {partition_size} is the whole data-parallel "
+                      f"group: the backward gathers over the same ranks as without hpZ, at the "
+                      f"cost of 1/{partition_size} of the model in device memory; set it to the "
+                      f"ranks per node (a divisor of {partition_size}) or 1")
         handles = _new_groups(collectives, groups)
         mine = collectives.rank // partition_size
         self.partition_size = partition_size

@@ -8,6 +8,8 @@ Each test spawns the 4 ranks once and loops over its configurations inside the w
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from tests._support.launch import launch
@@ -66,6 +68,15 @@ def worker_parity(rank: int, world_size: int, out_dir: str) -> dict:
             out[(name, hpz)] = {"losses": losses, "state": engine.full_state_dict(),
                                 "stats": engine.stats(), "units": _unit_layout(engine)}
             engine.close()
+    # A partition as large as the world: allowed, with one warning that it gains nothing.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = infinity.initialize(tiny_gpt(), engine_config(
+            stage=3, zero={"hpz_partition_size": world_size}))
+    losses = engine_train(engine, batches(1, 1), rank=rank, world_size=world_size)
+    out["whole-world"] = {"warnings": [str(w.message) for w in caught], "losses": losses,
+                          "hpz": engine.stats()["hpz"]}
+    engine.close()
     return out
 
 
@@ -117,6 +128,14 @@ def test_hpz_trains_as_without_it_and_as_plain_pytorch():
             assert hpz["secondary_bytes"] == 0
             assert on["stats"]["model_state_bytes"]["hpz_secondary"] == 0
             assert off["stats"]["hpz"] is None
+
+    ref_losses, _ = reference_train(tiny_gpt(), batches(1, 1))
+    for res in results:
+        whole = res["whole-world"]
+        assert [m for m in whole["warnings"] if "hpz_partition_size" in m and
+                "whole data-parallel group" in m] != [], whole["warnings"]
+        assert whole["hpz"]["group_ranks"] == list(range(WORLD))
+        assert whole["losses"] == pytest.approx(ref_losses, abs=1e-5)
 
 
 LEDGER_DTYPE = "bf16"
