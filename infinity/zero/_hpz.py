@@ -20,8 +20,12 @@ checkpoints save it.
   the W-way gather would bring: training is bit-for-bit the same as without hpZ.
 * The secondary shards are dropped at the end of each backward (every unit's backward gathers are
   done; the next forward copies them again) and after every optimizer step (they are stale once the
-  parameters change). A forward gather always overwrites the unit's, so two forwards before one
-  backward (or a forward without a backward) leave current ones.
+  parameters change). Not right after a unit's backward gather: under activation checkpointing
+  a unit may be gathered again later in the same backward. A forward gather always overwrites
+  the unit's, so two forwards before one backward (or a forward without a backward) leave
+  current ones. (The weights change only at the step, so the shards could also serve the
+  forwards of later micro-batches of an accumulation window, inside the node; not done: every
+  forward gathers over all W ranks, and the shards live only from forward to backward.)
 
 Bytes (``engine.stats()["collective_bytes_sent"]``, the input each rank contributes): per gathered
 unit of padded numel U and element size e, ``forward-gather`` U*e/W, ``secondary-gather`` U*e/H
