@@ -199,6 +199,7 @@ def _zero(zero: Mapping[str, Any], param_bytes: int) -> tuple[ZeroConfig, Offloa
         (("stage3_max_reuse_distance", "max_reuse_distance"), "max_reuse_distance_numel", _as_int),
         (("stage3_module_granularity_threshold", "module_granularity_threshold"), "unit_min_numel",
          _as_int),
+        (("zero_hpz_partition_size",), "hpz_partition_size", _as_int),
     ]
     for ds_names, native, convert in conversions:
         value = pick(*ds_names)
@@ -350,6 +351,8 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
         zero["zero_quantized_nontrainable_weights"] = True
     if z.quantized_gradients:  # DeepSpeed has no block size or width knob: its int4 qgZ
         zero["zero_quantized_gradients"] = True
+    if z.hpz_partition_size != 1:
+        zero["zero_hpz_partition_size"] = z.hpz_partition_size
     out: dict[str, Any] = {"zero_optimization": zero}
     p = config.precision
     if p.dtype != "fp32":  # DeepSpeed's own default would be the compute dtype: say which

@@ -201,8 +201,7 @@ ZERO_KEYS: dict[str, Fate] = {
     "zero_quantized_gradients": mapped(
         "zero.quantized_gradients with zero.quantized_gradient_bits = 4 (qgZ: DeepSpeed "
         "reduces gradients in int4)"),
-    "zero_hpz_partition_size": rejected("hierarchical partitioning (ZeRO++ hpZ) is not "
-                                        "implemented", 1),
+    "zero_hpz_partition_size": mapped("zero.hpz_partition_size"),
     "zenflow": rejected("ZenFlow (asynchronous offloaded updates) is not implemented", None),
     "mics_shard_size": mapped("mesh.shard (-1: off, the flat mesh; replicas: world / shard)"),
     "mics_hierarchical_params_gather": rejected(f"MiCS ({_REMOVED})", False),

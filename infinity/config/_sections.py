@@ -157,6 +157,14 @@ class ZeroConfig:
     """Width of a quantized gradient element: 8 (int8, ~1/4 of the fp32 bytes) or 4 (int4 packed
     two per byte, ~1/8; what DeepSpeed's qgZ sends)."""
 
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ (DeepSpeed's ``zero_hpz_partition_size``): ranks per secondary group, made of
+    consecutive ranks (a node). The forward gathers each unit over all ranks and keeps a secondary
+    shard (1/H of the unit) on the device; the backward gathers inside the group only. Costs
+    model bytes / H of device memory per rank between forward and backward. 1: off. Stage 3,
+    parameters on the device, and a divisor of the world size ([Note: hpZ secondary shards] in
+    infinity/zero/_hpz.py)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             fail("zero_optimization.stage", "one of 0, 1, 2, 3", self.stage)
@@ -170,6 +178,7 @@ class ZeroConfig:
         check_int("zero.max_reuse_distance_numel", self.max_reuse_distance_numel, allow_auto=True)
         check_int("zero.sub_group_numel", self.sub_group_numel, minimum=1, allow_auto=True)
         self._check_quantization()
+        self._check_hpz()
 
     def _check_quantization(self) -> None:
         for name in ("quantized_weights", "quantized_frozen_weights", "quantized_gradients"):
@@ -187,6 +196,13 @@ class ZeroConfig:
             warn_once("zero.quantized_weights",
                       f"zero.quantized_weights / quantized_frozen_weights have no effect at stage "
                       f"{self.stage}: parameters are all-gathered (and quantized) only at stage 3")
+
+    def _check_hpz(self) -> None:
+        check_int("zero.hpz_partition_size", self.hpz_partition_size, minimum=1)
+        if self.hpz_partition_size > 1 and self.stage != 3:
+            fail("zero.hpz_partition_size", "1 below stage 3", self.hpz_partition_size,
+                 "hpZ keeps secondary shards of stage 3's gathered units; set "
+                 "zero_optimization.stage 3 or hpz_partition_size 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -334,6 +350,10 @@ class InfinityConfig:
         if self.zero.stage < 3 and self.offload_param.device != "none":
             fail("offload_param.device", "'none' below stage 3", self.offload_param.device,
                   "parameter offload needs zero_optimization.stage 3")
+        if self.zero.hpz_partition_size > 1 and self.offload_param.device != "none":
+            fail("zero.hpz_partition_size", "1 with offload_param", self.zero.hpz_partition_size,
+                 "hpZ's secondary shards are device copies outside the offload budgets, which is "
+                 "not supported yet; set offload_param.device 'none' or hpz_partition_size 1")
         if self.memory.host_param_cache_bytes != AUTO and self.offload_param.device != "nvme":
             fail("memory.host_param_cache_bytes", "'auto' unless offload_param.device is 'nvme'",
                  self.memory.host_param_cache_bytes, "it sizes the host cache of parameters "

@@ -65,6 +65,13 @@ Where the accumulator lives:
   read-ahead. A parameter whose gradient arrives twice in one backward (reentrant checkpointing)
   is then summed in the compute dtype, as autograd sums ``param.grad`` in plain PyTorch.
 
+[Note: the hpZ term] With ZeRO++ hpZ (``zero.hpz_partition_size`` H > 1, stage 3, parameters on
+the device) each rank keeps a secondary shard of every unit, 1/H of its parameters in the compute
+dtype, from the unit's forward gather to the end of the backward ([Note: hpZ secondary shards] in
+infinity/zero/_hpz.py): ``buffers['device']['hpz_secondary']`` = numel x param bytes / H (2/H B
+per parameter for bf16 weights). All units hold one at once between forward and backward, so it is
+a term of the device peak, not of one unit.
+
 [Note: fp32 master] With bf16/fp16 compute the fp32 master is a separate 4 B copy and part of K. With
 fp32 compute the parameter *is* the master where the optimizer steps it in place on the device
 (optimizer and parameters both on the device), so K is the moments alone (8 B for Adam). An
@@ -310,12 +317,17 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
                           optimizer_host_resident_bytes: int = 0,
                           grads_on_nvme: bool = False, trainable_numel: int | None = None,
                           unit_trainable_numel: int | None = None,
-                          shard_size: int | None = None) -> Ledger:
+                          shard_size: int | None = None,
+                          hpz_partition_size: int = 1) -> Ledger:
     """The per-rank ledger of ``numel`` parameters at ZeRO ``stage`` over ``world_size`` ranks.
 
     ``shard_size``: the shard degree S the sharded terms divide by, over a mesh of replicas
     (HSDP / MiCS: [Note: mesh dimensions] in infinity/config/_mesh.py); None: ``world_size``
     (the flat mesh). Replicas add no bytes per rank: each holds what a rank of S ranks holds.
+
+    ``hpz_partition_size``: ZeRO++ hpZ's secondary group size H; above 1 (stage 3, parameters on
+    the device, H dividing the shard degree) the device holds 1/H of the parameters as secondary
+    shards ([Note: the hpZ term]).
 
     ``trainable_numel``: how many of them train (None: all); the others are frozen, with a
     params term and no gradient or optimizer state ([Note: frozen parameters]).
@@ -355,6 +367,7 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     if stage < 3 and param_home is not Tier.DEVICE:
         raise ValueError(f"offload_param = {offload_param!r} needs stage 3 (got stage {stage}); "
                          "parameters are replicated below stage 3, set --offload-param none")
+    _check_hpz(hpz_partition_size, stage, n, param_home)
     shard = ceil_bytes(numel / n)
     states: dict[str, dict[Tier, int]] = {t: {} for t in TERMS}
 
@@ -396,10 +409,26 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
                           unit_numel=unit_numel, unit_trainable_numel=unit_trainable_numel,
                           prefetch_units=prefetch_units,
                           param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE)
+    if hpz_partition_size > 1:  # [Note: the hpZ term]
+        buffers.setdefault(Tier.DEVICE, {})["hpz_secondary"] = ceil_bytes(
+            numel * terms.param_bytes / hpz_partition_size)
     return Ledger(numel=numel, stage=stage, world_size=world_size, shard_size=n,
                   gpus_per_node=gpus_per_node or world_size, terms=terms, trainable_numel=trainable,
                   offload_param=offload_param, offload_optimizer=offload_optimizer,
                   states=states, buffers=buffers)
+
+
+def _check_hpz(partition_size: Any, stage: int, world_size: int, param_home: Tier) -> None:
+    if isinstance(partition_size, bool) or not isinstance(partition_size, int) or partition_size < 1:
+        raise ValueError(f"hpz_partition_size: expected an integer >= 1, got {partition_size!r}")
+    if partition_size == 1:
+        return
+    if stage != 3 or param_home is not Tier.DEVICE:
+        raise ValueError(f"hpz_partition_size = {partition_size} needs stage 3 with parameters on "
+                         f"the device (got stage {stage}, parameters homed on {param_home.value!r})")
+    if world_size % partition_size:
+        raise ValueError(f"hpz_partition_size = {partition_size} must divide world_size = "
+                         f"{world_size}")
 
 
 def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_size: int,
@@ -451,7 +480,7 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
         sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units,
         optimizer_host_resident_bytes=optimizer_host_resident_bytes, grads_on_nvme=grads_on_nvme,
         trainable_numel=trainable_numel, unit_trainable_numel=unit_trainable_numel,
-        shard_size=shard_size)
+        shard_size=shard_size, hpz_partition_size=z.hpz_partition_size)
 
 
 def paper_bytes_per_device(numel: float, stage: int, world_size: int, k: float = 12.0,

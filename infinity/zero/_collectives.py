@@ -35,6 +35,10 @@ class Phase(enum.Enum):
 
     FORWARD_GATHER = "forward-gather"
     BACKWARD_GATHER = "backward-gather"
+    SECONDARY_GATHER = "secondary-gather"
+    """hpZ: a unit gathered in backward from the secondary shards, inside the hpz_partition_size
+    group only ([Note: hpZ secondary shards] in infinity/zero/_hpz.py); with hpZ on,
+    backward-gather counts only the backward gathers that found no secondary shard."""
     REDUCE_GRAD = "reduce-grad"
     STEP_GATHER = "step-gather"
     FLUSH = "flush"
@@ -194,6 +198,11 @@ class Collectives:
     def data_parallel_size(self) -> int:
         """Ranks whose gradients are averaged: replicate x shard (R * S)."""
         return self.world.world_size
+
+    def over(self, group: "dist.ProcessGroup") -> "Collectives":
+        """Collectives over ``group`` (a sub-group of these ranks, e.g. hpZ's secondary group)
+        whose bytes count in this object's per-phase totals."""
+        return Collectives(group, counts=self)
 
     def _count(self, phase: Phase, nbytes: int) -> None:
         self.bytes_by_phase[phase.value] = self.bytes_by_phase.get(phase.value, 0) + nbytes

@@ -123,6 +123,7 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         grad_host_dtype=DTYPES[host_grad_dtype(config, world_size)],
         stored_grad_slice_numel=(offload.sub_group_numel
                                  if offload is not None and offload.grads_on_nvme else None),
+        hpz_partition_size=zero.hpz_partition_size,
         **quant_settings(zero, precision))
 
 
@@ -535,6 +536,8 @@ class InfinityEngine:
             "stall_s": store.get("wait_s", 0.0),
             "prefetch": self.manager.prefetch_stats(),
             "num_gathers": self.manager.num_gathers,
+            # [Note: hpZ secondary shards] in infinity/zero/_hpz.py; None when hpZ is off.
+            "hpz": self.manager.hpz.stats() if self.manager.hpz is not None else None,
             "optimizer_step_s": self._step_timer.total_s(),
             # [Note: deferred optimizer step]: updates run in the next forward, and the part of
             # both spent waiting for sub-group reads.

@@ -46,3 +46,6 @@ class ManagerConfig:
     """Apply ``weight_quant`` to frozen flat groups only (``zero.quantized_frozen_weights``)."""
     grad_quant: QuantSpec | None = None
     """qgZ: how the gradient reduce-scatter quantizes (``zero.quantized_gradients``); None: exact."""
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ secondary group size (``zero.hpz_partition_size``); 1: off ([Note: hpZ
+    secondary shards] in infinity/zero/_hpz.py)."""

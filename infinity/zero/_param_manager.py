@@ -63,6 +63,7 @@ from infinity.zero._collectives import Collectives, Phase, check_env_enabled
 from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
 from infinity.zero._grad_presence import GradPresence
 from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
+from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._managed import check_not_wrapped, mark_managed
 from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._outside_use import OutsideUseDetector, tensors_in
@@ -127,6 +128,10 @@ class ParameterManager:
         """Unit indices in the order the latest training forward first used them (the order in
         which a deferred optimizer step updates them, see forward_keys)."""
         self.param_names = choice.param_names
+        self.hpz = (SecondaryPartition(collectives, config.hpz_partition_size)
+                    if config.hpz_partition_size > 1 else None)
+        """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
+        infinity/zero/_hpz.py); None: off."""
         settings = BuildSettings(stage=config.stage, device=config.device,
                                  compute_dtype=config.compute_dtype, param_home=config.param_home,
                                  optimizer_offloaded=config.optimizer_offloaded)
@@ -348,6 +353,11 @@ class ParameterManager:
             Phase.FORWARD_GATHER
 
     def _gather(self, unit: Unit, phase: Phase) -> None:
+        hpz = self.hpz
+        if hpz is not None and phase is Phase.BACKWARD_GATHER and hpz.holds(unit.groups):
+            phase = Phase.SECONDARY_GATHER  # gathered inside the node: see self.hpz
+        keep = (hpz is not None and phase is Phase.FORWARD_GATHER and not unit.always_gathered
+                and torch.is_grad_enabled())
         if self._check_now():
             self.coll.check_agreement(step=self.micro_step, phase=phase, unit_index=unit.index,
                                       unit_name=unit.name, device=self.device)
@@ -359,11 +369,15 @@ class ParameterManager:
                     advise_huge_pages(g.full)  # [Note: first touch of large host buffers] (io)
                     context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
                                f"(micro-step {self.micro_step})")
-                    if g.store_key is None:
+                    if phase is Phase.SECONDARY_GATHER:
+                        hpz.gather(g, context=context)
+                    elif g.store_key is None:
                         self._all_gather(unit, g, g.shard, context=context, phase=phase)
                     else:
                         with self._open_stored_shard_read(g) as shard:
                             self._all_gather(unit, g, shard, context=context, phase=phase)
+                    if keep:
+                        hpz.keep(g)
         finally:
             self._busy -= 1
         if unit.state is UnitState.RELEASED:
@@ -524,6 +538,8 @@ class ParameterManager:
                 self._reduce(unit, Phase.FLUSH)
         self.presence.end_backward()  # before the holds drop: reads which units were complete
         self._drop_holds()
+        if self.hpz is not None:
+            self.hpz.drop()  # every backward gather is done (see self.hpz)
         self.micro_step += 1
         self._to(TrainingState.IDLE)
 
@@ -546,6 +562,8 @@ class ParameterManager:
         """The optimizer wrote new parameter partitions: refresh every always-gathered unit
         (stages 1-3; stage 0 stepped the full buffer in place) and drop the gradients."""
         self.zero_grads()
+        if self.hpz is not None:
+            self.hpz.drop()  # stale: the parameters change (see self.hpz)
         if self.stage == 0:
             return
         for unit in self.units:
@@ -684,7 +702,8 @@ class ParameterManager:
     def device_bytes(self) -> dict[str, int]:
         """Bytes held now, by kind, counting each storage once (views share their base's)."""
         seen: set[int] = set()
-        out = {"param": 0, "master": 0, "grad": 0}
+        out = {"param": 0, "master": 0, "grad": 0,
+               "hpz_secondary": self.hpz.bytes() if self.hpz is not None else 0}
         for kind, t in self._held_tensors():
             storage = t.untyped_storage()
             if storage._cdata in seen:
