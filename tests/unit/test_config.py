@@ -143,7 +143,7 @@ def test_aio_maps_onto_swapper_settings():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "mics_shard_size"),
+    ({"zero_optimization": {"stage": 3, "mics_hierarchical_params_gather": True}}, "MiCS"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "partial optimizer offload"),
     ({"aio": {"use_gds": True}}, "GPUDirect"),
