@@ -200,10 +200,13 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, context: str,
                   phase: Phase = Phase.OTHER) -> None:
+        """``tensor`` takes the values of the group's rank ``src`` on every rank."""
         if self.world_size == 1:
             return
         self._count(phase, tensor.numel() * tensor.element_size())
-        self._run(context, dist.broadcast, tensor, src=src)
+        # ``src`` is a rank of this group; torch.distributed wants the global rank.
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        self._run(context, dist.broadcast, tensor, src=root)
 
     def check_agreement(self, *, step: int, phase: Phase, unit_index: int, unit_name: str,
                         device: torch.device) -> None:
