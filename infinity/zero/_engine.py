@@ -74,6 +74,7 @@ from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._offload import build_store, check_nvme_space_for, resolve_offload
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._step_plan import StepPlan
+from infinity.zero._tensor_parallel import resolve_parallelism
 from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_builder import BuildProgress
 from infinity.zero._unit_choice import units_of
@@ -154,7 +155,8 @@ class InfinityEngine:
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *,
                  model_parameters: Any = None,
-                 progress: Callable[[BuildProgress], None] | None = None):
+                 progress: Callable[[BuildProgress], None] | None = None,
+                 data_parallel_group: Any = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         config.check_resolved("initialize")
@@ -172,7 +174,12 @@ class InfinityEngine:
         self.compute_dtype = DTYPES[config.precision.dtype]
         self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
         init_from_env_if_launched(self.device)  # binds the device first, then the group
-        self.collectives = Collectives()
+        # [Note: tensor-parallel parameters] in infinity/zero/_tensor_parallel.py
+        self.tensor_parallel, dp_group = resolve_parallelism(
+            model, data_parallel_group,
+            offloaded=config.offload_param.device != "none"
+            or config.offload_optimizer.device != "none")
+        self.collectives = Collectives(dp_group)
         self.module = model
         world = self.collectives.world_size
         # Sized on the parameters as they are: a budget error leaves a recorded model untouched.
@@ -472,12 +479,19 @@ class InfinityEngine:
         (stage 0 partitions are replicated: each rank already holds every gradient once). A
         stored gradient brings its own, taken as it was accumulated ([Note: gradients on NVMe]
         in infinity/zero/_grad_reducer.py)."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in grads.values():
-            total += g.sum_sq if isinstance(g, StoredGrad) else sum_of_squares(g)
+        # [0]: replicated over tensor ranks, [1]: sharded over them ([Note: gradient norm across
+        # tensor ranks] in infinity/zero/_tensor_parallel.py).
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        sharded = self.manager.tensor_sharded_keys()
+        for key, g in grads.items():
+            total[int(key in sharded)] += (g.sum_sq if isinstance(g, StoredGrad)
+                                           else sum_of_squares(g))
         if self.manager.stage > 0:
             self.collectives.all_reduce_sum(total, context="global gradient norm", phase=Phase.NORM)
-        value = float(total.item())
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.collectives.all_reduce_sum(
+                total[1:], context="global gradient norm over tensor ranks", phase=Phase.NORM)
+        value = float(total.sum().item())
         return value, not math.isfinite(value)
 
     def stats(self) -> dict[str, Any]:
@@ -558,6 +572,7 @@ class InfinityEngine:
         index straight into the shards (each rank reads only its ranges; optimizer moments are
         left as they are; ``key_map`` / ``optional_keys``: a wrapped model's names, see
         :func:`infinity.checkpoint.load_weights`). A collective: call it on every rank."""
+        self._refuse_under_tensor_parallel("load_weights")
         self.shard_optimizer.drain()  # a deferred step's updates land first
         return load_weights(self, path, strict=strict, key_map=key_map,
                             optional_keys=optional_keys)
@@ -565,14 +580,24 @@ class InfinityEngine:
     def save_checkpoint(self, directory: str) -> str:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
         a collective: call it on every rank. Returns the new save's directory."""
+        self._refuse_under_tensor_parallel("save_checkpoint")
         self.shard_optimizer.drain()  # a deferred step's updates land first
         return save_checkpoint(self, directory)
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
         size; everything is validated on every rank before any state changes."""
+        self._refuse_under_tensor_parallel("load_checkpoint")
         self.shard_optimizer.drain()  # a deferred step's updates land first
         return load_checkpoint(self, directory)
+
+    def _refuse_under_tensor_parallel(self, what: str) -> None:
+        """[Note: full state dict under tensor parallelism] in infinity/zero/_tensor_parallel.py"""
+        if self.tensor_parallel is not None:
+            raise ValueError(f"engine.{what}: sharded checkpoints and weights are not supported "
+                             f"with tensor parallelism yet (each tensor rank's shards would "
+                             f"share one file name); use engine.full_state_dict(), which "
+                             f"returns full tensors on every rank")
 
     def flush_offload(self) -> None:
         """Every shard the store holds is current in its home tier (a no-op without offload)."""
@@ -664,7 +689,8 @@ def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
                *, model_parameters: Any = None,
-               progress: Callable[[BuildProgress], None] | None = None) -> InfinityEngine:
+               progress: Callable[[BuildProgress], None] | None = None,
+               data_parallel_group: Any = None) -> InfinityEngine:
     """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
     DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
     it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
@@ -673,11 +699,16 @@ def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | s
     take the config's values (:func:`~infinity.optim.resolve_param_groups`). ``progress``: called
     with a :class:`~infinity.zero.BuildProgress` after each unit is built (units done, bytes
     written to NVMe): building a large model under ``infinity.init`` writes its whole state and
-    takes minutes. Uses the default process group when ``torch.distributed`` is initialised."""
+    takes minutes. Uses the default process group when ``torch.distributed`` is initialised;
+    ``data_parallel_group``: the ranks to shard over instead. A model parallelized with
+    ``parallelize_module`` (DTensor parameters on a 1-D tensor mesh) is sharded over the other
+    dimension of the mesh it was sliced from, or over ``data_parallel_group`` ([Note:
+    tensor-parallel parameters] in infinity/zero/_tensor_parallel.py)."""
     if config is None:
         recording = recording_of(model) if isinstance(model, nn.Module) else None
         config = recording.config if recording is not None else None
     config = load_config(config)
     if is_distributed():
         logger.debug("using the default process group")
-    return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress)
+    return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress,
+                          data_parallel_group=data_parallel_group)
