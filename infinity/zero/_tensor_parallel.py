@@ -65,7 +65,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def set_local_view(param: nn.Parameter, view: torch.Tensor) -> None:
     """Make ``param`` (its local tensor, for a DTensor) a view of ``view``'s storage
-    ([Note: release keeps parameter identity], [Note: tensor-parallel parameters])."""
+    ([Note: release keeps parameter identity], [Note: tensor-parallel parameters]). A DTensor
+    whose dtype changes (fp32 parameters, bf16 compute) takes the new dtype in its own metadata
+    and spec too: ``set_data`` changes the wrapper's dtype, not its Python attributes, and DTensor
+    propagates shardings from the spec's dtype."""
+    if is_dtensor(param) and param.dtype != view.dtype:
+        cast = DTensor.from_local(view, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+        param.data = cast
+        param._spec = cast._spec
     local_tensor(param).data = view
 
 
