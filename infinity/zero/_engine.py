@@ -74,7 +74,7 @@ from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._offload import build_store, check_nvme_space_for, resolve_offload
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._step_plan import StepPlan
-from infinity.zero._tensor_parallel import resolve_parallelism
+from infinity.zero._tensor_parallel import resolve_parallelism, tensor_rank_dir
 from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_builder import BuildProgress
 from infinity.zero._unit_choice import units_of
@@ -572,7 +572,11 @@ class InfinityEngine:
         index straight into the shards (each rank reads only its ranges; optimizer moments are
         left as they are; ``key_map`` / ``optional_keys``: a wrapped model's names, see
         :func:`infinity.checkpoint.load_weights`). A collective: call it on every rank."""
-        self._refuse_under_tensor_parallel("load_weights")
+        if self.tensor_parallel is not None:  # [Note: full state dict under tensor parallelism]
+            raise ValueError("engine.load_weights: loading weights files into the shards is not "
+                             "supported with tensor parallelism yet (the files hold full "
+                             "tensors, each tensor rank a slice); load them into the model "
+                             "before parallelize_module and initialize")
         self.shard_optimizer.drain()  # a deferred step's updates land first
         return load_weights(self, path, strict=strict, key_map=key_map,
                             optional_keys=optional_keys)
@@ -580,24 +584,20 @@ class InfinityEngine:
     def save_checkpoint(self, directory: str) -> str:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
         a collective: call it on every rank. Returns the new save's directory."""
-        self._refuse_under_tensor_parallel("save_checkpoint")
         self.shard_optimizer.drain()  # a deferred step's updates land first
-        return save_checkpoint(self, directory)
+        return save_checkpoint(self, self._tensor_rank_dir(directory))
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
         size; everything is validated on every rank before any state changes."""
-        self._refuse_under_tensor_parallel("load_checkpoint")
         self.shard_optimizer.drain()  # a deferred step's updates land first
-        return load_checkpoint(self, directory)
+        return load_checkpoint(self, self._tensor_rank_dir(directory))
 
-    def _refuse_under_tensor_parallel(self, what: str) -> None:
-        """[Note: full state dict under tensor parallelism] in infinity/zero/_tensor_parallel.py"""
-        if self.tensor_parallel is not None:
-            raise ValueError(f"engine.{what}: sharded checkpoints and weights are not supported "
-                             f"with tensor parallelism yet (each tensor rank's shards would "
-                             f"share one file name); use engine.full_state_dict(), which "
-                             f"returns full tensors on every rank")
+    def _tensor_rank_dir(self, directory: Any) -> str:
+        """[Note: checkpoints under tensor parallelism] in infinity/zero/_tensor_parallel.py"""
+        if self.tensor_parallel is None:
+            return directory
+        return tensor_rank_dir(self.tensor_parallel, os.fspath(directory))
 
     def flush_offload(self) -> None:
         """Every shard the store holds is current in its home tier (a no-op without offload)."""

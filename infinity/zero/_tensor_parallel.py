@@ -30,14 +30,25 @@ group's squares into the right one of two totals.
 ``engine.full_state_dict()`` returns full tensors: each DTensor parameter's value is gathered
 over the data-parallel ranks (as every parameter's is), then over the tensor ranks
 (``DTensor.full_tensor()``), so its keys and shapes are those of the unparallelized model and
-every rank holds the same dict. Sharded checkpoints (``save_checkpoint``) and loading weights
-into the shards are not supported under tensor parallelism yet: they raise.
+every rank holds the same dict. Loading weights files into the shards (``load_weights``) is not
+supported under tensor parallelism yet: it raises.
+
+[Note: checkpoints under tensor parallelism]
+``save_checkpoint(DIR)`` writes each tensor rank's training state as an ordinary checkpoint of its
+data-parallel group under ``DIR/tensor-<r>-of-<T>`` (its parameters' local shapes in the
+manifest). ``load_checkpoint`` maps ``DIR``, ``DIR/tensor-<any>-of-<T>`` or a ``step-*`` folder
+inside one onto this rank's folder, so every rank may pass the same path (rank 0's). A checkpoint
+loads at another data-parallel size (the loader reshards each folder), not at another tensor size
+nor into a model without tensor parallelism (the local shapes differ: the loader's shape check
+refuses); ``infinity consolidate`` on one folder gives that tensor rank's local shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -209,3 +220,25 @@ def check_data_parallel_group(group: "dist.ProcessGroup | None", tp: TensorParal
                          f"{sorted(common)}, expected only this rank ({dist.get_rank()}); the "
                          f"data-parallel group must hold the ranks with this rank's "
                          f"tensor-parallel coordinate (the other dimension of the mesh)")
+
+
+_TENSOR_DIR = re.compile(r"^tensor-(\d+)-of-(\d+)$")
+
+
+def tensor_rank_dir(tp: TensorParallel, directory: str) -> str:
+    """This tensor rank's checkpoint folder for ``directory`` ([Note: checkpoints under tensor
+    parallelism]): a root gets ``tensor-<r>-of-<T>`` appended; a path through another tensor
+    rank's folder is redirected to this rank's."""
+    mine = f"tensor-{tp.mesh.get_local_rank()}-of-{tp.mesh.size()}"
+    parts = os.path.normpath(directory).split(os.sep)
+    for i in (len(parts) - 1, len(parts) - 2):  # the folder itself, or a step-* folder in it
+        found = _TENSOR_DIR.match(parts[i]) if i >= 0 else None
+        if found is None:
+            continue
+        if int(found.group(2)) != tp.mesh.size():
+            raise ValueError(f"{directory}: saved with tensor-parallel size {found.group(2)}, "
+                             f"this model has {tp.mesh.size()}; load it at the size it was "
+                             f"saved with (resharding across tensor sizes is not supported)")
+        parts[i] = mine
+        return os.sep.join(parts)
+    return os.path.join(directory, mine)
