@@ -13,8 +13,9 @@ DTensor object with the same mesh, placements and global shape, so the redistrib
 unchanged: releasing a unit frees the storage under the local tensor. FSDP2 builds new DTensors
 over its gathered buffer instead (``_fsdp_param.py``: ``_from_local_no_grad``); we keep one object
 so that optimizers and the engine's id()-keyed records need no swap. Its gradient is a DTensor
-too: it is brought to the parameter's placements (a Replicate parameter can receive a Partial
-gradient, summed over the tensor ranks here, as FSDP2 does) and its local tensor is staged,
+too: it is brought to the parameter's placements (under sequence parallelism a norm's Replicate
+weight receives a Partial gradient, summed over the tensor ranks here as FSDP2 does, and a
+rowwise embedding's Shard(0) weight a Replicate one, sliced) and its local tensor is staged,
 reduced and accumulated like any other gradient. The data-parallel group holds the ranks with
 the same tensor-parallel coordinate, so every flat buffer has the same layout on all its members.
 

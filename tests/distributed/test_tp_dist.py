@@ -32,6 +32,7 @@ CONFIGS = [  # (name, stage, dtype, clip, gradient accumulation steps, data-para
     ("s3-clip", 3, "fp32", 0.05, 1, False),
     ("s3-clip-gas2-group", 3, "fp32", 0.05, 2, True),
     ("s3-bf16-clip", 3, "bf16", 0.05, 1, False),
+    ("s3-sequence-parallel-clip", 3, "fp32", 0.05, 1, False),
 ]
 if os.environ.get("INFINITY_SLOW") == "1":  # the other stages (each ~5 s of the 4 ranks' time)
     CONFIGS += [(f"s{s}-clip", s, "fp32", 0.05, 1, False) for s in (0, 1, 2)]
@@ -112,16 +113,33 @@ def tiny_llama() -> TinyLlama:
     return model
 
 
-def parallelize(model: TinyLlama, tensor_mesh) -> None:
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+def parallelize(model: TinyLlama, tensor_mesh, *, sequence_parallel: bool = False) -> None:
+    """The blocks' linears colwise / rowwise. ``sequence_parallel``: torchtitan's plan, the
+    residual stream sharded over the sequence between the blocks' parallel regions, embedding
+    and head parallel too; the norms' weights are then Replicate DTensors whose gradients come
+    Partial (summed over the tensor ranks by the engine)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
+    out = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks:
-        parallelize_module(block, tensor_mesh, {
-            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
-            "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel()})
+        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=out),
+                "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+                "mlp.down": RowwiseParallel(output_layouts=out)}
+        if sequence_parallel:
+            gather = PrepareModuleInput(input_layouts=(Shard(1),),
+                                        desired_input_layouts=(Replicate(),))
+            plan.update({"attn_norm": SequenceParallel(), "attn": gather,
+                         "mlp_norm": SequenceParallel(), "mlp": gather})
+        parallelize_module(block, tensor_mesh, plan)
+    if sequence_parallel:
+        parallelize_module(model, tensor_mesh, {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
 
 
 def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -177,7 +195,7 @@ def worker_tp(rank: int, world_size: int, out_dir: str) -> dict:
     out = {}
     for name, stage, dtype, clip, gas, pass_group in CONFIGS:
         model = tiny_llama()
-        parallelize(model, mesh["tensor"])
+        parallelize(model, mesh["tensor"], sequence_parallel="sequence-parallel" in name)
         q = model.blocks[0].attn.q.weight
         engine = infinity.initialize(model, engine_config(stage=stage, dtype=dtype, clip=clip,
                                                           gas=gas),
