@@ -32,7 +32,8 @@ CONFIGS = [  # (name, stage, dtype, clip, gradient accumulation steps, data-para
     ("s3-clip", 3, "fp32", 0.05, 1, False),
     ("s3-clip-gas2-group", 3, "fp32", 0.05, 2, True),
     ("s3-bf16-clip", 3, "bf16", 0.05, 1, False),
-    ("s3-sequence-parallel-clip", 3, "fp32", 0.05, 1, False),
+    # torchtitan's sequence-parallel plan, with activation checkpointing of the blocks.
+    ("s3-sequence-parallel-checkpointing-clip", 3, "fp32", 0.05, 1, False),
 ]
 if os.environ.get("INFINITY_SLOW") == "1":  # the other stages (each ~5 s of the 4 ranks' time)
     CONFIGS += [(f"s{s}-clip", s, "fp32", 0.05, 1, False) for s in (0, 1, 2)]
@@ -197,8 +198,10 @@ def worker_tp(rank: int, world_size: int, out_dir: str) -> dict:
         model = tiny_llama()
         parallelize(model, mesh["tensor"], sequence_parallel="sequence-parallel" in name)
         q = model.blocks[0].attn.q.weight
+        extra = ({"activation_checkpointing": {"units": "all"}} if "checkpointing" in name
+                 else {})
         engine = infinity.initialize(model, engine_config(stage=stage, dtype=dtype, clip=clip,
-                                                          gas=gas),
+                                                          gas=gas, **extra),
                                      data_parallel_group=dp["dp_group"] if pass_group else None)
         # [Note: tensor-parallel parameters]: still the same DTensor, its local tensor a view,
         # both in the compute dtype.
