@@ -175,10 +175,7 @@ class InfinityEngine:
         self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
         init_from_env_if_launched(self.device)  # binds the device first, then the group
         # [Note: tensor-parallel parameters] in infinity/zero/_tensor_parallel.py
-        self.tensor_parallel, dp_group = resolve_parallelism(
-            model, data_parallel_group,
-            offloaded=config.offload_param.device != "none"
-            or config.offload_optimizer.device != "none")
+        self.tensor_parallel, dp_group = resolve_parallelism(model, data_parallel_group)
         self.collectives = Collectives(dp_group)
         self.module = model
         world = self.collectives.world_size

@@ -42,6 +42,10 @@ inside one onto this rank's folder, so every rank may pass the same path (rank 0
 loads at another data-parallel size (the loader reshards each folder), not at another tensor size
 nor into a model without tensor parallelism (the local shapes differ: the loader's shape check
 refuses); ``infinity consolidate`` on one folder gives that tensor rank's local shards.
+
+Offload works unchanged (each rank's swap directory is its own). Its budgets and the NVMe space
+check are sized from the model's parameters before set-up, at their global sizes: for a
+tensor-parallel model an upper bound (tensor size times the sharded parameters' local bytes).
 """
 
 from __future__ import annotations
@@ -185,8 +189,7 @@ def tensor_parallel_of(model: nn.Module) -> TensorParallel | None:
     return TensorParallel(mesh=mesh, group=group, collectives=Collectives(group))
 
 
-def resolve_parallelism(model: nn.Module, data_parallel_group: "dist.ProcessGroup | None", *,
-                        offloaded: bool
+def resolve_parallelism(model: nn.Module, data_parallel_group: "dist.ProcessGroup | None"
                         ) -> tuple[TensorParallel | None, "dist.ProcessGroup | None"]:
     """(the model's tensor parallelism or None, the group the engine shards over: None for the
     default group). ``data_parallel_group``: the caller's, else, under tensor parallelism, the
@@ -194,10 +197,6 @@ def resolve_parallelism(model: nn.Module, data_parallel_group: "dist.ProcessGrou
     tp = tensor_parallel_of(model)
     if tp is None:
         return None, data_parallel_group
-    if offloaded:
-        raise ValueError("offload_param / offload_optimizer with a tensor-parallel model "
-                         "(DTensor parameters) is not supported yet: the tensor ranks' swap "
-                         "files would share names; set both devices to 'none'")
     group = (data_parallel_group if data_parallel_group is not None
              else data_parallel_group_of(tp.mesh))
     check_data_parallel_group(group, tp)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests._support.engine import (BETAS, DTYPES, EPS, LR, WD, assert_close_run, engine_config,
-                                   reference_train)
+                                   offload_config, reference_train)
 from tests._support.launch import launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_torch_thread")]
@@ -34,6 +34,7 @@ CONFIGS = [  # (name, stage, dtype, clip, gradient accumulation steps, data-para
     ("s3-bf16-clip", 3, "bf16", 0.05, 1, False),
     # torchtitan's sequence-parallel plan, with activation checkpointing of the blocks.
     ("s3-sequence-parallel-checkpointing-clip", 3, "fp32", 0.05, 1, False),
+    ("s3-offload-nvme-clip", 3, "fp32", 0.05, 1, False),  # parameters and optimizer on NVMe
 ]
 if os.environ.get("INFINITY_SLOW") == "1":  # the other stages (each ~5 s of the 4 ranks' time)
     CONFIGS += [(f"s{s}-clip", s, "fp32", 0.05, 1, False) for s in (0, 1, 2)]
@@ -198,10 +199,14 @@ def worker_tp(rank: int, world_size: int, out_dir: str) -> dict:
         model = tiny_llama()
         parallelize(model, mesh["tensor"], sequence_parallel="sequence-parallel" in name)
         q = model.blocks[0].attn.q.weight
-        extra = ({"activation_checkpointing": {"units": "all"}} if "checkpointing" in name
-                 else {})
-        engine = infinity.initialize(model, engine_config(stage=stage, dtype=dtype, clip=clip,
-                                                          gas=gas, **extra),
+        if "offload" in name:
+            config = offload_config(os.path.join(out_dir, "swap", name), stage=stage,
+                                    dtype=dtype, clip=clip, gas=gas, opt="nvme", param="nvme")
+        else:
+            extra = ({"activation_checkpointing": {"units": "all"}} if "checkpointing" in name
+                     else {})
+            config = engine_config(stage=stage, dtype=dtype, clip=clip, gas=gas, **extra)
+        engine = infinity.initialize(model, config,
                                      data_parallel_group=dp["dp_group"] if pass_group else None)
         # [Note: tensor-parallel parameters]: still the same DTensor, its local tensor a view,
         # both in the compute dtype.
@@ -214,6 +219,7 @@ def worker_tp(rank: int, world_size: int, out_dir: str) -> dict:
                      "keys": [g.key for u in engine.manager.units for g in u.groups],
                      "world_size": stats["world_size"],
                      "bytes_sent": stats["collective_bytes_sent"]}
+        engine.close()
     out["resumed"] = checkpoint_round_trip(mesh, dp, out_dir)
     out["errors"] = rejected_setups(mesh)
     return out
