@@ -147,8 +147,9 @@ def tensor_mesh_of(model: nn.Module) -> "DeviceMesh | None":
 def data_parallel_group_of(tensor_mesh: "DeviceMesh") -> "dist.ProcessGroup | None":
     """The data-parallel group that goes with ``tensor_mesh``: the other dimension of the 2-D
     mesh it was sliced from (``init_device_mesh(..., (dp, tp), mesh_dim_names=(..., 'tensor'))``
-    then ``mesh['tensor']``); None (the default group) when the tensor mesh holds one rank. A
-    collective (creates no group but may on other layouts): call on every rank."""
+    then ``mesh['tensor']``); None (the default group) when the tensor mesh holds one rank.
+    Uses the groups the mesh already made (no collective). ValueError when there is no such
+    dimension (the tensor mesh spans every rank) or several (pass ``data_parallel_group``)."""
     root = tensor_mesh._get_root_mesh()
     if root is tensor_mesh or root.ndim == 1:
         if tensor_mesh.size() == 1:
