@@ -52,7 +52,7 @@ from torch import nn
 
 from infinity._timing import timer_for
 from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
-from infinity.config import AUTO, InfinityConfig, load_config
+from infinity.config import AUTO, InfinityConfig, MeshConfig, load_config
 from infinity.ledger import host_grad_dtype
 from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer,
                             StoredGrad, check_hyperparameters, json_safe_group,
@@ -75,6 +75,8 @@ from infinity.zero._offload import build_store, check_nvme_space_for, resolve_of
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._quantize import quant_settings
 from infinity.zero._step_plan import StepPlan
+from infinity.zero._tensor_parallel import (check_data_parallel_group, resolve_parallelism,
+                                            tensor_rank_dir)
 from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_builder import BuildProgress
 from infinity.zero._unit_choice import units_of
@@ -99,6 +101,27 @@ def _check_writable_dirs(config: InfinityConfig) -> None:
             raise ValueError(f"{field}: {path!r} is not a writable directory ({e.strerror or e}); "
                              f"point it at a directory on a local disk this process can write"
                              ) from None
+
+
+def _parallelism(model: nn.Module, config: InfinityConfig, mesh: Any,
+                 data_parallel_group: Any) -> tuple[Any, Collectives]:
+    """(the model's tensor parallelism or None, the engine's collectives).
+
+    A mesh (``mesh=`` or a config ``mesh`` section) and ``data_parallel_group`` are two ways to
+    say the same thing: one of them. Without either, a tensor-parallel model is sharded over
+    the other dimension of its tensor mesh's parent and any other model over the world
+    ([Note: collectives over a mesh], [Note: tensor-parallel parameters])."""
+    explicit_mesh = mesh is not None or config.mesh != MeshConfig()
+    if explicit_mesh and data_parallel_group is not None:
+        raise ValueError("initialize: both a mesh (mesh=... or the config's 'mesh' section) and "
+                         "data_parallel_group were given; pass one of them")
+    tensor_parallel, group = resolve_parallelism(model, data_parallel_group)
+    if tensor_parallel is None and group is None or explicit_mesh:
+        collectives = mesh_collectives(config.mesh, mesh)
+        if tensor_parallel is not None:  # the mesh's data ranks must share this tensor slice
+            check_data_parallel_group(collectives.world.group, tensor_parallel)
+        return tensor_parallel, collectives
+    return tensor_parallel, Collectives(group)
 
 
 def _manager_config(config: InfinityConfig, device: torch.device, world_size: int,
@@ -157,7 +180,8 @@ class InfinityEngine:
 
     def __init__(self, model: nn.Module, config: InfinityConfig, *,
                  model_parameters: Any = None,
-                 progress: Callable[[BuildProgress], None] | None = None, mesh: Any = None):
+                 progress: Callable[[BuildProgress], None] | None = None, mesh: Any = None,
+                 data_parallel_group: Any = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         config.check_resolved("initialize")
@@ -175,8 +199,10 @@ class InfinityEngine:
         self.compute_dtype = DTYPES[config.precision.dtype]
         self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
         init_from_env_if_launched(self.device)  # binds the device first, then the group
-        # [Note: collectives over a mesh] in infinity/zero/_collectives.py
-        self.collectives = mesh_collectives(config.mesh, mesh)
+        # [Note: collectives over a mesh] in infinity/zero/_collectives.py and [Note:
+        # tensor-parallel parameters] in infinity/zero/_tensor_parallel.py
+        self.tensor_parallel, self.collectives = _parallelism(model, config, mesh,
+                                                              data_parallel_group)
         self.module = model
         world = self.collectives.world_size  # the shard degree: what sizes divide by
         data_parallel = self.collectives.data_parallel_size
@@ -478,12 +504,19 @@ class InfinityEngine:
         (stage 0 partitions are replicated: each rank already holds every gradient once). A
         stored gradient brings its own, taken as it was accumulated ([Note: gradients on NVMe]
         in infinity/zero/_grad_reducer.py)."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in grads.values():
-            total += g.sum_sq if isinstance(g, StoredGrad) else sum_of_squares(g)
+        # [0]: replicated over tensor ranks, [1]: sharded over them ([Note: gradient norm across
+        # tensor ranks] in infinity/zero/_tensor_parallel.py).
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        sharded = self.manager.tensor_sharded_keys()
+        for key, g in grads.items():
+            total[int(key in sharded)] += (g.sum_sq if isinstance(g, StoredGrad)
+                                           else sum_of_squares(g))
         if self.manager.stage > 0:
             self.collectives.all_reduce_sum(total, context="global gradient norm", phase=Phase.NORM)
-        value = float(total.item())
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.collectives.all_reduce_sum(
+                total[1:], context="global gradient norm over tensor ranks", phase=Phase.NORM)
+        value = float(total.sum().item())
         return value, not math.isfinite(value)
 
     def stats(self) -> dict[str, Any]:
@@ -569,6 +602,11 @@ class InfinityEngine:
         index straight into the shards (each rank reads only its ranges; optimizer moments are
         left as they are; ``key_map`` / ``optional_keys``: a wrapped model's names, see
         :func:`infinity.checkpoint.load_weights`). A collective: call it on every rank."""
+        if self.tensor_parallel is not None:  # [Note: full state dict under tensor parallelism]
+            raise ValueError("engine.load_weights: loading weights files into the shards is not "
+                             "supported with tensor parallelism yet (the files hold full "
+                             "tensors, each tensor rank a slice); load them into the model "
+                             "before parallelize_module and initialize")
         self.shard_optimizer.drain()  # a deferred step's updates land first
         return load_weights(self, path, strict=strict, key_map=key_map,
                             optional_keys=optional_keys)
@@ -577,13 +615,19 @@ class InfinityEngine:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
         a collective: call it on every rank. Returns the new save's directory."""
         self.shard_optimizer.drain()  # a deferred step's updates land first
-        return save_checkpoint(self, directory)
+        return save_checkpoint(self, self._tensor_rank_dir(directory))
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
         size; everything is validated on every rank before any state changes."""
         self.shard_optimizer.drain()  # a deferred step's updates land first
-        return load_checkpoint(self, directory)
+        return load_checkpoint(self, self._tensor_rank_dir(directory))
+
+    def _tensor_rank_dir(self, directory: Any) -> str:
+        """[Note: checkpoints under tensor parallelism] in infinity/zero/_tensor_parallel.py"""
+        if self.tensor_parallel is None:
+            return directory
+        return tensor_rank_dir(self.tensor_parallel, os.fspath(directory))
 
     def flush_offload(self) -> None:
         """Every shard the store holds is current in its home tier (a no-op without offload)."""
@@ -676,7 +720,7 @@ def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
                *, model_parameters: Any = None,
                progress: Callable[[BuildProgress], None] | None = None,
-               mesh: Any = None) -> InfinityEngine:
+               mesh: Any = None, data_parallel_group: Any = None) -> InfinityEngine:
     """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
     DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
     it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
@@ -689,7 +733,11 @@ def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | s
     ``mesh``: a ``torch.distributed.DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP:
     shard over "shard", replicate over "replicate") or ``("replicate", "shard", "tensor")``
     (tensor innermost), instead of the one the config's ``mesh`` section builds
-    ([Note: mesh dimensions] in infinity/config/_mesh.py)."""
+    ([Note: mesh dimensions] in infinity/config/_mesh.py).
+    ``data_parallel_group``: the ranks to shard over instead of a mesh. A model parallelized with
+    ``parallelize_module`` (DTensor parameters on a 1-D tensor mesh) is sharded over the other
+    dimension of the mesh it was sliced from, or over ``data_parallel_group`` or the mesh's data
+    dimensions ([Note: tensor-parallel parameters] in infinity/zero/_tensor_parallel.py)."""
     if config is None:
         recording = recording_of(model) if isinstance(model, nn.Module) else None
         config = recording.config if recording is not None else None
@@ -697,4 +745,4 @@ def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | s
     if is_distributed():
         logger.debug("using the default process group")
     return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress,
-                          mesh=mesh)
+                          mesh=mesh, data_parallel_group=data_parallel_group)

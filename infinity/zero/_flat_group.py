@@ -18,6 +18,7 @@ from torch import nn
 from infinity._transitions import TransitionTable
 from infinity.ledger import flat_layout
 from infinity.optim import StoredGrad
+from infinity.zero._tensor_parallel import local_tensor
 
 
 @dataclasses.dataclass
@@ -34,10 +35,13 @@ class ParamSlot:
 def layout_group(params: list[tuple[str, nn.Parameter]], world_size: int, dtype: torch.dtype
                  ) -> tuple[list[ParamSlot], int, int]:
     """Slots for ``params`` in order in a flat buffer of ``dtype``; returns (slots, numel of the
-    parameters, padded numel: world_size shards). [Note: 16-byte aligned slots]."""
-    layout = flat_layout([p.numel() for _, p in params], world_size, dtype.itemsize)
-    slots = [ParamSlot(name=name, param=p, offset=off, numel=p.numel(), shape=p.shape)
-             for (name, p), off in zip(params, layout.offsets)]
+    parameters, padded numel: world_size shards). [Note: 16-byte aligned slots]. A DTensor
+    parameter takes its local tensor's numel and shape ([Note: tensor-parallel parameters] in
+    infinity/zero/_tensor_parallel.py)."""
+    locals_ = [local_tensor(p) for _, p in params]
+    layout = flat_layout([t.numel() for t in locals_], world_size, dtype.itemsize)
+    slots = [ParamSlot(name=name, param=p, offset=off, numel=t.numel(), shape=t.shape)
+             for (name, p), t, off in zip(params, locals_, layout.offsets)]
     return slots, layout.numel, layout.padded_numel
 
 
@@ -93,6 +97,9 @@ class FlatGroup:
     infinity/zero/_grad_reducer.py)."""
     store_key: str | None = None
     """Key of the parameter shard in the tiered store (parameter offload), else None."""
+    tensor_sharded: bool = False
+    """Its parameters are DTensors sharded over the tensor mesh: its gradient's squares are
+    summed over the tensor ranks too ([Note: gradient norm across tensor ranks])."""
 
 
 @dataclasses.dataclass(eq=False)

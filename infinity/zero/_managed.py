@@ -33,9 +33,14 @@ def check_not_wrapped(module: nn.Module) -> None:
             raise ValueError(f"parameter {name!r} carries DeepSpeed ZeRO attributes (ds_id): the "
                              f"model is already wrapped by deepspeed.initialize or zero.Init; "
                              f"pass the plain model instead")
-        if type(p.data).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
-            raise ValueError(f"parameter {name!r} is a DTensor (FSDP2/tensor parallel already "
-                             f"applied); pass the plain model instead")
+    # DTensor parameters of tensor parallelism are managed ([Note: tensor-parallel parameters]
+    # in infinity/zero/_tensor_parallel.py); FSDP2's (its modules subclass FSDPModule) are not.
+    for name, sub in module.named_modules():
+        if any(cls.__name__ == "FSDPModule" for cls in type(sub).__mro__):
+            raise ValueError(f"module {name or type(module).__name__!r} is already sharded by "
+                             f"FSDP2 (fully_shard); pass the model before fully_shard (tensor "
+                             f"parallelism alone is fine: the engine shards over data-parallel "
+                             f"ranks itself)")
     if type(module).__name__ in ("FullyShardedDataParallel", "DistributedDataParallel",
                                  "DeepSpeedEngine"):
         raise ValueError(f"the model is already wrapped in {type(module).__name__}; pass the "

@@ -70,6 +70,7 @@ from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
 from infinity.zero._quantized_collectives import all_gather_quantized
+from infinity.zero._tensor_parallel import full_value, local_grad
 from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
 from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
                                          UnitBuilder)
@@ -176,6 +177,11 @@ class ParameterManager:
             for g in u.groups:
                 if g.requires_grad:
                     yield g
+
+    def tensor_sharded_keys(self) -> set[str]:
+        """Keys of the trainable groups sharded over the tensor mesh ([Note: gradient norm
+        across tensor ranks] in infinity/zero/_tensor_parallel.py)."""
+        return {g.key for g in self.trainable_groups() if g.tensor_sharded}
 
     def partition_of(self, group: FlatGroup) -> tuple[int, int]:
         """(first flat element, numel) of the optimizer/parameter partition this rank holds: the
@@ -333,7 +339,7 @@ class ParameterManager:
         unit, group, slot = self._slot_of[id(param)]
         if param.grad is None:
             return
-        self.reducer.stage(group, slot, param.grad)
+        self.reducer.stage(group, slot, local_grad(param, param.grad))
         param.grad = None
         self.presence.note(param)
         unit.grads_seen.add(id(param))
@@ -677,7 +683,8 @@ class ParameterManager:
                 master = master_of(g.key) if (master_of is not None and g.requires_grad) else None
                 flat = self.full_flat(g, master)
                 for s in g.slots:
-                    values[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape)
+                    values[id(s.param)] = full_value(  # a DTensor's: over the tensor ranks too
+                        s.param, flat[s.offset:s.offset + s.numel].view(s.shape))
         out = {}
         for key, value in state.items():
             if id(value) in values:

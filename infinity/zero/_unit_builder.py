@@ -18,6 +18,7 @@ from torch import nn
 from infinity.tiers import Tier, TieredStore
 from infinity.zero._collectives import Collectives
 from infinity.zero._flat_group import FlatGroup, Unit, UnitState, layout_group
+from infinity.zero._tensor_parallel import is_tensor_sharded, local_tensor, set_local_view
 from infinity.zero._unit_choice import ChosenUnit, UnitChoice
 
 
@@ -140,11 +141,12 @@ class UnitBuilder:
     def _build_unit(self, chosen: ChosenUnit) -> Unit:
         s = self.settings
         always = s.stage < 3 or chosen.persistent
-        by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
-        for name, p in chosen.params:
-            by_kind.setdefault((s.compute_dtype, p.requires_grad), []).append((name, p))
-        groups = [self._build_group(chosen, dtype, rg, params, always)
-                  for (dtype, rg), params in by_kind.items()]
+        by_kind: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        for name, p in chosen.params:  # [Note: gradient norm across tensor ranks]
+            kind = (s.compute_dtype, p.requires_grad, is_tensor_sharded(p))
+            by_kind.setdefault(kind, []).append((name, p))
+        groups = [self._build_group(chosen, dtype, rg, params, always, tensor_sharded=ts)
+                  for (dtype, rg, ts), params in by_kind.items()]
         unit = Unit(index=chosen.index, name=chosen.name, groups=groups, always_gathered=always,
                     num_trainable=sum(len(g.slots) for g in groups if g.requires_grad),
                     has_frozen=any(not g.requires_grad for g in groups))
@@ -155,23 +157,25 @@ class UnitBuilder:
         return unit
 
     def _build_group(self, chosen: ChosenUnit, dtype: torch.dtype, requires_grad: bool,
-                     params: list[tuple[str, nn.Parameter]], always: bool) -> FlatGroup:
+                     params: list[tuple[str, nn.Parameter]], always: bool, *,
+                     tensor_sharded: bool = False) -> FlatGroup:
         s = self.settings
         world, rank = self.coll.world_size, self.coll.rank
         slots, numel, padded = layout_group(params, world, dtype)
         shard_numel = padded // world
         key = (f"u{chosen.index}.{str(dtype).removeprefix('torch.')}."
-               f"{'train' if requires_grad else 'frozen'}")
+               f"{'train' if requires_grad else 'frozen'}{'.tp' if tensor_sharded else ''}")
         init = torch.zeros(padded, dtype=torch.float32, device=s.device)
         with torch.no_grad():
             for slot in slots:
                 values = self._initial_values(slot.param) if self._initial_values else None
                 init[slot.offset:slot.offset + slot.numel].copy_(
-                    (slot.param.detach() if values is None else values).reshape(-1))
+                    (local_tensor(slot.param).detach() if values is None
+                     else values).reshape(-1))
         self.coll.broadcast(init, src=0, context=f"initial broadcast of {key}")
         full = init if dtype == torch.float32 else init.to(dtype)
         for slot in slots:  # [Note: release keeps parameter identity]
-            slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            set_local_view(slot.param, full[slot.offset:slot.offset + slot.numel].view(slot.shape))
         lo, hi = rank * shard_numel, (rank + 1) * shard_numel
         shard = full[lo:hi] if always else full[lo:hi].clone()
         part = full if s.stage == 0 else shard  # the optimizer's partition of the parameters
@@ -185,7 +189,7 @@ class UnitBuilder:
                 master = (init if s.stage == 0 else init[lo:hi]).clone()
         group = FlatGroup(key=key, slots=slots, numel=numel, padded_numel=padded,
                           shard_numel=shard_numel, requires_grad=requires_grad, full=full,
-                          shard=shard, master=master)
+                          shard=shard, master=master, tensor_sharded=tensor_sharded)
         if s.param_home is not Tier.DEVICE and not always:
             group.store_key = f"param/{key}"
             initial = shard.cpu()
