@@ -46,23 +46,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from infinity.ledger._quantized import quantized_bytes
+
 __all__ = ["Cluster", "Traffic", "hierarchical_all_to_all", "plan_quantized_bytes",
            "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter"]
 
 
 def plan_quantized_bytes(numel: float, *, block_numel: int, bits: int, scale_bytes: int = 4) -> float:
     """Bytes of ``numel`` elements quantized to ``bits`` (8 or 4) with one ``scale_bytes`` scale per
-    block of ``block_numel`` ([Note: collective cost over nodes], last point).
-
-    The planner's own copy: the quantization part adds ``quantized_bytes`` to the ledger for the
-    engine's counters; at merge the two become one (same arithmetic: payload + scales)."""
+    block of ``block_numel`` ([Note: collective cost over nodes], last point): the engine's own
+    wire format (:func:`~infinity.ledger._quantized.quantized_bytes`) at a planner's fractional
+    element count (a slice per node), rounded up to whole elements."""
     if bits not in (4, 8):
         raise ValueError(f"bits: expected 8 or 4, got {bits!r}")
     if isinstance(block_numel, bool) or not isinstance(block_numel, int) or block_numel < 1:
         raise ValueError(f"block_numel: expected an integer >= 1, got {block_numel!r}")
     if numel <= 0:
         return 0.0
-    return math.ceil(numel * bits / 8) + math.ceil(numel / block_numel) * scale_bytes
+    return float(quantized_bytes(math.ceil(numel), block_numel, bits, scale_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)
