@@ -178,11 +178,18 @@ def run_ours(args: argparse.Namespace, base: str, adapters: str) -> dict:
 
     before = engine.stats()["bytes_moved"]
     out = _train(step, args, model.config.vocab_size)
-    moved = engine.stats()["bytes_moved"]
+    stats = engine.stats()
+    moved = stats["bytes_moved"]
+    budgets = {"host_budget_bytes": engine.offload.host_budget_bytes,
+               "device_budget_bytes": engine.offload.device_budget_bytes,
+               "prefetch_overlap": engine.offload.overlap,
+               "tier_peak_bytes": {t: stats["bytes"][t]["peak"] for t in ("DEVICE", "HOST")},
+               "prefetch_hit_rate": stats["prefetch"]["hit_rate"],
+               "stall_s": stats["stall_s"]}
     engine.close()
     return out | {"setup_s": setup_s, "peak_rss_bytes": _peak_rss_bytes(),
                   "nvme_read_per_step_bytes": (moved["NVME->HOST"] - before["NVME->HOST"])
-                  / args.steps}
+                  / args.steps, **budgets}
 
 
 def _child(which: str, args: argparse.Namespace) -> dict:

@@ -60,7 +60,8 @@ from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedSh
 from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
 from infinity.zero._activations import apply_activation_checkpointing, select_modules
-from infinity.zero._collectives import Phase, init_from_env_if_launched, is_distributed
+from infinity.zero._collectives import (Collectives, Phase, init_from_env_if_launched,
+                                        is_distributed)
 from infinity.zero._device import resolve_device
 from infinity.zero._flat_group import FlatGroup
 from infinity.zero._grad_norm import sum_of_squares
@@ -506,7 +507,9 @@ class InfinityEngine:
         in infinity/zero/_grad_reducer.py)."""
         # [0]: replicated over tensor ranks, [1]: sharded over them ([Note: gradient norm across
         # tensor ranks] in infinity/zero/_tensor_parallel.py).
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # Without tensor parallelism nothing is tensor-sharded: one value crosses the ranks.
+        total = torch.zeros(1 if self.tensor_parallel is None else 2, dtype=torch.float64,
+                            device=self.device)
         sharded = self.manager.tensor_sharded_keys()
         for key, g in grads.items():
             total[int(key in sharded)] += (g.sum_sq if isinstance(g, StoredGrad)
@@ -551,7 +554,12 @@ class InfinityEngine:
                      "shard": self.collectives.world_size,
                      "tensor": self.collectives.tensor_size},
             "stage": self.manager.stage,
-            "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak)},
+            "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak),
+                                 # What the peak adds up: the manager's parts at its own peak,
+                                 # the in-memory optimizer state, the store's DEVICE copies.
+                                 "peak_parts": {**self.manager.peak_device_parts,
+                                                "optimizer_state": state_device,
+                                                "store_copies": store.get("device_peak_bytes", 0)}},
                       "HOST": {"current": store.get("host_used_bytes", 0),
                                "peak": store.get("host_peak_bytes", 0),
                                "budget": store.get("host_budget_bytes", 0),

@@ -119,6 +119,8 @@ class ParameterManager:
         """Unit gathers performed (forward, backward and after-step), for stats()."""
         self.peak_device_bytes = 0
         """Largest sum of device_bytes() seen at a gather or a gradient reduction."""
+        self.peak_device_parts: dict[str, int] = {}
+        """device_bytes() by kind at the moment of ``peak_device_bytes`` (what the peak is made of)."""
         self._busy = 0
         """Nonzero while the manager itself copies into unit buffers (the detector ignores it)."""
         self._handles: list[Any] = []
@@ -720,4 +722,7 @@ class ParameterManager:
         return out
 
     def _note_peak(self) -> None:
-        self.peak_device_bytes = max(self.peak_device_bytes, sum(self.device_bytes().values()))
+        held = self.device_bytes()
+        total = sum(held.values())
+        if total > self.peak_device_bytes:
+            self.peak_device_bytes, self.peak_device_parts = total, held
