@@ -5,7 +5,7 @@ Reproduce (about 15 minutes here; 13.5 GB base checkpoint + 13.5 GB of swap unde
 
     .venv/bin/python benchmarks/lora_7b.py                 # Llama-2-7B's shape, 4 steps
     .venv/bin/python benchmarks/lora_7b.py --shape tiny    # the same flow in seconds
-    .venv/bin/python benchmarks/lora_7b.py --shape 7b-8l --host-budget 1GiB --dir ./infinity-data/lora7b8l
+    .venv/bin/python benchmarks/lora_7b.py --shape 7b-8l --host-budget 2GiB --dir ./infinity-data/lora7b8l
                                                            # 8 of 7B's layers, streamed: ~4 min
 
 1. Once: a sharded safetensors checkpoint of the shape with random bf16 weights (``--dir/base``,
@@ -215,7 +215,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--dir", default="./infinity-data/lora7b")
     parser.add_argument("--host-budget", default=None,
-                        help="ours: memory.host_budget_bytes (e.g. 1GiB with --shape 7b-8l, so that "
+                        help="ours: memory.host_budget_bytes (e.g. 2GiB with --shape 7b-8l, so that "
                              "the base streams from NVMe as at 7B); default: the engine's 'auto'")
     parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--no-save", action="store_true")
