@@ -125,6 +125,26 @@ def _parallelism(model: nn.Module, config: InfinityConfig, mesh: Any,
     return tensor_parallel, Collectives(group)
 
 
+def _params_read_on_host(config: InfinityConfig, device: torch.device,
+                         offload: OffloadBudgets | None) -> bool:
+    """[Note: a CPU engine reads parameter shards from HOST]
+    On a CPU device the DEVICE tier is host RAM too, so a gather that reads an offloaded shard
+    through a DEVICE copy pays a copy HOST -> DEVICE (a fresh buffer, faulted in) before the
+    copy into the gathered unit, for nothing: both are the same memory. At 7B (LoRA, the frozen
+    bf16 base read from NVMe twice a step, 24.6 GB) that was ~25 GB of extra copies per step on
+    two cores, and the DEVICE tier's budget of RAM on top of the HOST one. So with an 'auto'
+    device budget a CPU engine's gathers read the HOST copy and prefetches stop there (the
+    prefetcher's DEVICE level is the HOST tier); writes (the optimizer's updated shards,
+    checkpoint loads) still go through a DEVICE copy as on a GPU. An explicit
+    ``memory.device_budget_bytes`` keeps the DEVICE tier in the read path: that is how the tests
+    and benchmarks stand a small GPU in with CPU memory. So does a device budget that holds every
+    parameter shard (``OffloadBudgets.device_holds_params``): there the updated shards stay on
+    the DEVICE tier between steps and nothing is copied per gather anyway."""
+    return (device.type == "cpu" and config.memory.device_budget_bytes == AUTO
+            and offload is not None and not offload.device_holds_params
+            and config.offload_param.device != "none")
+
+
 def _manager_config(config: InfinityConfig, device: torch.device, world_size: int,
                     offload: OffloadBudgets | None) -> ManagerConfig:
     """The parameter manager's settings, resolved from ``config`` once."""
@@ -139,6 +159,7 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         stage=zero.stage, device=device, compute_dtype=compute,
         param_home=config.offload_param.home_tier,
         optimizer_offloaded=config.offload_optimizer.device != "none",
+        params_read_on_host=_params_read_on_host(config, device, offload),
         prefetch=offload is not None and offload.overlap,
         prefetch_lookahead_bytes=number(zero.prefetch_lookahead_bytes),
         max_live_bytes=number(zero.max_live_bytes),

@@ -23,6 +23,9 @@ class ManagerConfig:
     optimizer_offloaded: bool = False
     """The optimizer lives off the device: masters are built in host memory for it, and gradient
     accumulators live in the store's host arena ([Note: gradient placement])."""
+    params_read_on_host: bool = False
+    """[Note: a CPU engine reads parameter shards from HOST] Gathers read offloaded shards from
+    their HOST copy instead of a DEVICE copy, and prefetches stop at HOST."""
     prefetch: bool = True
     """Read the next units' offloaded shards ahead of use (the host budget has room for it)."""
     prefetch_lookahead_bytes: int | None = None

@@ -131,6 +131,9 @@ class ParameterManager:
         """Unit indices in the order the latest training forward first used them (the order in
         which a deferred optimizer step updates them, see forward_keys)."""
         self.param_names = choice.param_names
+        self._read_tier = Tier.HOST if config.params_read_on_host else Tier.DEVICE
+        """Where gathers read offloaded shards ([Note: a CPU engine reads parameter shards from
+        HOST] in infinity/zero/_engine.py)."""
         self.hpz = (SecondaryPartition(collectives, config.hpz_partition_size)
                     if config.hpz_partition_size > 1 else None)
         """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
@@ -244,11 +247,12 @@ class ParameterManager:
 
     @contextlib.contextmanager
     def _open_stored_shard_read(self, group: FlatGroup) -> Iterator[torch.Tensor]:
-        tensor = self.store.acquire(group.store_key, Tier.DEVICE).wait()
+        tier = self._read_tier
+        tensor = self.store.acquire(group.store_key, tier).wait()
         try:
             yield tensor
         finally:
-            self.store.release(group.store_key, Tier.DEVICE)
+            self.store.release(group.store_key, tier)
 
     # ------------------------------------------------------------------ hooks
 
@@ -440,6 +444,7 @@ class ParameterManager:
             world_size=self.world_size, lookahead_bytes=config.prefetch_lookahead_bytes,
             max_reuse_distance_bytes=config.max_reuse_distance_bytes)
         return ParamPrefetcher(self.store, units, config=prefetch,
+                               device_tier=self._read_tier,
                                gather=lambda i: self._gather(self.units[i], self._gather_phase()),
                                is_gathered=lambda i: self.units[i].state is UnitState.GATHERED,
                                gathered_budget_bytes=config.max_live_bytes)

@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ParamPrefetcher", "PrefetchUnit", "disabled_stats", "prefetch_config"]
 
 _VALID = (Residency.RESIDENT, Residency.WRITING)
-_TIER_OF = {Level.HOST: Tier.HOST, Level.DEVICE: Tier.DEVICE}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,8 +148,13 @@ class ParamPrefetcher:
 
     def __init__(self, store: Any, units: Iterable[PrefetchUnit], *, gather: Callable[[Hashable], None],
                  is_gathered: Callable[[Hashable], bool], config: PrefetchConfig,
-                 gathered_budget_bytes: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 gathered_budget_bytes: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 device_tier: Tier = Tier.DEVICE):
         self.store = store
+        self._tier_of = {Level.HOST: Tier.HOST, Level.DEVICE: device_tier}
+        """The store tier behind each executor level: the DEVICE level is the HOST tier when
+        gathers read shards from HOST ([Note: a CPU engine reads parameter shards from HOST] in
+        infinity/zero/_engine.py); the executor then finds a shard at DEVICE once it is in HOST."""
         self._units = {u.unit: u for u in units}
         self._gather = gather
         self._is_gathered = is_gathered
@@ -236,7 +240,7 @@ class ParamPrefetcher:
                 continue
             try:
                 for key in u.keys:
-                    self._warm_handles.append(self.store.fetch(key, Tier.DEVICE))
+                    self._warm_handles.append(self.store.fetch(key, self._tier_of[Level.DEVICE]))
             except TierCapacityError:
                 break  # the device is full of copies needed sooner
             self._warm_bytes += u.shard_bytes
@@ -289,7 +293,7 @@ class ParamPrefetcher:
         if action.dst is Level.GATHERED:  # [Note: synchronous all-gathers]
             self._gather(action.unit)
             return _Done(self._clock() - t0)
-        tier, dst = _TIER_OF[action.dst], action.dst
+        tier, dst = self._tier_of[action.dst], action.dst
         handles = [self.store.fetch(key, tier) for key in u.keys]
         return _Fetch(handles, t0, self._clock,
                       lambda: self._cached.setdefault(u.unit, set()).add(dst))
@@ -300,7 +304,7 @@ class ParamPrefetcher:
         u = self._units[unit]
         level = Level.DEVICE
         for key in u.keys:
-            if self.store.state(key, Tier.DEVICE) in _VALID:
+            if self.store.state(key, self._tier_of[Level.DEVICE]) in _VALID:
                 continue
             if u.home is Level.HOST or self.store.state(key, Tier.HOST) in _VALID:
                 level = Level.HOST
@@ -318,7 +322,7 @@ class ParamPrefetcher:
             return None  # other copies the store may evict are there: their next use is unknown
         # [Note: prefetch never displaces a sooner use] in infinity/prefetch/_planner.py: the free bytes here,
         # our evictable copies in _evictable; the planner takes only those used after the fetch.
-        tier = _TIER_OF[level]
+        tier = self._tier_of[level]
         return self._tier_budget(tier) - self._tier_used(tier)
 
     def _tier_budget(self, tier: Tier) -> int:
@@ -330,9 +334,10 @@ class ParamPrefetcher:
 
     def _evictable(self, level: Level) -> list[tuple[float, int]]:
         """Our shards' copies at ``level`` the store may evict, with the next use we gave it."""
-        tier, out = _TIER_OF[level], []
+        tier, out = self._tier_of[level], []
         for u in self._units.values():
-            if u.home is level or not all(self.store.state(k, tier) is Residency.RESIDENT for k in u.keys):
+            home = Tier.HOST if u.home is Level.HOST else Tier.NVME
+            if home is tier or not all(self.store.state(k, tier) is Residency.RESIDENT for k in u.keys):
                 continue
             pos = self._next_pos.get(u.unit)
             out.append((math.inf if pos is None else pos, u.shard_bytes))
@@ -347,7 +352,7 @@ class ParamPrefetcher:
             if key in self._keys or not levels:
                 continue
             for level in list(levels):
-                tier = _TIER_OF[level]
+                tier = self._tier_of[level]
                 if self.store.state(key, tier) is not Residency.ABSENT and any(
                         self.store.state(key, t) is not Residency.ABSENT for t in lower[tier]):
                     levels.discard(level)
@@ -360,7 +365,7 @@ class ParamPrefetcher:
         for unit, levels in list(self._cached.items()):
             u = self._units[unit]
             for level in list(levels):
-                tier = _TIER_OF[level]
+                tier = self._tier_of[level]
                 if all(self.store.state(k, tier) in _VALID for k in u.keys):
                     continue
                 levels.discard(level)

@@ -1,0 +1,62 @@
+"""[Note: a CPU engine reads parameter shards from HOST] (infinity/zero/_engine.py): with an 'auto'
+device budget a CPU engine gathers offloaded shards straight from their HOST copies (no HOST ->
+DEVICE copy per gather) and trains exactly as with a DEVICE tier in the read path, which an
+explicit device budget keeps (the small-GPU stand-in of the other tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import infinity
+import infinity.tiers._offload_budgets as offload_budgets
+from infinity.tiers import Tier
+from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
+                                   reference_train, tiny_gpt)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+STEPS = 4
+DEEP = dataclasses.replace(TINY, n_layer=6)  # more shards than the least device budget holds
+
+
+def _config(tmp_path, device_budget):
+    path = str(tmp_path / "swap")
+    return engine_config(stage=3, dtype="fp32", clip=0.05,
+                         offload_param={"device": "nvme", "nvme_path": path},
+                         # room for prefetches but not for every shard: they stream from NVMe
+                         memory={"device_budget_bytes": device_budget, "host_budget_bytes": 60000})
+
+
+def test_gathers_read_host_copies_with_an_auto_device_budget(tmp_path, monkeypatch):
+    # Without the 64 MiB margin the 'auto' CPU device budget is the plan's least (the largest
+    # unit and two shards in flight): it cannot hold every shard of the tiny model, as at 7B.
+    monkeypatch.setattr(offload_budgets, "_CPU_DEVICE_MARGIN_BYTES", 0)
+    data = batches(STEPS, 1)
+    ref_losses, ref_state = reference_train(tiny_gpt(config=DEEP), data, clip=0.05)
+    runs = {}
+    for name, budget in (("auto", "auto"), ("explicit", None)):
+        if budget is None:  # the same bytes, given explicitly: the DEVICE tier stays in the path
+            budget = runs["auto"]["device_budget"]
+        engine = infinity.initialize(tiny_gpt(config=DEEP), _config(tmp_path / name, budget))
+        try:
+            assert not engine.offload.device_holds_params
+            assert engine.stats()["prefetch"]["enabled"]
+            losses = engine_train(engine, data)
+            assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+            s = engine.stats()
+            runs[name] = {"read_tier": engine.manager._read_tier,
+                          "device_budget": engine.offload.device_budget_bytes,
+                          "host_to_device": s["bytes_moved"]["HOST->DEVICE"],
+                          "nvme_to_host": s["bytes_moved"]["NVME->HOST"],
+                          "hits": s["prefetch"]["hits"], "losses": losses}
+        finally:
+            engine.close()
+    auto, explicit = runs["auto"], runs["explicit"]
+    assert auto["read_tier"] is Tier.HOST and explicit["read_tier"] is Tier.DEVICE
+    # Updated shards are written through a DEVICE copy allocated for overwrite (no read), so the
+    # HOST copies feed every gather: nothing moves up to the DEVICE tier at all.
+    assert auto["host_to_device"] == 0
+    assert explicit["host_to_device"] > 0
+    assert auto["nvme_to_host"] > 0 and auto["hits"] > 0  # shards stream and are prefetched
+    assert auto["losses"] == explicit["losses"]
