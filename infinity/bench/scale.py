@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, help="every row at this width (a multiple of 128): "
                         "one unit size, so the rows differ in the number of layers alone")
     parser.add_argument("--plot", metavar="FILE.png", help="RSS and step/roofline against size")
+    parser.add_argument("--lora-record", metavar="FILE.json",
+                        help="add the 7B LoRA row from a benchmarks/lora_7b.py record ('latest': "
+                             "the newest lora7b-*.json under --results-dir); that benchmark runs "
+                             "plain peft beside us and takes ~15 minutes, so it is run on its own")
     add_common_arguments(parser)
 
 
@@ -88,11 +92,42 @@ def _row(numel: float, s: dict[str, Any], ram: int) -> dict[str, Any]:
             "NVMe x min": round(n["x_minimum"], 2)}
 
 
+def _lora_record_path(given: str, results_dir: str | None) -> str:
+    if given != "latest":
+        return given
+    folder = results_dir or os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
+                                         "results")
+    found = sorted(f for f in os.listdir(folder) if f.startswith("lora7b-") and f.endswith(".json"))
+    if not found:
+        raise ValueError(f"--lora-record latest: no lora7b-*.json in {folder}; run "
+                         f"benchmarks/lora_7b.py first or pass a record's path")
+    return os.path.join(folder, found[-1])
+
+
+def lora_row(path: str, ram: int) -> dict[str, Any]:
+    """The scale table's 7B LoRA row from a ``benchmarks/lora_7b.py`` record: the frozen bf16 base
+    on NVMe, adapters and their optimizer in memory, against plain peft with the model in RAM
+    (its ``x plain`` is the ratio the scenario targets; there is no roofline column)."""
+    with open(path) as f:
+        rec = json.load(f)
+    ours = rec["ours"]
+    return {"params": f"7B LoRA ({rec['shape']})",
+            "peak RSS GB": round(ours["peak_rss_bytes"] / 1e9, 2),
+            "peak RSS / RAM": round(ours["peak_rss_bytes"] / ram, 3),
+            "init s": round(ours["setup_s"], 1), "step s": round(rec["median_step_s"]["ours"], 2),
+            "plain step s": round(rec["median_step_s"]["plain"], 2),
+            "x plain": round(rec["x_plain"], 3),
+            "NVMe read GB/step": round(ours["nvme_read_per_step_bytes"] / 1e9, 2),
+            "record": os.path.basename(path)}
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = _sizes(args)
     ram = psutil.virtual_memory().total
     summaries = [_one(numel, args) for numel in sizes]
     rows = [_row(numel, s, ram) for numel, s in zip(sizes, summaries)]
+    if args.lora_record:
+        rows.append(lora_row(_lora_record_path(args.lora_record, args.results_dir), ram))
     report = Report(name="scale", title=f"model size at a fixed host budget ({args.host_budget}); "
                     f"batch {args.batch_size} x {args.seq_len}, {args.dtype}, parameters and optimizer on NVMe",
                     rows=rows, params=vars(args) | {"ram_bytes": ram},
@@ -108,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _draw(plt, rows: list[dict[str, Any]]):
-    ok = [r for r in rows if "error" not in r]
+    ok = [r for r in rows if "error" not in r and "x roofline" in r]
     x = [float(r["params"].rstrip("B")) for r in ok]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(x, [r["peak RSS GB"] for r in ok], marker="o")

@@ -133,9 +133,9 @@ def _params_read_on_host(config: InfinityConfig, device: torch.device,
     copy into the gathered unit, for nothing: both are the same memory. At 7B (LoRA, the frozen
     bf16 base read from NVMe twice a step, 24.6 GB) that was ~25 GB of extra copies per step on
     two cores, and the DEVICE tier's budget of RAM on top of the HOST one. So with an 'auto'
-    device budget a CPU engine's gathers read the HOST copy and prefetches stop there (the
-    prefetcher's DEVICE level is the HOST tier); writes (the optimizer's updated shards,
-    checkpoint loads) still go through a DEVICE copy as on a GPU. An explicit
+    device budget a CPU engine's gathers read the HOST copy, prefetches stop there (the
+    prefetcher's DEVICE level is the HOST tier) and writes (the optimizer's updated shards,
+    checkpoint loads) go to the HOST copy too: the DEVICE tier holds nothing. An explicit
     ``memory.device_budget_bytes`` keeps the DEVICE tier in the read path: that is how the tests
     and benchmarks stand a small GPU in with CPU memory. So does a device budget that holds every
     parameter shard (``OffloadBudgets.device_holds_params``): there the updated shards stay on

@@ -79,6 +79,18 @@ from infinity.zero._unit_choice import UnitChoice
 logger = logging.getLogger(__name__)
 
 
+_DEFAULT_LIVE_UNITS = 3
+"""Without ``zero.max_live_bytes``, when gathers read shards from HOST ([Note: a CPU engine reads
+parameter shards from HOST] in infinity/zero/_engine.py): gathered units the prefetcher may hold
+at once, in units of the largest (the running one, the next one, one kept for its reuse).
+Gathers are synchronous ([Note: synchronous all-gathers] in infinity/zero/_prefetcher.py): one
+gathered ahead buys nothing but memory. With the DEVICE level in the HOST tier nothing else
+bounds them, and the trace planner gathered far ahead whenever reads ran late (the 2-core VM, a
+3.3B GPT at width 2560, parameters on NVMe: 24 units of 157 MB gathered at once, 3.8 GB, against
+11 at 1B: host memory grew with the model; with the bound, 1B's gathered peak went from 1.75
+to 0.96 GB at the same step time). With a DEVICE tier in the path its budget bounds them."""
+
+
 class ParameterManager:
     """Owns the units of one model: builds them, installs the hooks, gathers and releases them,
     and hands their gradients to the :class:`GradientReducer` when they are complete."""
@@ -219,22 +231,25 @@ class ParameterManager:
     @contextlib.contextmanager
     def _open_stored_shard(self, group: FlatGroup, *, overwrite: bool = False
                            ) -> Iterator[torch.Tensor]:
-        """The shard on the device for writing. ``overwrite``: the caller writes every element
-        (the optimizer step), so an absent copy is not read first (``store.acquire``)."""
-        key = group.store_key
-        tensor = self.store.acquire(key, Tier.DEVICE, overwrite=overwrite).wait()
+        """The shard on the device (on HOST where gathers read it there: [Note: a CPU engine
+        reads parameter shards from HOST] in infinity/zero/_engine.py) for writing.
+        ``overwrite``: the caller writes every element (the optimizer step), so an absent copy is
+        not read first (``store.acquire``)."""
+        key, tier = group.store_key, self._read_tier
+        tensor = self.store.acquire(key, tier, overwrite=overwrite).wait()
         written = False
         try:
             yield tensor
-            self.store.mark_dirty(key, Tier.DEVICE)
+            self.store.mark_dirty(key, tier)
             written = True
         finally:
-            self.store.release(key, Tier.DEVICE)
+            self.store.release(key, tier)
             # Partly written. A copy already dirty (lazy write-back) is the only current one: it
             # stays, its updated parts matching their masters, and the error path writes nothing.
             # Any other copy is dropped (not dirty: no write), so its bytes never pass for the shard.
-            if not written and self.store.is_dirty(key) is not Tier.DEVICE:
-                self.store.evict(key, Tier.DEVICE)
+            if not written and self.store.is_dirty(key) is not tier \
+                    and tier is not self.config.param_home:
+                self.store.evict(key, tier)
         if self.param_writeback is ParamWriteback.EAGER:
             self.store.write_back(key)  # async: the updated shard returns to its home
 
@@ -443,11 +458,14 @@ class ParameterManager:
             largest_gathered_bytes=max(u.gathered_bytes for u in units),
             world_size=self.world_size, lookahead_bytes=config.prefetch_lookahead_bytes,
             max_reuse_distance_bytes=config.max_reuse_distance_bytes)
+        live = config.max_live_bytes
+        if live is None and config.params_read_on_host:  # the DEVICE level no longer bounds it
+            live = _DEFAULT_LIVE_UNITS * max(u.gathered_bytes for u in units)
         return ParamPrefetcher(self.store, units, config=prefetch,
                                device_tier=self._read_tier,
                                gather=lambda i: self._gather(self.units[i], self._gather_phase()),
                                is_gathered=lambda i: self.units[i].state is UnitState.GATHERED,
-                               gathered_budget_bytes=config.max_live_bytes)
+                               gathered_budget_bytes=live)
 
     def _fetch_before_compute(self, unit: Unit) -> None:
         """Gather ``unit`` before its compute: through the prefetcher for offloaded parameters

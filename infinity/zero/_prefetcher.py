@@ -333,7 +333,11 @@ class ParamPrefetcher:
         return int(self.store.stats()[f"{tier.label}_used_bytes"])
 
     def _evictable(self, level: Level) -> list[tuple[float, int]]:
-        """Our shards' copies at ``level`` the store may evict, with the next use we gave it."""
+        """Our shards' copies at ``level`` the store may evict, with the next use we gave it.
+        Gathered units are released by the manager alone (after their compute, or at the step's
+        end), never to make room for a prefetch: none at GATHERED."""
+        if level is Level.GATHERED:
+            return []
         tier, out = self._tier_of[level], []
         for u in self._units.values():
             home = Tier.HOST if u.home is Level.HOST else Tier.NVME

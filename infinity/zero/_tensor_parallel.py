@@ -54,6 +54,8 @@ import dataclasses
 import logging
 import os
 import re
+import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -63,14 +65,21 @@ from infinity.zero._collectives import Collectives
 
 logger = logging.getLogger(__name__)
 
-try:  # torch >= 2.4 exports DTensor here
+if TYPE_CHECKING:
     from torch.distributed.tensor import DeviceMesh, DTensor
-except ImportError:  # pragma: no cover - builds without torch.distributed
-    DeviceMesh = DTensor = None  # type: ignore[assignment,misc]
+
+
+def _dtensor_type() -> "type[DTensor] | None":
+    """DTensor's class if ``torch.distributed.tensor`` is loaded, else None. Never imported
+    here: a model holding DTensors was parallelized by code that imported it, and importing it
+    for every engine loads DTensor's dispatch machinery into processes that never use it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def is_dtensor(t: object) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +95,7 @@ def set_local_view(param: nn.Parameter, view: torch.Tensor) -> None:
     and spec too: ``set_data`` changes the wrapper's dtype, not its Python attributes, and DTensor
     propagates shardings from the spec's dtype."""
     if is_dtensor(param) and param.dtype != view.dtype:
-        cast = DTensor.from_local(view, param.device_mesh, param.placements, run_check=False,
+        cast = _dtensor_type().from_local(view, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
         param.data = cast
         param._spec = cast._spec
@@ -117,7 +126,7 @@ def full_value(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     dict under tensor parallelism])."""
     if not is_dtensor(param):
         return local
-    dt = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+    dt = _dtensor_type().from_local(local, param.device_mesh, param.placements, run_check=False,
                             shape=param.shape, stride=param.stride())
     return dt.full_tensor()
 

@@ -45,7 +45,14 @@ def test_gathers_read_host_copies_with_an_auto_device_budget(tmp_path, monkeypat
             losses = engine_train(engine, data)
             assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
             s = engine.stats()
+            units = engine.manager.units
+            gathered = [sum(g.padded_numel * g.full.element_size() for g in u.groups)
+                        for u in units]
+            always = sum(b for u, b in zip(units, gathered) if u.always_gathered)
             runs[name] = {"read_tier": engine.manager._read_tier,
+                          "device_to_host": s["bytes_moved"]["DEVICE->HOST"],
+                          "peak_parts": s["bytes"]["DEVICE"]["peak_parts"],
+                          "live_bound": always + 3 * max(gathered),
                           "device_budget": engine.offload.device_budget_bytes,
                           "host_to_device": s["bytes_moved"]["HOST->DEVICE"],
                           "nvme_to_host": s["bytes_moved"]["NVME->HOST"],
@@ -54,9 +61,13 @@ def test_gathers_read_host_copies_with_an_auto_device_budget(tmp_path, monkeypat
             engine.close()
     auto, explicit = runs["auto"], runs["explicit"]
     assert auto["read_tier"] is Tier.HOST and explicit["read_tier"] is Tier.DEVICE
-    # Updated shards are written through a DEVICE copy allocated for overwrite (no read), so the
-    # HOST copies feed every gather: nothing moves up to the DEVICE tier at all.
-    assert auto["host_to_device"] == 0
-    assert explicit["host_to_device"] > 0
+    # Gathers read the HOST copies and the optimizer writes its updated shards there: nothing
+    # moves between HOST and DEVICE at all.
+    assert auto["host_to_device"] == 0 and auto["device_to_host"] == 0
+    assert auto["peak_parts"]["store_copies"] == 0  # updated shards are written on HOST too
+    assert explicit["host_to_device"] > 0 and explicit["device_to_host"] > 0
+    # Gathered units are bounded (the persistent ones and three of the largest) where the
+    # DEVICE tier no longer bounds them.
+    assert auto["peak_parts"]["param"] <= auto["live_bound"]
     assert auto["nvme_to_host"] > 0 and auto["hits"] > 0  # shards stream and are prefetched
     assert auto["losses"] == explicit["losses"]
