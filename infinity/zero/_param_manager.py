@@ -549,7 +549,10 @@ class ParameterManager:
             if not mode:
                 self.end_prefetch_step()  # no backward follows: the step ends with the forward
                 if self._fetcher is not None:
-                    self._fetcher.warm_next_step()
+                    # An evaluation forward runs between training steps: the next step is most
+                    # likely a training one, whose first units the evaluation just evicted.
+                    self._fetcher.warm_next_step("train" if self._fetcher.has_trace("train")
+                                                 else None)
 
     def begin_backward(self) -> None:
         """``engine.backward(loss)`` is about to run autograd: gathers now are backward gathers."""

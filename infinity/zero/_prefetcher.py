@@ -212,10 +212,11 @@ class ParamPrefetcher:
         for u in self._units.values():  # positions in the next step (cursor 0) of the same phase
             self._set_next_use(u, trace.next_use_distance(u.unit, 0))
 
-    def warm_next_step(self) -> None:
+    def warm_next_step(self, phase: str | None = None) -> None:
         """The parameters are final (after the optimizer step, after an evaluation forward): start
-        moving the shards the next step of the last phase uses first towards the device, within the
-        device's in-flight bound, so its first units are ready when it starts.
+        moving the shards the next step of ``phase`` (default: the last phase) uses first towards
+        the device, within the device's in-flight bound, so its first units are ready when it
+        starts.
 
         [Note: warm-up across the step boundary] The executor prefetches nothing past a step's end
         (the optimizer is about to change those bytes), and between steps no hook gives it a
@@ -224,7 +225,8 @@ class ParamPrefetcher:
         the shards before the next step (a checkpoint load), a gathered unit it would not.
         """
         self._warm_handles = [h for h in self._warm_handles if not h.done()]
-        trace = self.executor.store.latest(self._last_phase) if self._last_phase else None
+        phase = phase or self._last_phase
+        trace = self.executor.store.latest(phase) if phase else None
         if trace is None:
             return
         room = self.executor.config.device_inflight_budget_bytes
@@ -246,6 +248,10 @@ class ParamPrefetcher:
             self._warm_bytes += u.shard_bytes
             if room is not None:
                 room -= u.shard_bytes
+
+    def has_trace(self, phase: str) -> bool:
+        """A step of ``phase`` was recorded."""
+        return self.executor.store.latest(phase) is not None
 
     def drain(self) -> None:
         """Wait for every fetch this prefetcher issued (errors are the next use's to raise)."""

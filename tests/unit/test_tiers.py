@@ -122,9 +122,11 @@ def test_overwrite_acquire_reads_nothing_and_the_written_bytes_reach_nvme(tmp_pa
         store.release("w", Tier.DEVICE)
 
 
-def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path):
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.HOST])
+def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path, tier):
     """The parameter manager's write path (overwrite): a write that raises half way evicts the
-    device copy, so the next read sees the shard's previous bytes, never the half-written ones."""
+    copy written (DEVICE; HOST where a CPU engine reads and writes shards there), so the next read
+    sees the shard's previous bytes, never the half-written ones."""
     from types import SimpleNamespace
 
     from infinity.zero._param_manager import ParameterManager
@@ -135,14 +137,15 @@ def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path):
         store.register("w", numel, torch.float32, Tier.NVME, initial=old)
         store.flush()
         store.evict("w", Tier.HOST)
-        manager = SimpleNamespace(store=store)
+        manager = SimpleNamespace(store=store, _read_tier=tier,
+                                  config=SimpleNamespace(param_home=Tier.NVME))
         group = SimpleNamespace(store_key="w")
         with pytest.raises(RuntimeError, match="boom"):
             with ParameterManager._open_stored_shard(manager, group, overwrite=True) as dev:
                 dev[:100].fill_(7.0)
                 raise RuntimeError("boom")
-        assert store.state("w", Tier.DEVICE) is Residency.ABSENT
-        assert same_bytes(store.fetch("w", Tier.DEVICE).wait(), old)
+        assert store.state("w", tier) is Residency.ABSENT
+        assert same_bytes(store.fetch("w", tier).wait(), old)
 
 
 def test_budget_eviction_writes_back_dirty_device_copy(tmp_path):
