@@ -144,8 +144,8 @@ class ParameterManager:
         which a deferred optimizer step updates them, see forward_keys)."""
         self.param_names = choice.param_names
         self._read_tier = Tier.HOST if config.params_read_on_host else Tier.DEVICE
-        """Where gathers read offloaded shards ([Note: a CPU engine reads parameter shards from
-        HOST] in infinity/zero/_engine.py)."""
+        """Where gathers read, and the optimizer writes, offloaded shards ([Note: a CPU engine
+        reads parameter shards from HOST] in infinity/zero/_engine.py)."""
         self.hpz = (SecondaryPartition(collectives, config.hpz_partition_size)
                     if config.hpz_partition_size > 1 else None)
         """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
