@@ -85,10 +85,17 @@ class TierBudgets:
                 dist = shard.next_use
             return (-(math.inf if dist is None else dist), shard.copies[tier].last_use)
 
-        found = [s for s in self._shards.values()
-                 if s.home is not tier and s.copies[tier].state is _R and not s.copies[tier].pins
-                 and not s.copies[tier].busy and s.writeback is None]
-        return sorted(found, key=rank)
+        return sorted(self._evictable(tier), key=rank)
+
+    def _evictable(self, tier: Tier) -> list[_Shard]:
+        return [s for s in self._shards.values()
+                if s.home is not tier and s.copies[tier].state is _R and not s.copies[tier].pins
+                and not s.copies[tier].busy and s.writeback is None]
+
+    def reclaimable(self, tier: Tier) -> int:
+        """Free bytes plus those of the copies :meth:`reserve` may evict (lock held)."""
+        evictable = sum(s.copies[tier].charged_bytes for s in self._evictable(tier))
+        return self.budget[tier] - self.used[tier] + evictable
 
     def reserve(self, tier: Tier, shard: _Shard, *, for_key: str) -> "_Alloc":
         """Allocate bytes for ``shard`` in ``tier``, evicting by policy; TierCapacityError when

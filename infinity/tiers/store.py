@@ -650,6 +650,12 @@ class TieredStore:
         with self._lock:
             self._shard(key).next_use = distance
 
+    def reclaimable_bytes(self, tier: Tier) -> int:
+        """Bytes of ``tier``'s budget a new copy could take now: free, or held by copies the
+        store may evict (unpinned, not busy, not a home copy, no write-back under way)."""
+        with self._lock:
+            return self.budgets.reclaimable(tier)
+
     def stats(self) -> dict[str, float]:
         """Counters; keys in :data:`infinity.tiers.STATS_KEYS`, documented in the package docstring."""
         out = self.counters.snapshot()

@@ -129,6 +129,9 @@ class ParameterManager:
         """Backward passes finished; names the step in agreement checks and errors."""
         self.num_gathers = 0
         """Unit gathers performed (forward, backward and after-step), for stats()."""
+        self.num_borrowed_gathers = 0
+        """Group gathers that borrowed the HOST copy instead of copying it ([Note: a gathered
+        unit borrows its HOST copy]), for stats()."""
         self.peak_device_bytes = 0
         """Largest sum of device_bytes() seen at a gather or a gradient reduction."""
         self.peak_device_parts: dict[str, int] = {}
@@ -150,6 +153,14 @@ class ParameterManager:
                     if config.hpz_partition_size > 1 else None)
         """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
         infinity/zero/_hpz.py); None: off."""
+        self._borrow_host = (config.params_read_on_host and self.world_size == 1
+                             and config.weight_quant is None and self.hpz is None)
+        """Gathers of stored groups borrow the pinned HOST copy instead of copying it
+        ([Note: a gathered unit borrows its HOST copy])."""
+        self._borrowed: dict[int, tuple[FlatGroup, torch.UntypedStorage, torch.Tensor]] = {}
+        """id(group) -> (group, the storage that holds the group's own empty data pointer while
+        ``group.full`` points at the pinned HOST copy, that copy: its reference keeps the arena's
+        memory alive should the store close first)."""
         settings = BuildSettings(stage=config.stage, device=config.device,
                                  compute_dtype=config.compute_dtype, param_home=config.param_home,
                                  optimizer_offloaded=config.optimizer_offloaded)
@@ -392,6 +403,10 @@ class ParameterManager:
         try:
             with torch.profiler.record_function(f"infinity::gather ({unit.name})"):
                 for g in unit.groups:
+                    if self._borrow_host and not unit.always_gathered \
+                            and phase is not Phase.SECONDARY_GATHER \
+                            and g.store_key is not None and self._borrow(g):
+                        continue
                     g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
                     advise_huge_pages(g.full)  # [Note: first touch of large host buffers] (io)
                     context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
@@ -412,6 +427,45 @@ class ParameterManager:
         self.num_gathers += 1
         self._note_peak()
 
+    def _borrow(self, g: FlatGroup) -> bool:
+        """[Note: a gathered unit borrows its HOST copy]
+        With one data-parallel rank the gathered unit is the shard itself, and on a CPU engine
+        that reads shards from HOST ([Note: a CPU engine reads parameter shards from HOST] in
+        infinity/zero/_engine.py) the shard is already in host memory, page-aligned in the arena,
+        where the prefetcher's NVMe read put it. Copying it into the unit's own buffer cost a
+        fresh buffer (faulted in) and a copy per gather: on 8 of 7B's layers (LoRA, the frozen
+        base on NVMe, 405 MB per layer, read twice a step) 31 copies a step and 6.6 s of the
+        step's 13.5 s on two cores, against 3.5 s for plain PyTorch's whole step. So the gather
+        pins the HOST copy and points the unit's storage at it (``_swap_data_ptr_``: the
+        parameters stay views of the same storage object, as [Note: release keeps parameter
+        identity] needs, and so do tensors autograd saved); the release swaps back and unpins.
+        The unit then lives inside the HOST budget, not beside it, so a borrow must leave room in
+        the arena for two more shards of this size (a prefetch and a demand read): else this
+        gather copies, as before. The optimizer writing the shard writes the same bytes the unit
+        shows, which is what it would read after the step anyway."""
+        key = g.store_key
+        nbytes = g.padded_numel * g.full.element_size()
+        tensor = self.store.acquire(key, Tier.HOST).wait()
+        if (tensor.numel() != g.padded_numel or tensor.dtype != g.full.dtype
+                or self.store.reclaimable_bytes(Tier.HOST) < 2 * nbytes):
+            self.store.release(key, Tier.HOST)
+            return False
+        own = torch._C._construct_storage_from_data_pointer(tensor.data_ptr(), tensor.device,
+                                                              nbytes)
+        g.full.untyped_storage()._swap_data_ptr_(own)  # g.full shows the HOST copy; own is empty
+        self._borrowed[id(g)] = (g, own, tensor)
+        self.num_borrowed_gathers += 1
+        return True
+
+    def _give_back(self, g: FlatGroup) -> bool:
+        """Undo :meth:`_borrow`; False when ``g`` holds its own buffer."""
+        entry = self._borrowed.pop(id(g), None)
+        if entry is None:
+            return False
+        g.full.untyped_storage()._swap_data_ptr_(entry[1])  # empty again, its own allocator
+        self.store.release(g.store_key, Tier.HOST)
+        return True
+
     def _all_gather(self, unit: Unit, g: FlatGroup, shard: torch.Tensor, *, context: str,
                     phase: Phase) -> None:
         """One group's all-gather: quantized (qwZ) for the gathers around compute of units
@@ -428,7 +482,8 @@ class ParameterManager:
     def _release(self, unit: Unit) -> None:
         # [Note: release keeps parameter identity]
         for g in unit.groups:
-            g.full.untyped_storage().resize_(0)
+            if not self._give_back(g):
+                g.full.untyped_storage().resize_(0)
         unit.transition(UnitState.RELEASED)
         if self._fetcher is not None:
             self._fetcher.on_release(unit.index)
@@ -672,6 +727,12 @@ class ParameterManager:
                   f"{why}; that unit stays gathered from now on (costs its full size in device "
                   f"memory). Make the module that uses it hold it, or tie it, to avoid this")
         unit.always_gathered = True
+        for g in unit.groups:  # it would pin its HOST copy for good: its own buffer instead
+            if id(g) in self._borrowed:
+                values = g.full.clone()
+                self._give_back(g)
+                g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
+                g.full.copy_(values)
         self._gather(unit, Phase.FORWARD_GATHER)
 
     # ------------------------------------------------------------------ state dict and bytes
@@ -724,7 +785,8 @@ class ParameterManager:
     def _held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for u in self.units:
             for g in u.groups:
-                yield "param", g.full
+                if id(g) not in self._borrowed:  # else counted in the HOST tier's bytes
+                    yield "param", g.full
                 if g.shard is not None:
                     yield "param", g.shard
                 if g.master is not None and not self.optimizer_offloaded:  # else host-side

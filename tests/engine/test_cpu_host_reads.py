@@ -56,7 +56,8 @@ def test_gathers_read_host_copies_with_an_auto_device_budget(tmp_path, monkeypat
                           "device_budget": engine.offload.device_budget_bytes,
                           "host_to_device": s["bytes_moved"]["HOST->DEVICE"],
                           "nvme_to_host": s["bytes_moved"]["NVME->HOST"],
-                          "hits": s["prefetch"]["hits"], "losses": losses}
+                          "hits": s["prefetch"]["hits"], "losses": losses,
+                          "borrowed": s["num_borrowed_gathers"]}
         finally:
             engine.close()
     auto, explicit = runs["auto"], runs["explicit"]
@@ -71,3 +72,6 @@ def test_gathers_read_host_copies_with_an_auto_device_budget(tmp_path, monkeypat
     assert auto["peak_parts"]["param"] <= auto["live_bound"]
     assert auto["nvme_to_host"] > 0 and auto["hits"] > 0  # shards stream and are prefetched
     assert auto["losses"] == explicit["losses"]
+    # [Note: a gathered unit borrows its HOST copy]: one rank, shards read on HOST: gathers
+    # point the units at the pinned HOST copies; the DEVICE path copies as before.
+    assert auto["borrowed"] > 0 and explicit["borrowed"] == 0

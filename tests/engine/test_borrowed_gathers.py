@@ -1,0 +1,89 @@
+"""[Note: a gathered unit borrows its HOST copy] (infinity/zero/_param_manager.py): with one rank
+and shards read on HOST, a gathered unit's parameters are the pinned HOST copy in the store's arena
+(no copy), the release unpins it, a tight arena falls back to copying, and training matches plain
+PyTorch either way, frozen parameters (LoRA's case: gathered again for the backward) included."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import infinity
+import infinity.tiers._offload_budgets as offload_budgets
+from infinity.tiers import Tier
+from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
+                                   reference_train, tiny_gpt)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+STEPS = 3
+DEEP = dataclasses.replace(TINY, n_layer=6)
+
+
+def _engine(tmp_path, model, host_budget_bytes):
+    config = engine_config(stage=3, dtype="fp32", clip=0.05,
+                           offload_param={"device": "nvme", "nvme_path": str(tmp_path / "swap")},
+                           memory={"host_budget_bytes": host_budget_bytes})
+    return infinity.initialize(model, config)
+
+
+def _block_param_addresses(engine, model):
+    """A forward hook on every block records its largest parameter's address and its storage
+    bytes while the block runs (the engine's own pre-forward hook, installed first, has gathered
+    it; the small ones are persistent, outside the units)."""
+    seen = []
+
+    def record(module, args):
+        p = max(module.parameters(), key=lambda p: p.numel())
+        seen.append((p.data_ptr(), p.untyped_storage().nbytes()))
+    handles = [b.register_forward_pre_hook(record) for b in model.blocks]
+    return seen, handles
+
+
+def _within(address, buffer):
+    start = buffer.data_ptr()
+    return start <= address < start + buffer.numel() * buffer.element_size()
+
+
+def _model(frozen: bool):
+    """TINY at 6 layers; ``frozen``: the blocks' weight matrices frozen (``lora_like``'s rule)."""
+    model = tiny_gpt(config=DEEP)
+    if frozen:
+        for name, p in model.named_parameters():
+            if "blocks" in name and name.endswith("weight") and "ln" not in name:
+                p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("host_budget", [60000, 40000], ids=["room", "tight"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_gathers_borrow_the_host_copy_and_train_like_pytorch(tmp_path, monkeypatch, frozen,
+                                                             host_budget):
+    """'room': most gathers borrow. 'tight' (the least budget the planner accepts, room for
+    about two shards): a borrow would leave no room for the next reads, so most gathers copy."""
+    monkeypatch.setattr(offload_budgets, "_CPU_DEVICE_MARGIN_BYTES", 0)  # not every shard fits
+    data = batches(STEPS, 1)
+    ref_losses, ref_state = reference_train(_model(frozen), data, clip=0.05)
+    model = _model(frozen)
+    engine = _engine(tmp_path, model, host_budget)
+    try:
+        assert engine.manager._read_tier is Tier.HOST
+        seen, handles = _block_param_addresses(engine, model)
+        losses = engine_train(engine, data)
+        for h in handles:
+            h.remove()
+        assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+        arena = engine.store.arena.buffer
+        borrowed = [addr for addr, _ in seen if _within(addr, arena)]
+        if host_budget == 60000:  # most block gathers point into the arena
+            assert engine.stats()["num_borrowed_gathers"] > 0 and len(borrowed) > len(seen) // 2
+        else:
+            assert len(borrowed) < len(seen) // 2
+        # Between steps every unit is released: nothing stays pinned, every unit is empty again.
+        assert engine.manager._borrowed == {}
+        assert all(not s.copies[Tier.HOST].pins for s in engine.store._shards.values())
+        for u in engine.manager.units:
+            if not u.always_gathered:
+                assert all(g.full.untyped_storage().nbytes() == 0 for g in u.groups)
+    finally:
+        engine.close()
