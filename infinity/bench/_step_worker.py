@@ -18,7 +18,7 @@ from infinity.bench.report import peak_rss_bytes
 from infinity.config import load_config
 from infinity.io import Swapper, aligned_empty
 from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, extent_bytes
-from infinity.zero import host_needs_of, init, initialize
+from infinity.zero import host_needs_of, init, initialize, least_host_budget_bytes
 
 PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
 """Parameters on NVMe against the same configuration with every parameter in memory (issue #5)."""
@@ -172,6 +172,11 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
             # Without a GPU the DEVICE tier is host RAM too: left 'auto' it caches every parameter
             # shard after the first step and nothing is read from NVMe again. Bound it like the host.
             config["memory"]["device_budget_bytes"] = _cpu_device_budget(model, spec)
+        # A small model's state can sit below the fixed NVMe staging the pipeline needs (the tiny
+        # preset's half is 0.29 MB of 0.86 MB): raise the budget to the least that works, as
+        # `infinity train` does, rather than fail the mode.
+        config["memory"]["host_budget_bytes"] = max(config["memory"]["host_budget_bytes"],
+                                                    least_host_budget_bytes(model, load_config(config)))
     elif mode in PARAMS_MODES:
         spec["host_param_room_bytes"] = _params_config(model, spec, config)
     return _engine_runner(initialize(model, config), bench_model)
