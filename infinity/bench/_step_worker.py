@@ -15,10 +15,12 @@ from torch import nn
 
 from infinity.bench._step_model import StepModel, step_model
 from infinity.bench.report import peak_rss_bytes
+from infinity.bench.roofline import nvme_moved_bytes, nvme_per_step
+from infinity.bench.thread_cpu import cpu_between, thread_cpu_s
 from infinity.config import load_config
 from infinity.io import Swapper, aligned_empty
 from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, extent_bytes
-from infinity.zero import host_needs_of, init, initialize
+from infinity.zero import host_needs_of, init, initialize, least_host_budget_bytes
 
 PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
 """Parameters on NVMe against the same configuration with every parameter in memory (issue #5)."""
@@ -172,6 +174,11 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
             # Without a GPU the DEVICE tier is host RAM too: left 'auto' it caches every parameter
             # shard after the first step and nothing is read from NVMe again. Bound it like the host.
             config["memory"]["device_budget_bytes"] = _cpu_device_budget(model, spec)
+        # A small model's state can sit below the fixed NVMe staging the pipeline needs (the tiny
+        # preset's half is 0.29 MB of 0.86 MB): raise the budget to the least that works, as
+        # `infinity train` does, rather than fail the mode.
+        config["memory"]["host_budget_bytes"] = max(config["memory"]["host_budget_bytes"],
+                                                    least_host_budget_bytes(model, load_config(config)))
     elif mode in PARAMS_MODES:
         spec["host_param_room_bytes"] = _params_config(model, spec, config)
     return _engine_runner(initialize(model, config), bench_model)
@@ -234,6 +241,17 @@ def _param_reads(after: dict[str, Any], before: dict[str, Any], steps: int,
     return out
 
 
+def _io_thread_cpu(per_step: list[dict[str, float]]) -> dict[str, Any]:
+    """The engine threads' CPU seconds per timed step (median; every step's, and per thread
+    group, in the record). Plain PyTorch starts no such threads: zero."""
+    totals = [sum(groups.values(), 0.0) for groups in per_step]
+    names = sorted({name for groups in per_step for name in groups})
+    return {"io_threads_cpu_s": statistics.median(totals) if totals else 0.0,
+            "io_threads_cpu_times_s": totals,
+            "io_threads_cpu_s_by_group": {n: statistics.median(g.get(n, 0.0) for g in per_step)
+                                          for n in names}}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     torch.manual_seed(0)
@@ -248,6 +266,10 @@ def main() -> None:
     # CPU seconds of every thread of this process per step: on cores shared with other jobs the
     # wall time swings with their load, the work done (CPU time) much less.
     cpu_times: list[float] = []
+    # Per timed step: NVMe bytes (read, written), the roofline's disk side, and the CPU seconds of
+    # the engine's own threads (I/O and copies: on 2 cores they compete with the compute).
+    step_moved: list[tuple[int, int]] = []
+    io_thread_cpu: list[dict[str, float]] = []
     for i in range(spec["warmup"] + spec["steps"]):
         before = stats() or {}
         if i == spec["warmup"]:
@@ -255,6 +277,7 @@ def main() -> None:
         gas = spec.get("gradient_accumulation_steps", 1)
         micro = [bench_model.batch(spec["batch_size"], spec["seq_len"], seed=i * gas + m)
                  for m in range(gas)]  # gas 1: seed i, as before accumulation was measured
+        threads_before = thread_cpu_s()
         _sync()
         t0, c0 = time.perf_counter(), time.process_time()
         loss = runner(micro)
@@ -262,11 +285,14 @@ def main() -> None:
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
+            io_thread_cpu.append(cpu_between(threads_before, thread_cpu_s()))
             # The optimizer step's share (NVMe optimizer state is read and written there, which
             # the parameter prefetcher does not hide): step minus it is forward + backward.
             after = stats() or {}
             opt_times.append(sum(after.get(k, 0.0) - before.get(k, 0.0)  # deferred: in the forward
                                  for k in ("optimizer_step_s", "optimizer_deferred_s")))
+            step_moved.append(nvme_moved_bytes(before.get("bytes_moved", {}),
+                                               after.get("bytes_moved", {})))
     s = stats() or {}
     timed = _timed(s, warm, times)
     if spec["mode"] == "stage3-nvme-params":
@@ -286,6 +312,11 @@ def main() -> None:
            if s else 0.0,
            "bytes_moved": sum(s.get("bytes_moved", {}).values()) if isinstance(
                s.get("bytes_moved"), dict) else 0,
+           # The timed steps only (the warm-up steps, the first reading cold files, are not
+           # among them): plain PyTorch keeps everything in memory and moves nothing.
+           "nvme_per_step": nvme_per_step(step_moved, s, cold_steps=0) if s else {
+               "read_bytes": 0, "write_bytes": 0},
+           **_io_thread_cpu(io_thread_cpu),
            "stats": s}
     print(json.dumps(out, default=str), flush=True)
     close()  # prefetches may be in flight: stop the store's threads before the interpreter does

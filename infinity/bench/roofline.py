@@ -14,6 +14,10 @@
 Reads and writes are summed rather than overlapped: one disk serves both, and the probe shows the
 write bandwidth is what a lone writer gets. :func:`nvme_minimum_bytes` is the least traffic a step
 can have: every NVMe-resident byte read once and every byte that changes written once.
+
+Used by ``infinity train`` (and so ``infinity bench scale``), where ``cpu_s`` is measured per unit,
+and by ``infinity bench step``, where it is the plain PyTorch mode's median step: both count a
+step's bytes with :func:`nvme_moved_bytes` / :func:`nvme_per_step` and divide with :func:`roofline`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -122,6 +126,26 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
             "cpu_s": forward_backward_s + adam_s}
 
 
+def nvme_moved_bytes(before: Mapping[str, int], after: Mapping[str, int]) -> tuple[int, int]:
+    """NVMe bytes (read, written) between two ``engine.stats()["bytes_moved"]`` samples."""
+    return (after.get("NVME->HOST", 0) - before.get("NVME->HOST", 0),
+            after.get("HOST->NVME", 0) - before.get("HOST->NVME", 0))
+
+
+def nvme_per_step(step_moved: Sequence[tuple[int, int]], stats: Mapping[str, Any], *,
+                  cold_steps: int = 1) -> dict[str, Any]:
+    """Median NVMe bytes per step over ``step_moved`` ((read, written) per step), the first
+    ``cold_steps`` excluded where more remain (they also read what set-up left cold), against the
+    least a step can move (:func:`nvme_minimum_bytes` of ``stats``)."""
+    steady = step_moved[cold_steps:] if len(step_moved) > cold_steps else step_moved
+    least = nvme_minimum_bytes(stats)
+    read = statistics.median(r for r, _ in steady) if steady else 0
+    write = statistics.median(w for _, w in steady) if steady else 0
+    return {"read_bytes": read, "write_bytes": write, "minimum_read_bytes": least["read_bytes"],
+            "minimum_write_bytes": least["write_bytes"],
+            "x_minimum": (read + write) / max(1, least["read_bytes"] + least["write_bytes"])}
+
+
 def nvme_minimum_bytes(stats: Mapping[str, Any]) -> dict[str, int]:
     """The least NVMe traffic of one step: every NVMe-resident byte read once and written once
     (``engine.stats()["bytes"]["NVME"]``: parameter shards, optimizer state, gradients on NVMe)."""
@@ -130,14 +154,27 @@ def nvme_minimum_bytes(stats: Mapping[str, Any]) -> dict[str, int]:
 
 
 def roofline(*, cpu_s: float, read_bytes: float, write_bytes: float,
-             disk: DiskBandwidth) -> dict[str, float | str]:
+             disk: DiskBandwidth | None, step_s: float | None = None) -> dict[str, float | str]:
     """The roofline of a step that moved ``read_bytes`` / ``write_bytes`` (see the module
-    docstring), with its split and which side bounds it."""
-    read_s = read_bytes / disk.read_bytes_per_s
-    write_s = write_bytes / disk.write_bytes_per_s
+    docstring), with its split and which side bounds it; with the step's measured ``step_s``,
+    also ``x_roofline`` = step_s / roofline_s. ``disk`` may be None (not probed) only for a step
+    that moved no NVMe bytes: its disk time is 0 at any bandwidth."""
+    if disk is None:
+        if read_bytes or write_bytes:
+            raise ValueError(f"roofline: {read_bytes} bytes read and {write_bytes} written need "
+                             f"the disk's bandwidth; pass disk=probe_disk(the swap directory)")
+        read_s = write_s = 0.0
+    else:
+        read_s = read_bytes / disk.read_bytes_per_s
+        write_s = write_bytes / disk.write_bytes_per_s
     disk_s = read_s + write_s
-    return {"cpu_s": cpu_s, "disk_read_s": read_s, "disk_write_s": write_s, "disk_s": disk_s,
-            "roofline_s": max(cpu_s, disk_s), "bound": "disk" if disk_s >= cpu_s else "cpu"}
+    line: dict[str, float | str] = {
+        "cpu_s": cpu_s, "disk_read_s": read_s, "disk_write_s": write_s, "disk_s": disk_s,
+        "roofline_s": max(cpu_s, disk_s), "bound": "disk" if disk_s >= cpu_s else "cpu"}
+    if step_s is not None:
+        line["x_roofline"] = step_s / max(max(cpu_s, disk_s), 1e-9)
+    return line
 
 
-__all__ = ["DiskBandwidth", "gpt_compute_s", "nvme_minimum_bytes", "probe_disk", "roofline"]
+__all__ = ["DiskBandwidth", "gpt_compute_s", "nvme_minimum_bytes", "nvme_moved_bytes", "nvme_per_step",
+           "probe_disk", "roofline"]

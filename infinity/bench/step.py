@@ -27,6 +27,18 @@ code (random init, no download; needs transformers), with the GPT preset's loss 
 native modes use ``LlamaDecoderLayer`` / ``GPT2Block`` as units: ``infinity bench step --model
 hf-llama-135m --seq-len 128 --dtype fp32 --ds-config benchmarks/configs/ds_zero3.json --modes
 plain,user-config,stage3 --rounds 2``. The DeepSpeed reference (``ds-*``) builds GPT presets only.
+
+The roofline (issue #16; the formula and its functions are :mod:`infinity.bench.roofline`'s, the
+same ``infinity train`` and ``infinity bench scale`` use): every row reports the NVMe bytes it read
+and wrote per timed step (``nvme_read_mib_per_step``, ``nvme_write_mib_per_step``, from
+``engine.stats()``), ``disk_s`` = those bytes at the raw direct-I/O read and write bandwidths of
+``--dir``, probed once in the same run (:func:`~infinity.bench.roofline.probe_disk`, after the
+modes, only when one of them moved NVMe bytes), ``cpu_s`` = plain PyTorch's median step (the
+same model's forward, backward and optimizer with everything in memory), ``roofline_s`` =
+max(cpu_s, disk_s), ``bound`` (which side is larger) and ``x_roofline`` = step_s / roofline_s. A
+mode without NVMe traffic has disk_s 0, so its ratio is against cpu_s alone. ``io_threads_cpu_s``
+is the CPU seconds per step of the engine's own threads (the swapper's I/O threads, the store's
+copy threads; :mod:`infinity.bench.thread_cpu`): on few cores they compete with the compute.
 """
 
 from __future__ import annotations
@@ -37,11 +49,14 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infinity.bench.plot import save_plot
 from infinity.bench.progress import progress
 from infinity.bench.report import Report, add_common_arguments
+
+if TYPE_CHECKING:  # the module imports no torch until run
+    from infinity.bench.roofline import DiskBandwidth
 
 OURS_MODES = ("stage3", "stage3-cpu", "stage3-nvme")
 PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
@@ -50,6 +65,8 @@ host memory, the device budget bounded) against the same configuration with ever
 host memory; ``x_params_in_memory`` is the first's step time over the second's."""
 PARAMS_REF = "stage3-mem-params"
 DS_MODES = ("ds-stage3", "ds-stage3-cpu", "ds-stage3-nvme")
+DS_MEMORY_MODES = ("ds-stage3", "ds-stage3-cpu")
+"""DeepSpeed modes that touch no NVMe (its worker counts no bytes: ds-stage3-nvme's are unknown)."""
 USER_MODE = "user-config"
 """The engine under ``--ds-config FILE`` as the user wrote it."""
 NATIVE_MODE = "stage3"
@@ -206,8 +223,9 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     results = [_median_round(per_mode[m]) for m in modes]
     plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)
+    disk, disk_error = _disk_bandwidth(results, args.dir)
     rows = [_row(r, plain, _params_ratio(per_mode, r["mode"]), _paired_x(per_mode, r["mode"], "plain"))
-            for r in results]
+            | _roofline_columns(r, plain, disk) for r in results]
     native = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1)
     native_cpu = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1, key="step_cpu_s")
     for row in rows:  # the user's config against the tuned native one (issue #15's 3 %)
@@ -227,8 +245,8 @@ def run(args: argparse.Namespace) -> int:
                     + f", median of {args.steps} steps"
                     + (f", median of {rounds} rounds" if rounds > 1 else ""),
                     rows=rows, columns=columns, params={**_worker_args(args), "rounds": rounds, "modes": modes},
-                    extra={"raw": results} if rounds == 1 else {
-                        "raw": results, "rounds_raw": [r for m in modes for r in per_mode[m]]},
+                    extra={"raw": results, "disk": _disk_record(disk, disk_error)} | (
+                        {} if rounds == 1 else {"rounds_raw": [r for m in modes for r in per_mode[m]]}),
                     notes=["x_plain: step time / plain PyTorch step time (same run; with --rounds, "
                            "the median of the per-round ratios)",
                            *([f"{USER_MODE}: the engine under {args.ds_config} as written; a step "
@@ -247,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
                            "round like x_plain",
                            "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
                            "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
+                           *_roofline_notes(disk, disk_error, plain),
                            *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])
     if args.plot:
         written, message = _plot(results, args.plot)
@@ -319,12 +338,93 @@ def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any]
     if r["mode"] in PARAMS_MODES:
         timed = r.get("prefetch_timed") or {}
         row["x_params_in_memory"] = params["x"] if params else None
-        row["nvme_read_mib_per_step"] = timed.get("nvme_read_bytes_per_step", 0) / 2**20
         row["param_read_s"] = timed.get("param_read_s")
         row["compute_s"] = params["ref"].get("fwd_bwd_s") if params else None
         row["read_lt_compute"] = (row["param_read_s"] < row["compute_s"]
                                   if row["param_read_s"] is not None and row["compute_s"] else None)
     return row
+
+
+def _disk_bandwidth(results: list[dict[str, Any]], directory: str
+                    ) -> tuple[DiskBandwidth | None, str | None]:
+    """The raw direct-I/O bandwidths of ``directory`` and an error message: probed once, after
+    every mode has finished (nothing else of this run is on the disk then); (None, None) when no
+    mode moved NVMe bytes (a disk time of 0 needs no bandwidth). A failed probe is reported, not
+    raised: the modes' own figures stand without it."""
+    from infinity.bench.roofline import probe_disk  # deferred: imports torch
+
+    if not any(sum(_nvme_bytes(r) or (0, 0)) for r in results):
+        return None, None
+    path = os.path.abspath(directory)
+    existed = os.path.isdir(path)  # the NVMe modes remove their swap files (and the folder)
+    try:
+        return probe_disk(path), None
+    except OSError as e:
+        return None, f"disk probe of {path} failed: {e}"
+    finally:
+        if not existed:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+
+
+def _nvme_bytes(r: dict[str, Any]) -> tuple[int, int] | None:
+    """A record's NVMe bytes (read, written) per timed step; None where they are unknown (an
+    error, or DeepSpeed's NVMe mode: its worker counts none)."""
+    if "error" in r:
+        return None
+    moved = r.get("nvme_per_step")
+    if moved is None:
+        return (0, 0) if r["mode"] in DS_MEMORY_MODES else None
+    return moved["read_bytes"], moved["write_bytes"]
+
+
+def _roofline_columns(r: dict[str, Any], plain: dict[str, Any] | None,
+                      disk: DiskBandwidth | None) -> dict[str, Any]:
+    """The row's roofline (issue #16): its NVMe bytes per step, disk_s at the probed bandwidths,
+    cpu_s, roofline_s = max(cpu_s, disk_s), the bound and x_roofline = step_s / roofline_s, by
+    :func:`infinity.bench.roofline.roofline` (the formula ``infinity train`` uses)."""
+    from infinity.bench.roofline import roofline  # deferred: imports torch
+
+    moved = _nvme_bytes(r)
+    if moved is None:
+        return {}
+    read, write = moved
+    cols: dict[str, Any] = {"nvme_read_mib_per_step": read / 2**20,
+                            "nvme_write_mib_per_step": write / 2**20}
+    threads = {"io_threads_cpu_s": r.get("io_threads_cpu_s")}  # the last column
+    if plain is None or (disk is None and (read or write)):
+        return cols | threads  # no CPU time to divide by, or no bandwidth (the probe failed)
+    # CPU time: plain PyTorch's median step. It is this very model's forward, backward and
+    # optimizer step with every weight in memory, on the same batches and threads, measured in
+    # the same run; infinity train's per-unit estimate (gpt_compute_s) exists for models that do
+    # not fit in memory, which a bench step model always does (plain ran it). On a GPU machine
+    # plain computes on the GPU, so there "cpu_s" is the compute side of the roofline all the same.
+    line = roofline(cpu_s=plain["step_s"], read_bytes=read, write_bytes=write, disk=disk,
+                    step_s=r["step_s"])
+    return cols | {k: line[k] for k in ("disk_s", "cpu_s", "roofline_s", "bound", "x_roofline")
+                   } | threads
+
+
+def _disk_record(disk: DiskBandwidth | None, error: str | None) -> dict[str, Any] | None:
+    if disk is None:
+        return {"error": error} if error else None
+    return {"read_bytes_per_s": disk.read_bytes_per_s, "write_bytes_per_s": disk.write_bytes_per_s,
+            "direct_io": disk.direct}
+
+
+def _roofline_notes(disk: DiskBandwidth | None, error: str | None, plain: dict[str, Any] | None) -> list[str]:
+    probed = (f"{disk.read_bytes_per_s / 1e9:.2f} GB/s read, {disk.write_bytes_per_s / 1e9:.2f} "
+              f"GB/s write{'' if disk.direct else ' (buffered: O_DIRECT refused)'}, raw probe of "
+              f"--dir in this run" if disk is not None else
+              error or "not probed: no mode moved NVMe bytes")
+    return ["x_roofline: step_s / roofline_s, roofline_s = max(cpu_s, disk_s); cpu_s: plain "
+            "PyTorch's median step (everything in memory); disk_s: NVMe bytes read / read "
+            f"bandwidth + bytes written / write bandwidth per step ({probed})"
+            + ("" if plain else "; no roofline without the plain mode: add plain to --modes"),
+            "io_threads_cpu_s: CPU seconds per step of the engine's own threads (swapper I/O, "
+            "store copies), CPU the compute does not get"]
 
 
 def _plot(results: list[dict[str, Any]], path: str) -> tuple[bool, str]:

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import time
 from typing import Any
 
@@ -29,7 +28,8 @@ import torch
 from infinity._common import format_bytes
 from infinity.bench.progress import progress
 from infinity.bench.report import format_table, peak_rss_bytes
-from infinity.bench.roofline import gpt_compute_s, nvme_minimum_bytes, probe_disk, roofline
+from infinity.bench.roofline import (gpt_compute_s, nvme_moved_bytes, nvme_per_step, probe_disk,
+                                     roofline)
 from infinity.cli._consolidate import parse_bytes
 from infinity.cli._resume_check import ResumeCheck
 from infinity.config import load_config
@@ -217,8 +217,7 @@ def run(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 s = engine.stats()
                 before, moved = moved, s["bytes_moved"]
-                step_moved.append((moved["NVME->HOST"] - before["NVME->HOST"],
-                                   moved["HOST->NVME"] - before["HOST->NVME"]))
+                step_moved.append(nvme_moved_bytes(before, moved))
                 elapsed = time.perf_counter() - t_start
                 bar.set_postfix(loss=f"{losses[-1]:.4g}", step_s=f"{step_times[-1]:.3g}",
                                 nvme_read=format_bytes(moved.get("NVME->HOST", 0)),
@@ -232,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
                            args)
         summary["init_s"] = init_s
         summary["peak_rss_bytes"] = peak_rss_bytes()  # before the probes below allocate
-        summary["nvme_per_step"] = _nvme_per_step(step_moved, engine.stats())
+        summary["nvme_per_step"] = nvme_per_step(step_moved, engine.stats())
         if not args.no_roofline and args.offload == "nvme":
             summary["roofline"] = _roofline(args, gpt_config, summary)
         if check is not None:
@@ -248,18 +247,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _nvme_per_step(step_moved: list[tuple[int, int]], stats: dict[str, Any]) -> dict[str, Any]:
-    """Median NVMe bytes per step (the first step excluded where there are more: it also reads
-    what set-up left cold) against the least a step can move."""
-    steady = step_moved[1:] if len(step_moved) > 1 else step_moved
-    least = nvme_minimum_bytes(stats)
-    read = statistics.median(r for r, _ in steady) if steady else 0
-    write = statistics.median(w for _, w in steady) if steady else 0
-    return {"read_bytes": read, "write_bytes": write, "minimum_read_bytes": least["read_bytes"],
-            "minimum_write_bytes": least["write_bytes"],
-            "x_minimum": (read + write) / max(1, least["read_bytes"] + least["write_bytes"])}
-
-
 def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str, Any]
               ) -> dict[str, Any]:
     """The step against max(CPU time, disk time), both measured here ([roofline] module)."""
@@ -270,11 +257,11 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
     per_step = summary["nvme_per_step"]
     cpu_s = compute["forward_backward_s"] * args.grad_accum + compute["adam_s"]
     line = roofline(cpu_s=cpu_s, read_bytes=per_step["read_bytes"],
-                    write_bytes=per_step["write_bytes"], disk=disk)
+                    write_bytes=per_step["write_bytes"], disk=disk,
+                    step_s=summary["median_step_s"])
     return {**line, **compute, "cpu_s": cpu_s, "disk_read_bytes_per_s": disk.read_bytes_per_s,
             "disk_write_bytes_per_s": disk.write_bytes_per_s, "direct_io": disk.direct,
-            "median_step_s": summary["median_step_s"],
-            "x_roofline": summary["median_step_s"] / max(line["roofline_s"], 1e-9)}
+            "median_step_s": summary["median_step_s"]}
 
 
 def _summary(engine: Any, ledger: Any, numel: int, losses: list[float], step_times: list[float],

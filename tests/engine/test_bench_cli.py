@@ -272,6 +272,47 @@ def test_step_params_modes_ratio_and_same_training(tmp_path, capsys):
     assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())
 
 
+ROOFLINE_COLUMNS = ("nvme_read_mib_per_step", "nvme_write_mib_per_step", "disk_s", "cpu_s",
+                    "roofline_s", "bound", "x_roofline", "io_threads_cpu_s")
+
+
+def test_step_roofline_columns_tie_to_the_recorded_numbers(tmp_path, capsys):
+    # Issue #16: every mode against max(CPU time, disk time), the disk probed on --dir in this run.
+    argv = step_argv(tmp_path, "--json", "--no-save")
+    argv[argv.index("--modes") + 1] = "plain,stage3-cpu,stage3-nvme"
+    argv[argv.index("--warmup") + 1] = "1"
+    assert main(argv) == 0
+    record = parse_single_json(capsys.readouterr()[0])
+    rows = {r["mode"]: r for r in record["rows"]}
+    raw = {r["mode"]: r for r in record["raw"]}
+    disk = record["disk"]
+    assert disk["read_bytes_per_s"] > 0 and disk["write_bytes_per_s"] > 0  # a mode moved bytes
+    assert any("x_roofline" in note for note in record["notes"])
+    plain = rows["plain"]
+    for mode, row in rows.items():
+        assert set(ROOFLINE_COLUMNS) <= row.keys(), mode
+        moved = raw[mode]["nvme_per_step"]
+        assert row["nvme_read_mib_per_step"] == moved["read_bytes"] / 2**20
+        assert row["nvme_write_mib_per_step"] == moved["write_bytes"] / 2**20
+        assert row["disk_s"] == pytest.approx(moved["read_bytes"] / disk["read_bytes_per_s"]
+                                              + moved["write_bytes"] / disk["write_bytes_per_s"])
+        assert row["cpu_s"] == plain["step_s"]  # plain PyTorch's step: the model in memory
+        assert row["roofline_s"] == max(row["cpu_s"], row["disk_s"])
+        assert row["bound"] == ("disk" if row["disk_s"] >= row["cpu_s"] else "cpu")
+        assert row["x_roofline"] == pytest.approx(row["step_s"] / row["roofline_s"], rel=1e-12)
+        assert row["io_threads_cpu_s"] == pytest.approx(
+            statistics.median(raw[mode]["io_threads_cpu_times_s"]))
+        assert row["io_threads_cpu_s"] >= 0.0
+    for mode in ("plain", "stage3-cpu"):  # nothing on NVMe: the ratio is against CPU time alone
+        assert rows[mode]["disk_s"] == 0.0 and rows[mode]["bound"] == "cpu"
+    assert plain["x_roofline"] == 1.0 and plain["io_threads_cpu_s"] == 0.0
+    nvme = rows["stage3-nvme"]
+    assert nvme["nvme_write_mib_per_step"] > 0 and nvme["disk_s"] > 0  # the step writes its state
+    assert "infinity-io" in raw["stage3-nvme"]["io_threads_cpu_s_by_group"]
+    # the probe's file is gone, and the folder with it where the run created it
+    assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())
+
+
 def test_bench_step_x_plain_pairs_rounds():
     """With --rounds, x_plain is the median of per-round ratios (each round's slowness hits both
     modes), not the ratio of each mode's own median round."""

@@ -81,3 +81,30 @@ def test_gpt_for_params_at_a_fixed_width_varies_the_layers_alone():
     assert abs(small.num_params - 1e9) < 0.1e9
     with pytest.raises(ValueError, match="multiple of 128"):
         gpt_for_params(1e9, width=1000)
+
+
+def test_roofline_ratio_of_a_measured_step_and_a_step_without_nvme_traffic():
+    disk = DiskBandwidth(read_bytes_per_s=2e9, write_bytes_per_s=4e9, direct=True)
+    line = roofline(cpu_s=1.0, read_bytes=3e9, write_bytes=2e9, disk=disk, step_s=3.0)
+    assert line["x_roofline"] == pytest.approx(3.0 / 2.0)
+    # no NVMe bytes: disk 0 at any bandwidth (or none probed), the ratio against compute alone
+    for d in (disk, None):
+        line = roofline(cpu_s=0.5, read_bytes=0, write_bytes=0, disk=d, step_s=0.75)
+        assert (line["disk_s"], line["bound"], line["x_roofline"]) == (0.0, "cpu", 1.5)
+    with pytest.raises(ValueError, match="probe_disk"):
+        roofline(cpu_s=1.0, read_bytes=1, write_bytes=0, disk=None)
+
+
+def test_nvme_bytes_per_step_from_stats_samples():
+    from infinity.bench.roofline import nvme_moved_bytes, nvme_per_step
+
+    before = {"NVME->HOST": 100, "HOST->NVME": 40, "HOST->DEVICE": 7}
+    after = {"NVME->HOST": 350, "HOST->NVME": 90, "HOST->DEVICE": 9}
+    assert nvme_moved_bytes(before, after) == (250, 50)
+    assert nvme_moved_bytes({}, {}) == (0, 0)  # a mode without a store moves nothing
+    stats = {"bytes": {"NVME": {"current": 100, "peak": 100}}}
+    moved = [(900, 900), (100, 50), (300, 70), (200, 60)]
+    cold = nvme_per_step(moved, stats)  # infinity train: the first step reads set-up's cold files
+    assert (cold["read_bytes"], cold["write_bytes"], cold["x_minimum"]) == (200, 60, 260 / 200)
+    timed = nvme_per_step(moved, stats, cold_steps=0)  # bench step: warm-up steps already left out
+    assert (timed["read_bytes"], timed["write_bytes"]) == (250, 65)

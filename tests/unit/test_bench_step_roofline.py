@@ -1,0 +1,47 @@
+"""bench step's roofline columns from worker records (pure: no worker runs): which rows get them,
+and that they are the roofline module's formula on the recorded numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from infinity.bench.roofline import DiskBandwidth
+from infinity.bench.step import _roofline_columns
+
+DISK = DiskBandwidth(read_bytes_per_s=2**30, write_bytes_per_s=2**29, direct=True)
+PLAIN = {"mode": "plain", "step_s": 0.5, "nvme_per_step": {"read_bytes": 0, "write_bytes": 0},
+         "io_threads_cpu_s": 0.0}
+
+
+def _record(mode: str, step_s: float, read: int, write: int) -> dict:
+    return {"mode": mode, "step_s": step_s, "io_threads_cpu_s": 0.125,
+            "nvme_per_step": {"read_bytes": read, "write_bytes": write}}
+
+
+def test_disk_bound_row_is_the_formula_on_its_bytes():
+    cols = _roofline_columns(_record("stage3-nvme", 2.0, 2**30, 2**28), PLAIN, DISK)
+    assert cols["nvme_read_mib_per_step"] == 1024 and cols["nvme_write_mib_per_step"] == 256
+    assert cols["disk_s"] == pytest.approx(1.0 + 0.5)
+    assert (cols["cpu_s"], cols["roofline_s"], cols["bound"]) == (0.5, cols["disk_s"], "disk")
+    assert cols["x_roofline"] == pytest.approx(2.0 / 1.5)
+    assert cols["io_threads_cpu_s"] == 0.125
+    assert list(cols)[-1] == "io_threads_cpu_s"  # the table's last roofline column
+
+
+def test_rows_without_nvme_traffic_are_against_cpu_time_alone():
+    for disk in (DISK, None):  # None: nothing moved, so no probe ran
+        cols = _roofline_columns(_record("stage3-cpu", 0.75, 0, 0), PLAIN, disk)
+        assert (cols["disk_s"], cols["bound"], cols["x_roofline"]) == (0.0, "cpu", 1.5)
+        assert _roofline_columns(PLAIN, PLAIN, disk)["x_roofline"] == 1.0
+    ds = _roofline_columns({"mode": "ds-stage3-cpu", "step_s": 1.0}, PLAIN, None)
+    assert (ds["disk_s"], ds["x_roofline"], ds["io_threads_cpu_s"]) == (0.0, 2.0, None)
+
+
+def test_unknown_inputs_leave_the_roofline_out():
+    # DeepSpeed's NVMe mode counts no bytes; a failed mode has no step
+    assert _roofline_columns({"mode": "ds-stage3-nvme", "step_s": 1.0}, PLAIN, DISK) == {}
+    assert _roofline_columns({"mode": "stage3", "error": "exit 1"}, PLAIN, DISK) == {}
+    nvme = _record("stage3-nvme", 2.0, 2**20, 0)
+    for plain, disk in ((None, DISK), (PLAIN, None)):  # no plain mode; the probe failed
+        cols = _roofline_columns(nvme, plain, disk)
+        assert "x_roofline" not in cols and cols["nvme_read_mib_per_step"] == 1.0
