@@ -122,6 +122,10 @@ class OffloadRequest:
     """Parameters on NVMe and an 'auto' host budget: the host room for their shards (staging and
     cache), on top of the rest of what the host holds ([Note: the parameter share]); None: the
     comfortable staging alone."""
+    gathered_units_on_host: int = 0
+    """Gathered units that live in the host arena ([Note: a gathered unit borrows its HOST copy]
+    in infinity/zero/_param_manager.py): an 'auto' host budget adds as many parameter slots,
+    the room those units took beside the arena before they borrowed its copies."""
 
     @property
     def offloaded(self) -> bool:
@@ -264,6 +268,16 @@ def _with_margin(nbytes: int) -> int:
     return nbytes + nbytes // 10 + 2 ** 20
 
 
+def _gathered_room(sizes: StateSizes, request: OffloadRequest) -> int:
+    """The 'auto' host budget's room for gathered units that borrow their HOST copies: that
+    many of the largest parameter shard's extents (0 for an explicit budget: there a borrow
+    that finds no room copies instead)."""
+    if (request.host_budget_bytes != "auto" or request.param_home is not Tier.NVME
+            or not sizes.param_shard_bytes):
+        return 0
+    return request.gathered_units_on_host * extent_bytes(max(sizes.param_shard_bytes))
+
+
 def _resolve_host_budget(sizes: StateSizes, request: OffloadRequest) -> _HostChoice:
     """The host budget, sub-group size, room to overlap, and where the gradients go.
 
@@ -301,6 +315,8 @@ def _resolve_host_budget(sizes: StateSizes, request: OffloadRequest) -> _HostCho
         else:
             budgets = {grads: _with_margin(needs[sub, grads].comfortable_bytes)
                        for grads in choices}
+        gathered = _gathered_room(sizes, request)
+        budgets = {grads: budget + gathered for grads, budget in budgets.items()}
         ram = request.host_ram_bytes
         grads = (len(choices) > 1 and budgets[True] < budgets[False]
                  and (ram is None or budgets[False] > AUTO_HOST_RAM_FRACTION * ram))
@@ -380,6 +396,7 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
     # The parameter share beyond its staging slots is the parameters' cache, not the NVMe
     # optimizer's read-ahead room ([Note: the parameter share]).
     cache = max(0, share - _PARAM_STAGING_SLOTS * _slot_bytes(sizes, request, sub))
+    cache += _gathered_room(sizes, request)  # the gathered units', not the optimizer's
     window, resident = _optimizer_host_room(sizes, request, sub, host - cache,
                                             device_holds_params=holds_params,
                                             grads_on_nvme=grads_on_nvme)

@@ -10,6 +10,21 @@ from infinity.tiers import Tier
 from infinity.zero._quantize import QuantSpec
 
 
+DEFAULT_LIVE_UNITS = 3
+"""Without ``zero.max_live_bytes``, when gathers read shards from HOST ([Note: a CPU engine reads
+parameter shards from HOST] in infinity/zero/_engine.py): gathered units the prefetcher may hold
+at once, in units of the largest (the running one, the next one, one kept for its reuse).
+Gathers are synchronous ([Note: synchronous all-gathers] in infinity/zero/_prefetcher.py): one
+gathered ahead buys nothing but memory. With the DEVICE level in the HOST tier nothing else
+bounds them, and the trace planner gathered far ahead whenever reads ran late (the 2-core VM, a
+3.3B GPT at width 2560, parameters on NVMe: 24 units of 157 MB gathered at once, 3.8 GB, against
+11 at 1B: host memory grew with the model; with the bound, 1B's gathered peak went from 1.75
+to 0.96 GB at the same step time). With a DEVICE tier in the path its budget bounds them. Where
+gathered units borrow their HOST copies an 'auto' host budget has room for this many more
+parameter shards ([Note: a gathered unit borrows its HOST copy] in
+infinity/zero/_param_manager.py)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ManagerConfig:
     """The settings of one :class:`ParameterManager`, resolved by the engine (no 'auto' left)."""

@@ -8,6 +8,7 @@ once, so the engine, ``infinity train`` and the benchmarks size offload the same
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import psutil
@@ -21,6 +22,7 @@ from infinity.tiers import (SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet, HostNee
                             NvmeDemand, OffloadBudgets, OffloadRequest, StateSizes, StoreConfig,
                             Tier, TieredStore, check_nvme_space, host_needs, least_host_bytes,
                             nvme_bytes, resolve_offload_budgets)
+from infinity.zero._manager_config import DEFAULT_LIVE_UNITS
 from infinity.zero._unit_choice import UnitChoice, units_of
 
 
@@ -130,9 +132,23 @@ def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: i
     sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
                         param_bytes=config.precision.param_bytes)
     request = offload_request(config, data_parallel_size or world_size)
+    if borrows_host_copies(config, device, data_parallel_size or world_size):
+        request = dataclasses.replace(request, gathered_units_on_host=DEFAULT_LIVE_UNITS)
     return resolve_offload_budgets(sizes, request, device=device,
                                    device_working=device_working_set(choice, config,
                                                                      world_size=world_size))
+
+
+def borrows_host_copies(config: InfinityConfig, device: torch.device,
+                        data_parallel_size: int) -> bool:
+    """Whether gathered units will live in the host arena ([Note: a gathered unit borrows its
+    HOST copy] in infinity/zero/_param_manager.py): one data-parallel rank, a CPU engine reading
+    parameter shards from HOST (parameters offloaded, an 'auto' device budget: [Note: a CPU
+    engine reads parameter shards from HOST] in infinity/zero/_engine.py), exact gathers."""
+    return (device.type == "cpu" and data_parallel_size == 1
+            and config.memory.device_budget_bytes == "auto"
+            and config.offload_param.device != "none" and not config.zero.quantized_weights
+            and not config.zero.quantized_frozen_weights)
 
 
 def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config: SwapperConfig,

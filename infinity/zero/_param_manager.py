@@ -65,7 +65,7 @@ from infinity.zero._grad_presence import GradPresence
 from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
 from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._managed import check_not_wrapped, mark_managed
-from infinity.zero._manager_config import ManagerConfig
+from infinity.zero._manager_config import DEFAULT_LIVE_UNITS, ManagerConfig
 from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
@@ -77,18 +77,6 @@ from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialVa
 from infinity.zero._unit_choice import UnitChoice
 
 logger = logging.getLogger(__name__)
-
-
-_DEFAULT_LIVE_UNITS = 3
-"""Without ``zero.max_live_bytes``, when gathers read shards from HOST ([Note: a CPU engine reads
-parameter shards from HOST] in infinity/zero/_engine.py): gathered units the prefetcher may hold
-at once, in units of the largest (the running one, the next one, one kept for its reuse).
-Gathers are synchronous ([Note: synchronous all-gathers] in infinity/zero/_prefetcher.py): one
-gathered ahead buys nothing but memory. With the DEVICE level in the HOST tier nothing else
-bounds them, and the trace planner gathered far ahead whenever reads ran late (the 2-core VM, a
-3.3B GPT at width 2560, parameters on NVMe: 24 units of 157 MB gathered at once, 3.8 GB, against
-11 at 1B: host memory grew with the model; with the bound, 1B's gathered peak went from 1.75
-to 0.96 GB at the same step time). With a DEVICE tier in the path its budget bounds them."""
 
 
 class ParameterManager:
@@ -515,7 +503,7 @@ class ParameterManager:
             max_reuse_distance_bytes=config.max_reuse_distance_bytes)
         live = config.max_live_bytes
         if live is None and config.params_read_on_host:  # the DEVICE level no longer bounds it
-            live = _DEFAULT_LIVE_UNITS * max(u.gathered_bytes for u in units)
+            live = DEFAULT_LIVE_UNITS * max(u.gathered_bytes for u in units)
         return ParamPrefetcher(self.store, units, config=prefetch,
                                device_tier=self._read_tier,
                                gather=lambda i: self._gather(self.units[i], self._gather_phase()),

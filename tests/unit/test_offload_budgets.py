@@ -28,7 +28,8 @@ from infinity.models.gpt import GPT, PRESETS
 from infinity.tiers import (AUTO_HOST_RAM_FRACTION, AUTO_SUB_GROUP_NUMEL, StateSizes,
                             resolve_offload_budgets)
 from infinity.zero import least_host_budget_bytes
-from infinity.zero._offload import offload_request, resolve_offload
+from infinity.zero._manager_config import DEFAULT_LIVE_UNITS
+from infinity.zero._offload import offload_request, resolve_offload, state_sizes
 from infinity.zero._unit_choice import choose_units, units_of
 
 CPU = torch.device("cpu")
@@ -46,7 +47,11 @@ def model():
 
 
 def _config(host, sub="auto"):
-    return load_config({
+    return load_config(_config_dict(host, sub))
+
+
+def _config_dict(host, sub="auto"):
+    return {
         "zero": {"stage": 3, "sub_group_numel": sub,
                  "unit_class_names": list(UNITS["unit_class_names"]),
                  "unit_min_numel": UNITS["unit_min_numel"],
@@ -54,7 +59,7 @@ def _config(host, sub="auto"):
         "precision": {"dtype": "bf16"},
         "offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent/swap"},
         "offload_param": {"device": "nvme", "nvme_path": "/nonexistent/swap"},
-        "memory": {"host_budget_bytes": host}})
+        "memory": {"host_budget_bytes": host}}
 
 
 def _extent(nbytes):
@@ -209,3 +214,40 @@ def test_least_host_budget_is_exactly_the_threshold_plan_offload_accepts(model, 
     assert plan_offload(model, config(least), world_size=1, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="host_budget_bytes"):
         plan_offload(model, config(least - 1), world_size=1, device=torch.device("cpu"))
+
+
+def test_auto_host_budget_has_room_for_gathered_units_that_borrow_host_copies(model):
+    """[Note: a gathered unit borrows its HOST copy]: where gathered units live in the arena
+    (one rank, a CPU engine reading shards from HOST), an 'auto' budget holds DEFAULT_LIVE_UNITS
+    extents of the largest parameter shard more than the same request without them, and the
+    NVMe optimizer's room is the same; an explicit budget is kept as it is. More ranks (units
+    are all-gathered into their own buffers) or an explicit device budget (the DEVICE tier in
+    the read path) add nothing."""
+    numels = [sum(p.numel() for _, p in u.params) for u in choose_units(model, **UNITS).units]
+    shard_extent = _extent(2 * max(numels))
+    request = offload_request(_config("auto"), 1)
+    assert request.gathered_units_on_host == 0
+    sizes = state_sizes(units_of(model, _config("auto").zero), stage=3, world_size=1,
+                        param_bytes=2)
+    without = resolve_offload_budgets(sizes, request, device=CPU)
+    borrowing = resolve_offload_budgets(
+        sizes, dataclasses.replace(request, gathered_units_on_host=DEFAULT_LIVE_UNITS),
+        device=CPU)
+    assert borrowing.host_budget_bytes == \
+        without.host_budget_bytes + DEFAULT_LIVE_UNITS * shard_extent
+    assert (borrowing.optimizer_window_sub_groups, borrowing.optimizer_host_resident_bytes) == \
+        (without.optimizer_window_sub_groups, without.optimizer_host_resident_bytes)
+    # The engine's resolution asks for them exactly where the units borrow.
+    assert _plan(model, "auto").host_budget_bytes == borrowing.host_budget_bytes
+    two_ranks = plan_offload(model, _config("auto"), world_size=2, device=CPU)
+    two_ranks_alone = resolve_offload_budgets(
+        state_sizes(units_of(model, _config("auto").zero), stage=3, world_size=2, param_bytes=2),
+        offload_request(_config("auto"), 2), device=CPU)
+    assert two_ranks.host_budget_bytes == two_ranks_alone.host_budget_bytes
+    explicit_device = load_config({**_config_dict("auto"),
+                                   "memory": {"host_budget_bytes": "auto",
+                                              "device_budget_bytes": 10 ** 9}})
+    assert plan_offload(model, explicit_device, world_size=1, device=CPU).host_budget_bytes \
+        == without.host_budget_bytes
+    host = borrowing.host_budget_bytes
+    assert _plan(model, host).host_budget_bytes == host  # explicit: as given
