@@ -124,6 +124,13 @@ def run_plain(args: argparse.Namespace, base: str, adapters: str) -> dict:
     t0 = time.perf_counter()
     model = get_peft_model(LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
                            _lora(args.rank))
+    # from_pretrained may leave the weights as views of the mmapped safetensors files: the page
+    # cache then decides whether a step reads them from RAM or from the disk (measured here: plain
+    # steps of 10 s or 23 s, minutes apart). The reference holds the whole model in RAM: copy
+    # every tensor into the process's own memory.
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data = t.data.clone()
     named = dict(model.named_parameters())
     ckpt = SafetensorsCheckpoint(adapters)
     with torch.no_grad():
