@@ -39,8 +39,10 @@ evictable=None, clock=time.perf_counter, store=None)``
     ``observe_transfer(src, dst, nbytes, seconds)``, ``drain()``, ``stats() -> dict``.
 
 ``stats()`` keys: ``needs`` (need() calls), ``prefetch_hits`` (gathered by a prefetch not yet used),
-``resident_hits`` (already gathered otherwise, e.g. kept gathered), ``prefetch_late`` (in flight at
-need(), waited), ``demand_misses`` (nothing in flight: demand fetch), ``hit_rate``
+``resident_hits`` (already gathered otherwise, e.g. kept gathered), ``prefetch_late`` (prefetched,
+not gathered yet at need(): a hop in flight, waited, or landed with the all-gather left to need();
+[Note: a need is classified before the reap]), ``demand_misses`` (nothing prefetched: demand
+fetch), ``hit_rate``
 ((prefetch_hits + resident_hits) / needs), ``prefetches_issued``, ``prefetch_bytes_issued``,
 ``demand_bytes_issued``, ``prefetch_refused`` (issue raised ``TierCapacityError``),
 ``prefetched_evicted_unused_bytes``, ``stall_s`` (dict: seconds waited in need() on hops out of
@@ -361,8 +363,16 @@ class PrefetchExecutor:
 
     # ---- need ----------------------------------------------------------------------------------
     def need(self, unit: Hashable) -> Handle:
-        """Make ``unit`` gathered; returns a completed handle. Counts hit, late or miss."""
+        """Make ``unit`` gathered; returns a completed handle. Counts hit, late or miss.
+
+        [Note: a need is classified before the reap] Whether a prefetch was issued for this use is
+        read before ``_reap`` books what landed: a hop that completed on an I/O thread after the
+        last planning point (so its all-gather was left to this call) is late, like one still in
+        flight, never a demand miss. Reaping first made the count depend on which thread won the
+        race, and counted the better outcome (the bytes had landed) as the worse one.
+        """
         self._spec(unit)
+        prefetched = unit in self._inflight or bool(self._unused.get(unit))
         self._reap()
         fl = self._inflight.get(unit)
         level = self._level(unit)
@@ -370,6 +380,8 @@ class PrefetchExecutor:
             outcome = "prefetch_late"
         elif level is Level.GATHERED:
             outcome = "prefetch_hits" if Level.GATHERED in self._unused.get(unit, ()) else "resident_hits"
+        elif prefetched:
+            outcome = "prefetch_late"  # its hops landed, the all-gather is still to do
         else:
             outcome = "demand_misses"
         handle = self._bring_up(unit, Level.GATHERED)

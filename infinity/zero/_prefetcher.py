@@ -408,8 +408,9 @@ class ParamPrefetcher:
     # ---- counters ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The executor's counters (see :mod:`infinity.prefetch`) plus the short names the engine
-        reports: ``hits`` (gathered when needed: prefetched or kept), ``late`` (a prefetch was in
-        flight: waited), ``misses`` (demand fetches), ``evicted_unused_bytes`` (prefetched, then
+        reports: ``hits`` (gathered when needed: prefetched or kept), ``late`` (prefetched, not
+        gathered yet: a hop in flight, or landed with the all-gather left to the use), ``misses``
+        (nothing prefetched: demand fetches), ``evicted_unused_bytes`` (prefetched, then
         evicted or released before use), ``hit_rate`` = hits / needs, ``stall_s`` per hop source
         (``NVME``: swap-in, ``HOST``: host->device, ``DEVICE``: all-gather)."""
         s = self.executor.stats()

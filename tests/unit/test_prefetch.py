@@ -445,6 +445,51 @@ def test_no_prefetch_past_the_end_of_the_step():
     assert issued
 
 
+def test_prefetch_that_lands_between_planning_and_use_is_late_not_a_miss():
+    """[Note: a need is classified before the reap] A prefetch that lands on an I/O thread after
+    the last planning point (its all-gather left to the use) counts as late, as it does while still
+    in flight: the count must not depend on which thread wins that race."""
+    levels, pending = {}, []
+
+    class Gate:  # completes only when land() says the I/O thread finished
+        def __init__(self, a):
+            self.a, self.landed = a, False
+            pending.append(self)
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            if not self.landed:
+                self.landed = True
+                levels[self.a.unit] = self.a.dst
+
+    def land():
+        for h in pending:
+            h.wait()
+        pending.clear()
+
+    ex = PrefetchExecutor(issue=Gate, locate=lambda u: levels.get(u, Level.HOST))
+    for u in ("a", "b"):
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+    for landed_before_use in (False, True, True, False):
+        ex.begin_step("train")
+        for u in ("a", "b"):
+            if landed_before_use:
+                land()  # every hop issued so far lands before this use
+            ex.pre_hook(u)
+            levels[u] = Level.HOST  # released, and its device copy dropped: each use climbs again
+            ex.on_evicted(u, 400, None)
+            ex.post_hook(u)
+        ex.end_step()
+        land()
+    s = ex.stats()
+    assert s["needs"] == 8
+    assert s["demand_misses"] == 2, s  # the first step's, recorded without a trace
+    assert s["prefetch_late"] == 6, s  # every later use: prefetched, landed or not
+    assert s["prefetches_issued"] >= 6
+
+
 def test_evicted_unused_prefetch_bytes_counted():
     ex, levels = make_instant_executor()
     for u in ("a", "b", "c"):
