@@ -31,12 +31,12 @@ evictable=None, clock=time.perf_counter, store=None)``
     copies the store may evict at a level whose ``free_bytes`` is known, positions in the followed
     trace: a prefetch may take those used after it, never one used sooner ([Note: prefetch never
     displaces a sooner use] in infinity/prefetch/_planner.py). The executor bounds bytes in flight per destination itself.
-    Methods: ``register_unit(spec)``, ``begin_step(phase="train")``, ``pre_hook(unit) -> handle``,
-    ``post_hook(unit)``, ``end_step() -> Trace | None``, ``need(unit) -> handle``, ``poll()``,
-    ``on_evicted(unit, nbytes, level=None)``, ``next_use_distance(unit, cursor=None) -> float | None``,
-    ``next_use_s(unit, cursor=None) -> float | None``, ``keep_gathered(unit, *, free_bytes=None,
-    cursor=None) -> bool``, property ``cursor``,
-    ``observe_transfer(src, dst, nbytes, seconds)``, ``drain()``, ``stats() -> dict``.
+    Methods: ``register_unit(spec)``, ``begin_step(phase="train", *, then=None)``,
+    ``pre_hook(unit) -> handle``, ``post_hook(unit)``, ``end_step() -> Trace | None``,
+    ``need(unit) -> handle``, ``poll()``, ``on_evicted(unit, nbytes, level=None)``,
+    ``next_use_distance(unit, cursor=None) -> float | None``, ``next_use_s(unit, cursor=None) ->
+    float | None``, ``keep_gathered(unit, *, free_bytes=None, cursor=None) -> bool``, property
+    ``cursor``, ``observe_transfer(src, dst, nbytes, seconds)``, ``drain()``, ``stats() -> dict``.
 
 ``stats()`` keys: ``needs`` (need() calls), ``prefetch_hits`` (gathered by a prefetch not yet used),
 ``resident_hits`` (already gathered otherwise, e.g. kept gathered), ``prefetch_late`` (prefetched,
@@ -428,7 +428,7 @@ class PrefetchExecutor:
         the same on every rank, and so do releases when keep_gathered is byte-based.
         """
         seen: set[Hashable] = set()
-        for j in range(cursor, min(len(trace), cursor + (self.config.gather_lead_entries or 0))):
+        for j in range(cursor, min(trace.step_end, cursor + (self.config.gather_lead_entries or 0))):
             u = trace[j].unit
             if u in seen or u not in self._specs:
                 continue
@@ -494,11 +494,14 @@ class PrefetchExecutor:
             self._prefetch(time_to_cursor_s=cur.gap_s, next_plan_in_s=cur.gap_s)
 
     # ---- hooks and steps -----------------------------------------------------------------------
-    def begin_step(self, phase: str = "train") -> None:
-        """Start following and recording a step of ``phase`` (an open step is ended first)."""
+    def begin_step(self, phase: str = "train", *, then: str | None = None) -> None:
+        """Start following and recording a step of ``phase`` (an open step is ended first).
+        ``then``: the step leaves the parameters as they are and the next one most likely has phase
+        ``then``: plan into its first units ([Note: predicting past an evaluation step] in
+        infinity/prefetch/_trace.py)."""
         if self._recorder is not None:
             self.end_step()
-        self._follower.begin(phase)
+        self._follower.begin(phase, then=then)
         self._recorder = TraceRecorder(phase)
         self._current, self._open_unit = None, None
         self._reap()
@@ -588,13 +591,14 @@ class PrefetchExecutor:
 
     def next_use_distance(self, unit: Hashable, cursor: int | None = None) -> float | None:
         """Trace entries from ``cursor`` (default: now) until ``unit`` is used again (``inf``: not
-        this step); None while no trace predicts the step: the store falls back to LRU."""
-        t = self._synced_trace()
+        this step, nor the next one when the step was begun with ``then``); None while no trace
+        predicts the step: the store falls back to LRU."""
+        t = self._follower.horizon()
         return None if t is None else t.next_use_distance(unit, self.cursor if cursor is None else cursor)
 
     def next_use_s(self, unit: Hashable, cursor: int | None = None) -> float | None:
         """Recorded seconds from ``cursor`` (default: now) until ``unit`` is used again; None: no trace."""
-        t = self._synced_trace()
+        t = self._follower.horizon()
         return None if t is None else t.next_use_s(unit, self.cursor if cursor is None else cursor)
 
     def keep_gathered(self, unit: Hashable, *, free_bytes: int | None = None,
