@@ -476,7 +476,9 @@ class PrefetchExecutor:
             if action.unit not in self._specs or action.unit in self._inflight:
                 continue
             budget = self._budget[action.dst]
-            if budget is not None and self._inflight_bytes[action.dst] + action.nbytes > budget:
+            if action.demand:
+                self._make_room(action.dst, action.nbytes)  # needed now: wait for room, as need() would
+            elif budget is not None and self._inflight_bytes[action.dst] + action.nbytes > budget:
                 continue  # a prefetch that does not fit waits for a later planning point
             try:
                 self._start(action, prefetch=True)

@@ -566,6 +566,58 @@ def test_prefetch_that_lands_between_planning_and_use_is_late_not_a_miss():
     assert s["prefetches_issued"] >= 6
 
 
+def test_demand_hop_waits_for_inflight_room_instead_of_being_dropped():
+    """A hop the planner says is needed now is issued even when older prefetches fill its
+    destination's in-flight bound: the executor waits for room (as need() would), where it used to
+    drop it, leaving the use a demand miss. Here a skipped unit's prefetch holds the room."""
+    levels, pending = {}, []
+
+    class Gate:  # completes only when waited for, or when land() says the I/O thread finished
+        def __init__(self, a):
+            self.a, self.landed = a, False
+            pending.append(self)
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            if not self.landed:
+                self.landed = True
+                levels[self.a.unit] = self.a.dst
+
+    def land():
+        for h in pending:
+            h.wait()
+        pending.clear()
+
+    ex = PrefetchExecutor(issue=Gate, locate=lambda u: levels.get(u, Level.HOST),
+                          config=PrefetchConfig(device_inflight_budget_bytes=100))
+    for u in "abc":
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+
+    def step(seq, landing):
+        ex.begin_step("train")
+        for u in seq:
+            if landing:
+                land()
+            ex.pre_hook(u)
+            levels[u] = Level.HOST  # released, and its device copy dropped
+            ex.on_evicted(u, 400, None)
+            ex.post_hook(u)
+        ex.end_step()
+
+    step("abc", landing=True)
+    land()
+    step("ab", landing=False)  # c is skipped: its prefetch stays in flight
+    assert [f.action.dst for f in ex._inflight.values()] == [Level.DEVICE]
+    before = ex.stats()
+    step("abc", landing=False)  # begin_step: a is needed now, the room is c's
+    s = ex.stats()
+    assert s["demand_misses"] == before["demand_misses"]
+    assert s["prefetch_late"] - before["prefetch_late"] == 3
+    assert s["max_inflight_bytes"]["DEVICE"] <= 100
+
+
 def test_evicted_unused_prefetch_bytes_counted():
     ex, levels = make_instant_executor()
     for u in ("a", "b", "c"):
