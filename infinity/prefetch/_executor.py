@@ -31,16 +31,18 @@ evictable=None, clock=time.perf_counter, store=None)``
     copies the store may evict at a level whose ``free_bytes`` is known, positions in the followed
     trace: a prefetch may take those used after it, never one used sooner ([Note: prefetch never
     displaces a sooner use] in infinity/prefetch/_planner.py). The executor bounds bytes in flight per destination itself.
-    Methods: ``register_unit(spec)``, ``begin_step(phase="train")``, ``pre_hook(unit) -> handle``,
-    ``post_hook(unit)``, ``end_step() -> Trace | None``, ``need(unit) -> handle``, ``poll()``,
-    ``on_evicted(unit, nbytes, level=None)``, ``next_use_distance(unit, cursor=None) -> float | None``,
-    ``next_use_s(unit, cursor=None) -> float | None``, ``keep_gathered(unit, *, free_bytes=None,
-    cursor=None) -> bool``, property ``cursor``,
-    ``observe_transfer(src, dst, nbytes, seconds)``, ``drain()``, ``stats() -> dict``.
+    Methods: ``register_unit(spec)``, ``begin_step(phase="train", *, then=None)``,
+    ``pre_hook(unit) -> handle``, ``post_hook(unit)``, ``end_step() -> Trace | None``,
+    ``need(unit) -> handle``, ``poll()``, ``on_evicted(unit, nbytes, level=None)``,
+    ``next_use_distance(unit, cursor=None) -> float | None``, ``next_use_s(unit, cursor=None) ->
+    float | None``, ``keep_gathered(unit, *, free_bytes=None, cursor=None) -> bool``, property
+    ``cursor``, ``observe_transfer(src, dst, nbytes, seconds)``, ``drain()``, ``stats() -> dict``.
 
 ``stats()`` keys: ``needs`` (need() calls), ``prefetch_hits`` (gathered by a prefetch not yet used),
-``resident_hits`` (already gathered otherwise, e.g. kept gathered), ``prefetch_late`` (in flight at
-need(), waited), ``demand_misses`` (nothing in flight: demand fetch), ``hit_rate``
+``resident_hits`` (already gathered otherwise, e.g. kept gathered), ``prefetch_late`` (prefetched,
+not gathered yet at need(): a hop in flight, waited, or landed with the all-gather left to need();
+[Note: a need is classified before the reap]), ``demand_misses`` (nothing prefetched: demand
+fetch), ``hit_rate``
 ((prefetch_hits + resident_hits) / needs), ``prefetches_issued``, ``prefetch_bytes_issued``,
 ``demand_bytes_issued``, ``prefetch_refused`` (issue raised ``TierCapacityError``),
 ``prefetched_evicted_unused_bytes``, ``stall_s`` (dict: seconds waited in need() on hops out of
@@ -361,8 +363,16 @@ class PrefetchExecutor:
 
     # ---- need ----------------------------------------------------------------------------------
     def need(self, unit: Hashable) -> Handle:
-        """Make ``unit`` gathered; returns a completed handle. Counts hit, late or miss."""
+        """Make ``unit`` gathered; returns a completed handle. Counts hit, late or miss.
+
+        [Note: a need is classified before the reap] Whether a prefetch was issued for this use is
+        read before ``_reap`` books what landed: a hop that completed on an I/O thread after the
+        last planning point (so its all-gather was left to this call) is late, like one still in
+        flight, never a demand miss. Reaping first made the count depend on which thread won the
+        race, and counted the better outcome (the bytes had landed) as the worse one.
+        """
         self._spec(unit)
+        prefetched = unit in self._inflight or bool(self._unused.get(unit))
         self._reap()
         fl = self._inflight.get(unit)
         level = self._level(unit)
@@ -370,6 +380,8 @@ class PrefetchExecutor:
             outcome = "prefetch_late"
         elif level is Level.GATHERED:
             outcome = "prefetch_hits" if Level.GATHERED in self._unused.get(unit, ()) else "resident_hits"
+        elif prefetched:
+            outcome = "prefetch_late"  # its hops landed, the all-gather is still to do
         else:
             outcome = "demand_misses"
         handle = self._bring_up(unit, Level.GATHERED)
@@ -416,7 +428,7 @@ class PrefetchExecutor:
         the same on every rank, and so do releases when keep_gathered is byte-based.
         """
         seen: set[Hashable] = set()
-        for j in range(cursor, min(len(trace), cursor + (self.config.gather_lead_entries or 0))):
+        for j in range(cursor, min(trace.step_end, cursor + (self.config.gather_lead_entries or 0))):
             u = trace[j].unit
             if u in seen or u not in self._specs:
                 continue
@@ -464,7 +476,9 @@ class PrefetchExecutor:
             if action.unit not in self._specs or action.unit in self._inflight:
                 continue
             budget = self._budget[action.dst]
-            if budget is not None and self._inflight_bytes[action.dst] + action.nbytes > budget:
+            if action.demand:
+                self._make_room(action.dst, action.nbytes)  # needed now: wait for room, as need() would
+            elif budget is not None and self._inflight_bytes[action.dst] + action.nbytes > budget:
                 continue  # a prefetch that does not fit waits for a later planning point
             try:
                 self._start(action, prefetch=True)
@@ -482,11 +496,14 @@ class PrefetchExecutor:
             self._prefetch(time_to_cursor_s=cur.gap_s, next_plan_in_s=cur.gap_s)
 
     # ---- hooks and steps -----------------------------------------------------------------------
-    def begin_step(self, phase: str = "train") -> None:
-        """Start following and recording a step of ``phase`` (an open step is ended first)."""
+    def begin_step(self, phase: str = "train", *, then: str | None = None) -> None:
+        """Start following and recording a step of ``phase`` (an open step is ended first).
+        ``then``: the step leaves the parameters as they are and the next one most likely has phase
+        ``then``: plan into its first units ([Note: predicting past an evaluation step] in
+        infinity/prefetch/_trace.py)."""
         if self._recorder is not None:
             self.end_step()
-        self._follower.begin(phase)
+        self._follower.begin(phase, then=then)
         self._recorder = TraceRecorder(phase)
         self._current, self._open_unit = None, None
         self._reap()
@@ -576,13 +593,14 @@ class PrefetchExecutor:
 
     def next_use_distance(self, unit: Hashable, cursor: int | None = None) -> float | None:
         """Trace entries from ``cursor`` (default: now) until ``unit`` is used again (``inf``: not
-        this step); None while no trace predicts the step: the store falls back to LRU."""
-        t = self._synced_trace()
+        this step, nor the next one when the step was begun with ``then``); None while no trace
+        predicts the step: the store falls back to LRU."""
+        t = self._follower.horizon()
         return None if t is None else t.next_use_distance(unit, self.cursor if cursor is None else cursor)
 
     def next_use_s(self, unit: Hashable, cursor: int | None = None) -> float | None:
         """Recorded seconds from ``cursor`` (default: now) until ``unit`` is used again; None: no trace."""
-        t = self._synced_trace()
+        t = self._follower.horizon()
         return None if t is None else t.next_use_s(unit, self.cursor if cursor is None else cursor)
 
     def keep_gathered(self, unit: Hashable, *, free_bytes: int | None = None,

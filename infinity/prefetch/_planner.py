@@ -103,6 +103,7 @@ class FetchQuery:
     """Everything the planner looks at; plain data, so tests build it by hand."""
 
     trace: Trace
+    """The followed trace; entries from its ``step_end`` on are the next step's (shard hops only)."""
     cursor: int
     """Position of the next entry to start."""
     time_to_cursor_s: float
@@ -301,13 +302,16 @@ class _Planner:
             level = as_level(level)
         if level is Level.GATHERED:
             return None
-        demand = deadline <= 0.0
+        # [Note: predicting past an evaluation step] in infinity/prefetch/_trace.py: the next step's
+        # units get shard hops only, and none is needed now (the next step starts when it starts).
+        next_step = j >= req.trace.step_end
+        demand = deadline <= 0.0 and not next_step
         if not demand and level.up() in blocked:
             blocked.add(Level.GATHERED)  # cheap skip: nothing more goes into that level this call
             return None
         chain = hop_chain(e, level, req.bandwidth, req.safety_factor)
-        if req.gather_lead_entries is not None:
-            chain = chain[:-1]  # the all-gather is the executor's, at a fixed position
+        if req.gather_lead_entries is not None or next_step:
+            chain = chain[:-1]  # the all-gather is the executor's, at a fixed position, or next step's
             if not chain:
                 return None
         (src, dst), nbytes, _ = chain[0]
@@ -339,6 +343,10 @@ def plan_fetches(req: FetchQuery) -> list[FetchAction]:
     planning point (``next_plan_in_s``) would finish after the use starts. So a fetch is issued at
     the last planning point that still hides its transfer: far enough ahead, not more. The scan stops
     once even the largest remaining unit, behind all queued transfers, could wait.
+
+    Entries from ``trace.step_end`` on belong to the next step ([Note: predicting past an evaluation
+    step] in infinity/prefetch/_trace.py): their shards are moved up, never on demand and never
+    all-gathered.
 
     Budgets: a prefetch must fit the free bytes of every rung it climbs (counting evictable copies
     used after it, [Note: prefetch never displaces a sooner use]), its destination's in-flight

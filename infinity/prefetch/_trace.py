@@ -10,25 +10,43 @@ Public API (all pure Python, no threads, no tensors):
 - ``Level``: ``NVME < HOST < DEVICE < GATHERED``, the rungs a unit climbs before compute.
 - ``TraceEntry(*, unit, shard_bytes, gathered_bytes, home, compute_s=0.0, gap_s=0.0)``
 - ``as_level(value) -> Level`` accepts a Level, its name, or another enum with that value.
-- ``Trace(entries, *, phase="train")``: ``len``, ``[i]``, ``entries``, ``units()``,
-  ``positions(unit)``, ``find(unit, start, stop=None)``, ``next_use(unit, cursor) -> int | None``,
-  ``next_use_distance(unit, cursor) -> float`` (positions, ``inf`` if never), ``next_use_s(unit,
-  cursor) -> float``, ``time_between_s(i, j)``, ``start_s(i)``, ``similarity(other) -> float``.
+- ``Trace(entries, *, phase="train", step_end=None)``: ``len``, ``[i]``, ``entries``,
+  ``step_end``, ``units()``, ``positions(unit)``, ``find(unit, start, stop=None)``,
+  ``next_use(unit, cursor) -> int | None``, ``next_use_distance(unit, cursor) -> float``
+  (positions, ``inf`` if never), ``next_use_s(unit, cursor) -> float``, ``time_between_s(i, j)``,
+  ``start_s(i)``, ``similarity(other) -> float``, ``followed_by(other) -> Trace``.
 - ``TraceRecorder(phase)``: ``on_pre(entry_template, *, start_s, pre_s)``, ``on_post(unit, *, now_s)``,
   ``finish(end_s=None) -> tuple[TraceEntry, ...]``.
 - ``TraceStore(*, max_variants=4, similarity_threshold=0.75)``: ``commit(phase, entries) -> Trace``,
   ``latest(phase)``, ``variants(phase)``, ``phases()``, ``candidates(phase)``, ``predict(phase, unit,
   num_entries)``.
-- ``TraceFollower(store, *, window_entries=64)``: ``begin(phase)``, ``advance(unit) -> Follow``,
-  ``view() -> (Trace, cursor) | None``, attributes ``trace``, ``cursor``, ``synced``.
+- ``TraceFollower(store, *, window_entries=64)``: ``begin(phase, *, then=None)``, ``advance(unit) ->
+  Follow``, ``view() -> (Trace, cursor) | None``, ``horizon() -> Trace | None``, attributes ``trace``,
+  ``cursor``, ``synced``.
 
 [Note: divergence never raises] An executed unit that differs from the trace is never an error:
 the follower first looks for the unit a little further along the trace (skipped units), then for
 the last two executed units anywhere in the phase's traces (another variant, another phase), and
 otherwise marks the step unpredictable until one of those succeeds. Meanwhile per-unit successor
 statistics predict a short chain, or, for a unit never seen (a new MoE expert), the trace is read
-on as if the unit had replaced the expected one. Nothing is predicted past a step's recorded end. The step's recording replaces the most similar stored trace at
-the step's end, so a changed control flow is predicted again from the next step on.
+on as if the unit had replaced the expected one. Nothing is predicted past a step's recorded end
+(but see [Note: predicting past an evaluation step]). The step's recording replaces the most
+similar stored trace at the step's end, so a changed control flow is predicted again from the next
+step on.
+
+[Note: predicting past an evaluation step] After a training step the optimizer rewrites every
+parameter shard, so nothing past its end may be fetched early. An evaluation forward (no grad)
+changes nothing: the next step reads the same bytes. Its follower is begun with ``then``, the phase
+the next step most likely has, and ``view()`` / ``horizon()`` give the followed trace with that
+phase's latest trace appended (``Trace.followed_by``; ``step_end`` marks the seam). The planner then
+moves the next step's first shards up while the evaluation's last units compute, and the store's
+Belady eviction keeps them instead of dropping them first as 'not used again this step'. Without
+it an evaluation forward ends holding its own last units and the training step after it finds
+its first units on NVMe with no compute left to hide the reads (``warm_next_step`` after the
+forward starts them, but the training step follows at once). Past the seam the planner issues
+shard hops only, never demand ones, never an all-gather: gathered units are released at every
+step's end ([Note: stale gathered units] in infinity/zero/_prefetcher.py), and the next step starts
+whenever the caller starts it.
 """
 
 from __future__ import annotations
@@ -113,9 +131,13 @@ class TraceEntry:
 class Trace:
     """An immutable recorded step: entries in execution order plus indexes for fast look-ups."""
 
-    def __init__(self, entries: Iterable[TraceEntry], *, phase: str = "train"):
+    def __init__(self, entries: Iterable[TraceEntry], *, phase: str = "train",
+                 step_end: int | None = None):
         self.entries: tuple[TraceEntry, ...] = tuple(entries)
         self.phase = phase
+        self.step_end = len(self.entries) if step_end is None else step_end
+        """Position of the recorded step's end: entries from here on are the next step's, appended by
+        :meth:`followed_by` ([Note: predicting past an evaluation step])."""
         # Start time of each entry relative to entry 0 (one extra slot: the end of the step).
         self._start_s = [0.0, *itertools.accumulate(e.duration_s for e in self.entries)]
         self._positions: dict[Hashable, list[int]] = {}
@@ -141,6 +163,12 @@ class Trace:
 
     def units(self) -> list[Hashable]:
         return [e.unit for e in self.entries]
+
+    def followed_by(self, following: "Trace") -> "Trace":
+        """This step, then ``following`` as if it started when this one ends (the gap between steps
+        is unknown: taking it as none plans the next step's fetches early rather than late)."""
+        return Trace((*self.entries[:self.step_end], *following.entries[:following.step_end]),
+                     phase=self.phase, step_end=self.step_end)
 
     def positions(self, unit: Hashable) -> Sequence[int]:
         return self._positions.get(unit, ())
@@ -422,9 +450,15 @@ class TraceFollower:
         self._diverged_at = 0  # cursor when the trace last stopped matching (where resync looks from)
         self._guesses = 0  # consecutive unmatched units since then
         self._last = Follow.UNTRACED  # how the last unit related to the trace
+        self.then: str | None = None  # phase of the next step, when this one leaves the bytes alone
+        self._ahead: tuple[Trace, Trace, Trace] | None = None  # (followed, next, joined), cached
 
-    def begin(self, phase: str) -> None:
+    def begin(self, phase: str, *, then: str | None = None) -> None:
+        """Follow a step of ``phase``. ``then``: the step leaves the parameters as they are (an
+        evaluation forward) and the next one most likely has phase ``then``; predictions go on into
+        it ([Note: predicting past an evaluation step]). None: nothing past this step's end."""
         self.phase = phase
+        self.then = then
         self.trace = self.store.latest(phase)
         self.cursor = 0
         self.synced = self.trace is not None
@@ -497,6 +531,19 @@ class TraceFollower:
 
     _MAX_GUESSES = 4  # unmatched units in a row after which the trace no longer predicts
 
+    def horizon(self) -> Trace | None:
+        """The followed trace while synced, with the next step's appended when ``then`` says the
+        parameters stay as they are ([Note: predicting past an evaluation step]); else None."""
+        t = self.trace
+        if t is None or not self.synced:
+            return None
+        following = self.store.latest(self.then) if self.then is not None else None
+        if following is None:
+            return t
+        if self._ahead is None or self._ahead[0] is not t or self._ahead[1] is not following:
+            self._ahead = (t, following, t.followed_by(following))  # built once per pair of traces
+        return self._ahead[2]
+
     def view(self, num_predicted: int = 8) -> tuple[Trace, int] | None:
         """(trace, cursor) to plan from; while unsynced a successor-statistics chain, else a guess."""
         t = self.trace
@@ -505,9 +552,11 @@ class TraceFollower:
                 # Ran off the end (e.g. a forward-only variant while backward follows): continue in
                 # a trace that has the same recent history and more after it.
                 self._resync_beyond_end()
-            if self.cursor < len(self.trace):
-                return self.trace, self.cursor
-            if self._last is Follow.MATCH:
+            ahead = self.horizon()  # goes on into the next step when ``then`` allows
+            ended = self._last is Follow.MATCH  # at the recorded end, not jumped past it
+            if self.cursor < len(self.trace) or (ended and self.cursor < len(ahead)):
+                return ahead, self.cursor
+            if ended:
                 # The step ended as recorded. Predicting on would fetch the next step's units
                 # before the optimizer step has updated them.
                 return None

@@ -571,8 +571,13 @@ class ParameterManager:
                 # Separate traces per phase: an evaluation forward must not replace the training
                 # trace.
                 self.end_prefetch_step()
-                self._fetcher.begin_step(("train" if self.module.training else "eval-grad")
-                                         if mode else "eval")
+                phase = ("train" if self.module.training else "eval-grad") if mode else "eval"
+                # A forward without grad leaves the parameters as they are, and most likely runs
+                # between training steps: the prefetcher moves the training step's first shards
+                # up during its last units ([Note: predicting past an evaluation step] in
+                # infinity/prefetch/_trace.py).
+                then = None if mode else ("train" if self._fetcher.has_trace("train") else phase)
+                self._fetcher.begin_step(phase, then=then)
             if trace:
                 with OutsideUseDetector(self._check_outside_use):
                     yield
@@ -592,10 +597,7 @@ class ParameterManager:
             if not mode:
                 self.end_prefetch_step()  # no backward follows: the step ends with the forward
                 if self._fetcher is not None:
-                    # An evaluation forward runs between training steps: the next step is most
-                    # likely a training one, whose first units the evaluation just evicted.
-                    self._fetcher.warm_next_step("train" if self._fetcher.has_trace("train")
-                                                 else None)
+                    self._fetcher.warm_next_step()  # the next step's (begin_step's ``then``)
 
     def begin_backward(self) -> None:
         """``engine.backward(loss)`` is about to run autograd: gathers now are backward gathers."""

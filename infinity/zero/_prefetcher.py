@@ -18,12 +18,14 @@ largest_gathered_bytes, world_size, lookahead_bytes=None, max_reuse_distance_byt
 ``ParamPrefetcher(store, units, *, gather, is_gathered, config, gathered_budget_bytes=None,
 clock=time.perf_counter)``
     ``gather(unit)`` makes the unit gathered (the manager's all-gather, synchronous);
-    ``is_gathered(unit) -> bool``. Per step: ``begin_step(phase)``; per unit U:
+    ``is_gathered(unit) -> bool``. Per step: ``begin_step(phase, *, then=None)`` (``then``: see
+    [Note: predicting past an evaluation step] in infinity/prefetch/_trace.py); per unit U:
     ``before_compute(U)`` (returns once U is gathered), after U's compute the manager asks
     ``should_keep(U)``, releases U unless kept and then calls ``on_release(U)``, then
     ``after_compute(U)``; ``end_step()`` after the step's last unit and before the optimizer step.
-    ``warm_next_step()`` once the parameters are final between steps (see the method).
-    Properties ``in_step``, ``phase``; ``stats() -> dict`` (see :meth:`ParamPrefetcher.stats`).
+    ``warm_next_step()`` once the parameters are final between steps (see the method);
+    ``has_trace(phase)``. Properties ``in_step``, ``phase``; ``stats() -> dict`` (see
+    :meth:`ParamPrefetcher.stats`).
 
 [Note: synchronous all-gathers] The executor's DEVICE -> GATHERED hop runs the manager's gather on
 the calling (training) thread and completes before ``issue`` returns. A prefetched gather therefore
@@ -174,7 +176,10 @@ class ParamPrefetcher:
         self._phase: str | None = None  # the open step's phase; None between steps
         self._last_cursor = -1  # cursor at the last next-use refresh: a jump means a full refresh
         self._last_synced = False
-        self._last_phase: str | None = None  # phase of the last ended step: the next one's guess
+        self._then: str | None = None  # the open step's guess of the next step's phase, if it leaves
+        # the parameters as they are ([Note: predicting past an evaluation step])
+        self._last_phase: str | None = None  # the next step's likely phase: the last ended step's
+        # ``then``, else its own
         self._warm_bytes = 0  # shard bytes warm_next_step() fetched
         self._warm_handles: list[Any] = []  # its fetches, until seen complete (drain waits for them)
         self._next_pos: dict[Hashable, float | None] = {}  # next use we gave the store, per unit
@@ -191,38 +196,45 @@ class ParamPrefetcher:
     def phase(self) -> str | None:
         return self._phase
 
-    def begin_step(self, phase: str) -> None:
-        """A step of ``phase`` starts ('train', 'eval', ...: each phase has its own traces)."""
+    def begin_step(self, phase: str, *, then: str | None = None) -> None:
+        """A step of ``phase`` starts ('train', 'eval', ...: each phase has its own traces).
+        ``then``: the step leaves the parameters as they are (an evaluation forward) and the next
+        one most likely has phase ``then``: its first shards are moved up during this step's last
+        units ([Note: predicting past an evaluation step] in infinity/prefetch/_trace.py)."""
         self._report_evictions()
         self._sole_cache = self._levels_only_we_cache()
-        self._phase = phase
+        self._phase, self._then = phase, then
         self._refresh_next_use(full=True)
-        self.executor.begin_step(phase)
+        self.executor.begin_step(phase, then=then)
 
     def end_step(self) -> None:
         """The step's last unit ran: commit its trace; until the next step the store keeps first
-        what the next step of the same phase needs first."""
+        what the next step (of phase ``then``, else of the same phase) needs first."""
         if self._phase is None:
             return
-        self._last_phase, self._phase = self._phase, None
-        trace = self.executor.end_step()
+        self._last_phase, self._phase = self._then or self._phase, None
+        self.executor.end_step()  # commits the step's trace: the latest of its phase
         self._last_cursor = -1
-        if trace is None:
+        following = self.executor.store.latest(self._last_phase)
+        if following is None:
             return
-        for u in self._units.values():  # positions in the next step (cursor 0) of the same phase
-            self._set_next_use(u, trace.next_use_distance(u.unit, 0))
+        for u in self._units.values():  # positions in the next step (cursor 0)
+            self._set_next_use(u, following.next_use_distance(u.unit, 0))
 
     def warm_next_step(self, phase: str | None = None) -> None:
         """The parameters are final (after the optimizer step, after an evaluation forward): start
-        moving the shards the next step of ``phase`` (default: the last phase) uses first towards
-        the device, within the device's in-flight bound, so its first units are ready when it
-        starts.
+        moving the shards the next step of ``phase`` (default: the last step's ``then``, else its
+        phase) uses first towards the device, within the device's in-flight bound, so its first
+        units are ready when it starts.
 
-        [Note: warm-up across the step boundary] The executor prefetches nothing past a step's end
-        (the optimizer is about to change those bytes), and between steps no hook gives it a
-        planning point, so without this the first unit of every step is a demand fetch. Only shard
-        copies are fetched here, never gathered: the store keeps them coherent if anything writes
-        the shards before the next step (a checkpoint load), a gathered unit it would not.
+        [Note: warm-up across the step boundary] The executor prefetches nothing past a training
+        step's end (the optimizer is about to change those bytes), and between steps no hook gives
+        it a planning point, so without this the first unit of every step is a demand fetch. After
+        an evaluation forward this only completes what the executor began during its last units
+        ([Note: predicting past an evaluation step] in infinity/prefetch/_trace.py): the next step
+        follows at once, with no compute left to hide reads started here. Only shard copies are
+        fetched here, never gathered: the store keeps them coherent if anything writes the shards
+        before the next step (a checkpoint load), a gathered unit it would not.
         """
         self._warm_handles = [h for h in self._warm_handles if not h.done()]
         phase = phase or self._last_phase
@@ -408,8 +420,9 @@ class ParamPrefetcher:
     # ---- counters ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The executor's counters (see :mod:`infinity.prefetch`) plus the short names the engine
-        reports: ``hits`` (gathered when needed: prefetched or kept), ``late`` (a prefetch was in
-        flight: waited), ``misses`` (demand fetches), ``evicted_unused_bytes`` (prefetched, then
+        reports: ``hits`` (gathered when needed: prefetched or kept), ``late`` (prefetched, not
+        gathered yet: a hop in flight, or landed with the all-gather left to the use), ``misses``
+        (nothing prefetched: demand fetches), ``evicted_unused_bytes`` (prefetched, then
         evicted or released before use), ``hit_rate`` = hits / needs, ``stall_s`` per hop source
         (``NVME``: swap-in, ``HOST``: host->device, ``DEVICE``: all-gather)."""
         s = self.executor.stats()

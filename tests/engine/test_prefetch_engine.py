@@ -57,7 +57,9 @@ def _rate(d: dict) -> float:
 
 
 def _prefetched(d: dict) -> float:
-    """Unit fetches a prefetch had been issued for: hits plus late ones (in flight, waited for).
+    """Unit fetches a prefetch had been issued for: hits plus late ones (in flight, waited for, or
+    landed with the all-gather left to the use: [Note: a need is classified before the reap] in
+    infinity/prefetch/_executor.py).
     Which of the two a prefetch becomes is a race with compute that a loaded 2-core machine can
     tip either way; that the trace predicted the fetch is not. The hit rate itself is measured in
     ``infinity bench step``."""
@@ -213,7 +215,10 @@ def test_changing_control_flow_trains_like_pytorch_and_hit_rate_recovers(tmp_pat
 
 def test_eval_forward_between_train_steps_keeps_the_train_hit_rate(tmp_path):
     """Evaluation forwards (no_grad, eval mode) between training steps run under their own phase:
-    they give plain PyTorch's outputs and leave the training trace's hit rate intact."""
+    they give plain PyTorch's outputs and leave the training trace intact. Every use in the
+    training steps after them is prefetched, the first units too: the evaluation moves them up
+    during its last units ([Note: predicting past an evaluation step] in
+    infinity/prefetch/_trace.py)."""
     steps = 6
     data = _data(steps)
     x_eval = tuple(t[:32] if t.dim() == 2 else t for t in data[0][0])
@@ -240,7 +245,7 @@ def test_eval_forward_between_train_steps_keeps_the_train_hit_rate(tmp_path):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
         s = engine.stats()["prefetch"]
         assert s["trace_variants_added"] == 0, "the eval forward got its own phase, not a train variant"
-        assert _prefetched(train) >= 0.95, train
+        assert train["misses"] == 0, train
         _check_budgets(engine)
     finally:
         engine.close()

@@ -148,6 +148,29 @@ def test_all_gathers_planned_in_trace_order():
     assert [(a.unit, a.dst) for a in plan_fetches(req)] == [("u0", Level.DEVICE)]
 
 
+def test_next_step_entries_get_shard_hops_only_never_on_demand():
+    """[Note: predicting past an evaluation step] in infinity/prefetch/_trace.py: past the trace's
+    ``step_end`` the planner moves shards up within the budgets, but issues no all-gather and
+    nothing on demand."""
+    step = mk_trace([("a", 100, 200, Level.HOST), ("b", 100, 200, Level.HOST)], compute_s=0.01)
+    following = mk_trace([("c", 100, 200, Level.HOST), ("d", 100, 200, Level.NVME),
+                          ("b", 100, 200, Level.HOST)], compute_s=0.01)
+    levels = {"a": G, "b": G, "c": Level.DEVICE, "d": Level.NVME}
+    base = dict(cursor=2, time_to_cursor_s=0.0, next_plan_in_s=0.0, levels=levels, inflight={},
+                bandwidth=bw(nvme=100.0, h2d=100.0, gather=100.0))
+    joined = step.followed_by(following)
+    assert joined.step_end == 2 and joined.units() == ["a", "b", "c", "d", "b"]
+    got = plan_fetches(FetchQuery(trace=joined, **base))
+    # c is on the device already: its all-gather is the next step's; d's first hop starts now.
+    assert got == [FetchAction(unit="d", src=Level.NVME, dst=Level.HOST, nbytes=100, position=3,
+                               needed_in_s=pytest.approx(0.01), demand=False)]
+    assert plan_fetches(FetchQuery(trace=joined, **base, free_bytes={Level.HOST: 50})) == []
+    # The same entries as one step: c's all-gather is due now (demand), and d's read too.
+    plain = Trace(joined.entries)
+    assert [(a.unit, a.dst, a.demand) for a in plan_fetches(FetchQuery(trace=plain, **base))] == [
+        ("c", G, True), ("d", Level.HOST, False)]
+
+
 # ---- executor in simulated time ------------------------------------------------------------------
 class SimClock:
     def __init__(self):
@@ -233,6 +256,58 @@ def test_sim_prefetch_hides_transfers_and_fetches_no_earlier_than_needed():
     for unit, _src, _dst, issued_s, _end in store.log[1:]:  # [0]: the step's first unit, at begin_step
         use_s = min(t for i, t in need_s.items() if seq[i] == unit and t >= issued_s)
         assert use_s - issued_s == pytest.approx(1.0), (unit, issued_s - t0, use_s - t0)
+
+
+def test_evaluation_step_moves_the_next_steps_first_shards_up_during_its_last_units():
+    """[Note: predicting past an evaluation step] in infinity/prefetch/_trace.py. Every release
+    drops the device copy. An evaluation forward begun with ``then="train"`` copies the training
+    step's first shard to the device while its own last unit computes, never all-gathering it
+    (released at the step's end, it would be wasted), so the training step after it stalls only on
+    that unit's all-gather."""
+    def run(then):
+        clock = SimClock()
+        bps = {(Level.NVME, Level.HOST): 500.0, (Level.HOST, Level.DEVICE): 200.0,
+               (Level.DEVICE, Level.GATHERED): 2000.0}
+        store = SimStore(clock, bps)
+        cfg = PrefetchConfig(nvme_to_host_bytes_per_s=500.0, host_to_device_bytes_per_s=200.0,
+                             all_gather_bytes_per_s=2000.0, transfer_time_safety_factor=1.0)
+        ex = PrefetchExecutor(issue=store.issue, config=cfg, clock=clock,
+                              locate=lambda u: store.level.get(u, Level.HOST))
+        units = [f"l{i}" for i in range(4)]
+        for u in units:  # 100 B at 200 B/s to the device (0.5 s), 400 B all-gathered (0.2 s)
+            ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+
+        def step(seq, phase, then=None):
+            stalls_s = []
+            ex.begin_step(phase, then=then)
+            for u in seq:
+                before_s = ex.stats()["stall_s_total"]
+                ex.pre_hook(u)
+                stalls_s.append(ex.stats()["stall_s_total"] - before_s)
+                assert store.level.get(u) is G, f"{u} used before its all-gather completed"
+                clock.now += 1.0
+                store.level[u] = Level.HOST  # released, and its device copy dropped
+                ex.on_evicted(u, 400, None)
+                ex.post_hook(u)
+            ex.end_step()
+            return stalls_s
+
+        train = units + units[::-1]
+        for seq, phase in ((train, "train"), (train, "train"), (units, "eval")):
+            step(seq, phase)
+        start = len(store.log)
+        step(units, "eval", then=then)
+        during_eval = [(u, dst) for u, _src, dst, _issued, _end in store.log[start:]]
+        ex.drain()
+        return during_eval, step(train, "train")
+
+    plain, plain_stalls_s = run(None)
+    ahead, ahead_stalls_s = run("train")
+    assert [d for _, d in plain].count(G) == 4  # one all-gather per use
+    assert ahead == plain + [("l0", Level.DEVICE)]  # at the last unit's pre-hook: 0.5 s < 1 s
+    assert plain_stalls_s[0] == pytest.approx(0.5 + 0.2)  # l0: copy to the device, all-gather
+    assert ahead_stalls_s[0] == pytest.approx(0.2)  # l0's all-gather only
+    assert ahead_stalls_s[1:] == pytest.approx(plain_stalls_s[1:])
 
 
 # ---- executor: divergence with instant handles ---------------------------------------------------
@@ -443,6 +518,104 @@ def test_no_prefetch_past_the_end_of_the_step():
     assert set(issued[mark:]) <= {"a"}  # from the last unit's pre-hook on: only that unit itself
     ex.end_step()
     assert issued
+
+
+def test_prefetch_that_lands_between_planning_and_use_is_late_not_a_miss():
+    """[Note: a need is classified before the reap] in infinity/prefetch/_executor.py: a prefetch
+    that lands on an I/O thread after the last planning point (its all-gather left to the use)
+    counts as late, as it does while still in flight: the count must not depend on which thread
+    wins that race."""
+    levels, pending = {}, []
+
+    class Gate:  # completes only when land() says the I/O thread finished
+        def __init__(self, a):
+            self.a, self.landed = a, False
+            pending.append(self)
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            if not self.landed:
+                self.landed = True
+                levels[self.a.unit] = self.a.dst
+
+    def land():
+        for h in pending:
+            h.wait()
+        pending.clear()
+
+    ex = PrefetchExecutor(issue=Gate, locate=lambda u: levels.get(u, Level.HOST))
+    for u in ("a", "b"):
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+    for landed_before_use in (False, True, True, False):
+        ex.begin_step("train")
+        for u in ("a", "b"):
+            if landed_before_use:
+                land()  # every hop issued so far lands before this use
+            ex.pre_hook(u)
+            levels[u] = Level.HOST  # released, and its device copy dropped: each use climbs again
+            ex.on_evicted(u, 400, None)
+            ex.post_hook(u)
+        ex.end_step()
+        land()
+    s = ex.stats()
+    assert s["needs"] == 8
+    assert s["demand_misses"] == 2, s  # the first step's, recorded without a trace
+    assert s["prefetch_late"] == 6, s  # every later use: prefetched, landed or not
+    assert s["prefetches_issued"] >= 6
+
+
+def test_demand_hop_waits_for_inflight_room_instead_of_being_dropped():
+    """A hop the planner says is needed now is issued even when older prefetches fill its
+    destination's in-flight bound: the executor waits for room (as need() would), where it used to
+    drop it, leaving the use a demand miss. Here a skipped unit's prefetch holds the room."""
+    levels, pending = {}, []
+
+    class Gate:  # completes only when waited for, or when land() says the I/O thread finished
+        def __init__(self, a):
+            self.a, self.landed = a, False
+            pending.append(self)
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            if not self.landed:
+                self.landed = True
+                levels[self.a.unit] = self.a.dst
+
+    def land():
+        for h in pending:
+            h.wait()
+        pending.clear()
+
+    ex = PrefetchExecutor(issue=Gate, locate=lambda u: levels.get(u, Level.HOST),
+                          config=PrefetchConfig(device_inflight_budget_bytes=100))
+    for u in "abc":
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+
+    def step(seq, landing):
+        ex.begin_step("train")
+        for u in seq:
+            if landing:
+                land()
+            ex.pre_hook(u)
+            levels[u] = Level.HOST  # released, and its device copy dropped
+            ex.on_evicted(u, 400, None)
+            ex.post_hook(u)
+        ex.end_step()
+
+    step("abc", landing=True)
+    land()
+    step("ab", landing=False)  # c is skipped: its prefetch stays in flight
+    assert [f.action.dst for f in ex._inflight.values()] == [Level.DEVICE]
+    before = ex.stats()
+    step("abc", landing=False)  # begin_step: a is needed now, the room is c's
+    s = ex.stats()
+    assert s["demand_misses"] == before["demand_misses"]
+    assert s["prefetch_late"] - before["prefetch_late"] == 3
+    assert s["max_inflight_bytes"]["DEVICE"] <= 100
 
 
 def test_evicted_unused_prefetch_bytes_counted():
@@ -658,8 +831,9 @@ def test_keep_gathered_reuse_distance_and_budget(limit, free_bytes, expected):
     assert ex.keep_gathered("c", free_bytes=free_bytes) is (limit >= 800 and expected)  # a, b in between
 
 
-def run_rank(cfg_kwargs, bps_scale, compute_s, sequences, device_homed=False):
-    """One simulated rank; returns the order in which it issued all-gathers."""
+def run_rank(cfg_kwargs, bps_scale, compute_s, sequences, device_homed=False, phases=None):
+    """One simulated rank; returns the order in which it issued all-gathers. ``phases``: a
+    (phase, then) per sequence (default: all 'train')."""
     clock = SimClock()
     bps = {(Level.NVME, Level.HOST): 500.0 * bps_scale, (Level.HOST, Level.DEVICE): 1000.0 * bps_scale,
            (Level.DEVICE, Level.GATHERED): 2000.0 * bps_scale}
@@ -672,8 +846,8 @@ def run_rank(cfg_kwargs, bps_scale, compute_s, sequences, device_homed=False):
     for i, u in enumerate(sorted({u for seq in sequences for u in seq})):
         homes[u] = Level.DEVICE if device_homed else Level.NVME if i % 2 else Level.HOST
         ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=homes[u]))
-    for seq in sequences:
-        ex.begin_step("train")
+    for seq, (phase, then) in zip(sequences, phases or [("train", None)] * len(sequences)):
+        ex.begin_step(phase, then=then)
         for u in seq:
             ex.pre_hook(u)
             assert store.level.get(u) is G
@@ -697,6 +871,21 @@ def test_all_gathers_issue_in_the_same_order_on_ranks_with_different_timing():
     order_slow, stats_slow = run_rank(fixed, bps_scale=0.5, compute_s=1.0, sequences=sequences)
     assert order_fast == order_slow  # same collectives in the same order: no hang, no mixed-up buffers
     assert stats_fast["prefetch_hits"] > stats_fast["needs"] // 2  # and still prefetched
+
+
+def test_evaluation_steps_keep_all_gathers_in_the_same_order_on_ranks():
+    """[Note: predicting past an evaluation step] in infinity/prefetch/_trace.py: the shard hops
+    past an evaluation's end are timed per rank; the all-gathers stay inside each step, at fixed
+    positions, alike on every rank."""
+    train = moe_sequence([0, 1, 2])
+    forward = train[:len(train) // 2]
+    sequences = [train, train, forward, train, forward, forward, train]
+    phases = [("train", None)] * 2 + [("eval", "train"), ("train", None)] + [("eval", "train")] * 2 \
+        + [("train", None)]
+    fixed = dict(gather_lead_entries=2)
+    order_fast, _ = run_rank(fixed, bps_scale=4.0, compute_s=0.5, sequences=sequences, phases=phases)
+    order_slow, _ = run_rank(fixed, bps_scale=0.5, compute_s=1.0, sequences=sequences, phases=phases)
+    assert order_fast == order_slow
 
 
 

@@ -174,6 +174,35 @@ def test_follower_continues_past_the_end_of_a_forward_only_variant():
     assert [e.unit for e in trace.entries[cursor:]] == list("dcba")
 
 
+def test_follower_of_an_evaluation_step_goes_on_into_the_next_step():
+    """[Note: predicting past an evaluation step] in infinity/prefetch/_trace.py: begun with
+    ``then``, the follower plans and gives next uses past the step's end into the next step of that
+    phase; without it, nothing."""
+    store = TraceStore()
+    store.commit("train", entries(list("abccba")))
+    store.commit("eval", entries(list("abc")))
+    for then in (None, "train"):
+        f = TraceFollower(store)
+        f.begin("eval", then=then)
+        for u in "abc":
+            assert f.advance(u) is Follow.MATCH
+        if then is None:
+            assert f.view() is None  # the step ended as recorded
+            assert f.horizon().next_use_distance("a", f.cursor) == math.inf
+            continue
+        trace, cursor = f.view()
+        assert cursor == trace.step_end == 3
+        assert [e.unit for e in trace.entries[cursor:]] == list("abccba")
+        assert f.horizon() is trace  # built once, not at every call
+        assert trace.next_use_distance("b", cursor) == 1.0  # the training step's second unit
+    # A step of phase ``then`` that was never recorded: nothing past the end, as without it.
+    f = TraceFollower(store)
+    f.begin("eval", then="generate")
+    for u in "abc":
+        f.advance(u)
+    assert f.view() is None
+
+
 def test_successor_statistics_predict_without_a_matching_trace():
     store = TraceStore()
     store.commit("train", entries(list("abcd")))
