@@ -204,8 +204,11 @@ class ParamPrefetcher:
         self._report_evictions()
         self._sole_cache = self._levels_only_we_cache()
         self._phase, self._then = phase, then
-        self._refresh_next_use(full=True)
         self.executor.begin_step(phase, then=then)
+        # After the executor follows the new step: before, the ended step's follower put every
+        # unit at 'not used again' and undid end_step()'s positions, so the store's first
+        # evictions of a step could take the very units it starts with.
+        self._refresh_next_use(full=True)
 
     def end_step(self) -> None:
         """The step's last unit ran: commit its trace; until the next step the store keeps first

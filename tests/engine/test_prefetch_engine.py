@@ -9,6 +9,7 @@ of the model: after the first step shards really come back from the swap files.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -19,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 import infinity
 from infinity.io import Swapper
-from tests._support.engine import assert_close_run, engine_config, engine_train, reference_train
+from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
+                                   reference_train, tiny_gpt)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -247,5 +249,28 @@ def test_eval_forward_between_train_steps_keeps_the_train_hit_rate(tmp_path):
         assert s["trace_variants_added"] == 0, "the eval forward got its own phase, not a train variant"
         assert train["misses"] == 0, train
         _check_budgets(engine)
+    finally:
+        engine.close()
+
+
+def test_a_step_begins_with_the_store_evicting_by_its_own_trace(tmp_path):
+    """At a step's start the store's next-use positions (its Belady eviction order) are the new
+    step's: each unit's first position in the recorded trace. They were the ended step's, where
+    every unit is 'not used again', until the first unit's hook, so the step's first fetches
+    could evict the units it starts with."""
+    config = dataclasses.replace(TINY, n_layer=6)
+    engine = infinity.initialize(tiny_gpt(config=config), engine_config(
+        stage=3, offload_param={"device": "nvme", "nvme_path": str(tmp_path / "swap")},
+        memory={"host_budget_bytes": 60000}))
+    try:
+        engine_train(engine, batches(2, 1))
+        fetcher = engine.manager._fetcher
+        fetcher.begin_step("train")
+        trace = fetcher.executor.store.latest("train")
+        expected = {u: trace.next_use_distance(u, 0) for u in fetcher._units}
+        assert any(d == 0 for d in expected.values())  # the step's first unit is a stored one
+        assert all(d < float("inf") for d in expected.values())
+        assert fetcher._next_pos == expected
+        fetcher.end_step()
     finally:
         engine.close()
