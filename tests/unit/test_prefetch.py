@@ -520,45 +520,56 @@ def test_no_prefetch_past_the_end_of_the_step():
     assert issued
 
 
+class _Gates:
+    """Hops that complete only when waited for, or when ``land()`` says the I/O thread finished
+    (a completed hop sets its unit's level in ``levels``)."""
+
+    def __init__(self):
+        self.pending = []
+
+    def issue(self, levels):
+        pending = self.pending
+
+        class Gate:
+            def __init__(self, a):
+                self.a, self.landed = a, False
+                pending.append(self)
+
+            def done(self):
+                return self.landed
+
+            def wait(self):
+                if not self.landed:
+                    self.landed = True
+                    levels[self.a.unit] = self.a.dst
+        return Gate
+
+    def land(self):
+        for h in self.pending:
+            h.wait()
+        self.pending.clear()
+
+
 def test_prefetch_that_lands_between_planning_and_use_is_late_not_a_miss():
     """[Note: a need is classified before the reap] in infinity/prefetch/_executor.py: a prefetch
     that lands on an I/O thread after the last planning point (its all-gather left to the use)
     counts as late, as it does while still in flight: the count must not depend on which thread
     wins that race."""
-    levels, pending = {}, []
-
-    class Gate:  # completes only when land() says the I/O thread finished
-        def __init__(self, a):
-            self.a, self.landed = a, False
-            pending.append(self)
-
-        def done(self):
-            return self.landed
-
-        def wait(self):
-            if not self.landed:
-                self.landed = True
-                levels[self.a.unit] = self.a.dst
-
-    def land():
-        for h in pending:
-            h.wait()
-        pending.clear()
-
-    ex = PrefetchExecutor(issue=Gate, locate=lambda u: levels.get(u, Level.HOST))
+    levels, gates = {}, _Gates()
+    ex = PrefetchExecutor(issue=gates.issue(levels), locate=lambda u: levels.get(u, Level.HOST))
     for u in ("a", "b"):
         ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
     for landed_before_use in (False, True, True, False):
         ex.begin_step("train")
         for u in ("a", "b"):
             if landed_before_use:
-                land()  # every hop issued so far lands before this use
+                gates.land()  # every hop issued so far lands before this use
             ex.pre_hook(u)
             levels[u] = Level.HOST  # released, and its device copy dropped: each use climbs again
             ex.on_evicted(u, 400, None)
             ex.post_hook(u)
         ex.end_step()
-        land()
+        gates.land()
     s = ex.stats()
     assert s["needs"] == 8
     assert s["demand_misses"] == 2, s  # the first step's, recorded without a trace
@@ -570,27 +581,8 @@ def test_demand_hop_waits_for_inflight_room_instead_of_being_dropped():
     """A hop the planner says is needed now is issued even when older prefetches fill its
     destination's in-flight bound: the executor waits for room (as need() would), where it used to
     drop it, leaving the use a demand miss. Here a skipped unit's prefetch holds the room."""
-    levels, pending = {}, []
-
-    class Gate:  # completes only when waited for, or when land() says the I/O thread finished
-        def __init__(self, a):
-            self.a, self.landed = a, False
-            pending.append(self)
-
-        def done(self):
-            return self.landed
-
-        def wait(self):
-            if not self.landed:
-                self.landed = True
-                levels[self.a.unit] = self.a.dst
-
-    def land():
-        for h in pending:
-            h.wait()
-        pending.clear()
-
-    ex = PrefetchExecutor(issue=Gate, locate=lambda u: levels.get(u, Level.HOST),
+    levels, gates = {}, _Gates()
+    ex = PrefetchExecutor(issue=gates.issue(levels), locate=lambda u: levels.get(u, Level.HOST),
                           config=PrefetchConfig(device_inflight_budget_bytes=100))
     for u in "abc":
         ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
@@ -599,7 +591,7 @@ def test_demand_hop_waits_for_inflight_room_instead_of_being_dropped():
         ex.begin_step("train")
         for u in seq:
             if landing:
-                land()
+                gates.land()
             ex.pre_hook(u)
             levels[u] = Level.HOST  # released, and its device copy dropped
             ex.on_evicted(u, 400, None)
@@ -607,7 +599,7 @@ def test_demand_hop_waits_for_inflight_room_instead_of_being_dropped():
         ex.end_step()
 
     step("abc", landing=True)
-    land()
+    gates.land()
     step("ab", landing=False)  # c is skipped: its prefetch stays in flight
     assert [f.action.dst for f in ex._inflight.values()] == [Level.DEVICE]
     before = ex.stats()
