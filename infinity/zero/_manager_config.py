@@ -25,6 +25,13 @@ parameter shards ([Note: a gathered unit borrows its HOST copy] in
 infinity/zero/_param_manager.py)."""
 
 
+CAN_BORROW_STORAGE = (hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+                      and hasattr(torch._C, "_construct_storage_from_data_pointer"))
+"""The torch calls a borrowed gather needs ([Note: a gathered unit borrows its HOST copy] in
+infinity/zero/_param_manager.py): private, present in the pinned torch; without them every gather
+copies, as before."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ManagerConfig:
     """The settings of one :class:`ParameterManager`, resolved by the engine (no 'auto' left)."""

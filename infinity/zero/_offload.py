@@ -22,7 +22,7 @@ from infinity.tiers import (SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet, HostNee
                             NvmeDemand, OffloadBudgets, OffloadRequest, StateSizes, StoreConfig,
                             Tier, TieredStore, check_nvme_space, host_needs, least_host_bytes,
                             nvme_bytes, resolve_offload_budgets)
-from infinity.zero._manager_config import DEFAULT_LIVE_UNITS
+from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS
 from infinity.zero._unit_choice import UnitChoice, units_of
 
 
@@ -145,7 +145,7 @@ def borrows_host_copies(config: InfinityConfig, device: torch.device,
     HOST copy] in infinity/zero/_param_manager.py): one data-parallel rank, a CPU engine reading
     parameter shards from HOST (parameters offloaded, an 'auto' device budget: [Note: a CPU
     engine reads parameter shards from HOST] in infinity/zero/_engine.py), exact gathers."""
-    return (device.type == "cpu" and data_parallel_size == 1
+    return (CAN_BORROW_STORAGE and device.type == "cpu" and data_parallel_size == 1
             and config.memory.device_budget_bytes == "auto"
             and config.offload_param.device != "none" and not config.zero.quantized_weights
             and not config.zero.quantized_frozen_weights)

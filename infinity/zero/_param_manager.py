@@ -65,7 +65,7 @@ from infinity.zero._grad_presence import GradPresence
 from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
 from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._managed import check_not_wrapped, mark_managed
-from infinity.zero._manager_config import DEFAULT_LIVE_UNITS, ManagerConfig
+from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS, ManagerConfig
 from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
@@ -141,8 +141,9 @@ class ParameterManager:
                     if config.hpz_partition_size > 1 else None)
         """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
         infinity/zero/_hpz.py); None: off."""
-        self._borrow_host = (config.params_read_on_host and self.world_size == 1
-                             and config.weight_quant is None and self.hpz is None)
+        self._borrow_host = (CAN_BORROW_STORAGE and config.params_read_on_host
+                             and self.world_size == 1 and config.weight_quant is None
+                             and self.hpz is None)
         """Gathers of stored groups borrow the pinned HOST copy instead of copying it
         ([Note: a gathered unit borrows its HOST copy])."""
         self._borrowed: dict[int, tuple[FlatGroup, torch.UntypedStorage, torch.Tensor]] = {}

@@ -12,10 +12,12 @@ import pytest
 import infinity
 import infinity.tiers._offload_budgets as offload_budgets
 from infinity.tiers import Tier
+from infinity.zero._manager_config import CAN_BORROW_STORAGE
 from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
                                    reference_train, tiny_gpt)
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not CAN_BORROW_STORAGE, reason="this torch cannot swap storages")]
 STEPS = 3
 DEEP = dataclasses.replace(TINY, n_layer=6)
 
