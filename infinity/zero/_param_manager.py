@@ -150,6 +150,9 @@ class ParameterManager:
         """id(group) -> (group, the storage that holds the group's own empty data pointer while
         ``group.full`` points at the pinned HOST copy, that copy: its reference keeps the arena's
         memory alive should the store close first)."""
+        self._stale_borrowed: set[str] = set()
+        """Keys of borrowed HOST copies an optimizer write left partly written: evicted when the
+        unit gives them back (while borrowed they are pinned)."""
         settings = BuildSettings(stage=config.stage, device=config.device,
                                  compute_dtype=config.compute_dtype, param_home=config.param_home,
                                  optimizer_offloaded=config.optimizer_offloaded)
@@ -249,7 +252,10 @@ class ParameterManager:
             # Any other copy is dropped (not dirty: no write), so its bytes never pass for the shard.
             if not written and self.store.is_dirty(key) is not tier \
                     and tier is not self.config.param_home:
-                self.store.evict(key, tier)
+                if id(group) in self._borrowed:  # pinned by the gathered unit: dropped at release
+                    self._stale_borrowed.add(key)
+                else:
+                    self.store.evict(key, tier)
         if self.param_writeback is ParamWriteback.EAGER:
             self.store.write_back(key)  # async: the updated shard returns to its home
 
@@ -453,6 +459,9 @@ class ParameterManager:
             return False
         g.full.untyped_storage()._swap_data_ptr_(entry[1])  # empty again, its own allocator
         self.store.release(g.store_key, Tier.HOST)
+        if g.store_key in self._stale_borrowed:  # a failed write left it partly written
+            self._stale_borrowed.discard(g.store_key)
+            self.store.evict(g.store_key, Tier.HOST)
         return True
 
     def _all_gather(self, unit: Unit, g: FlatGroup, shard: torch.Tensor, *, context: str,

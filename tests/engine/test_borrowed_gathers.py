@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 import infinity
 import infinity.tiers._offload_budgets as offload_budgets
-from infinity.tiers import Tier
+from infinity.tiers import Residency, Tier
+from infinity.zero._collectives import Phase
 from infinity.zero._manager_config import CAN_BORROW_STORAGE
 from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
                                    reference_train, tiny_gpt)
@@ -87,5 +89,32 @@ def test_gathers_borrow_the_host_copy_and_train_like_pytorch(tmp_path, monkeypat
         for u in engine.manager.units:
             if not u.always_gathered:
                 assert all(g.full.untyped_storage().nbytes() == 0 for g in u.groups)
+    finally:
+        engine.close()
+
+
+def test_a_failed_write_into_a_borrowed_copy_is_dropped_when_the_unit_gives_it_back(
+        tmp_path, monkeypatch):
+    """An optimizer write that fails half-way leaves a HOST copy whose bytes are not the shard's.
+    Unborrowed, it is evicted at once; borrowed, it is pinned by the gathered unit, so it is
+    evicted when the unit gives it back: the next read of the shard gets its stored values."""
+    monkeypatch.setattr(offload_budgets, "_CPU_DEVICE_MARGIN_BYTES", 0)
+    engine = _engine(tmp_path, _model(False), 60000)
+    try:
+        m = engine.manager
+        unit = next(u for u in m.units
+                    if not u.always_gathered and all(g.store_key for g in u.groups))
+        g = unit.groups[0]
+        stored = m.read_shard(g)
+        m._gather(unit, Phase.FORWARD_GATHER)
+        assert id(g) in m._borrowed
+        with pytest.raises(RuntimeError, match="half-way"):
+            with m.open_param_partition(g, overwrite=True) as shard:
+                shard[: shard.numel() // 2].fill_(7.0)
+                raise RuntimeError("the write failed half-way")
+        assert engine.store.state(g.store_key, Tier.HOST) is Residency.RESIDENT  # still borrowed
+        m._release(unit)
+        assert engine.store.state(g.store_key, Tier.HOST) is Residency.ABSENT
+        assert torch.equal(m.read_shard(g), stored)
     finally:
         engine.close()
