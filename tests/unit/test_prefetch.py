@@ -227,14 +227,23 @@ def run_sim_step(ex, store, clock, seq, compute_s, phase="train"):
     return need_s
 
 
-def test_sim_prefetch_hides_transfers_and_fetches_no_earlier_than_needed():
+def _sim(*, host_to_device_bps: float = 1000.0, locate=None):
+    """(clock, store, executor) over a simulated store: 500 B/s NVMe -> host, ``host_to_device_bps``
+    host -> device, 2000 B/s all-gather, the planner told those rates exactly (no safety factor).
+    ``locate(store) -> callable``: where the executor looks units up (None: its own bookkeeping)."""
     clock = SimClock()
-    bps = {(Level.NVME, Level.HOST): 500.0, (Level.HOST, Level.DEVICE): 1000.0,
+    bps = {(Level.NVME, Level.HOST): 500.0, (Level.HOST, Level.DEVICE): host_to_device_bps,
            (Level.DEVICE, Level.GATHERED): 2000.0}
     store = SimStore(clock, bps)
-    cfg = PrefetchConfig(nvme_to_host_bytes_per_s=500.0, host_to_device_bytes_per_s=1000.0,
+    cfg = PrefetchConfig(nvme_to_host_bytes_per_s=500.0, host_to_device_bytes_per_s=host_to_device_bps,
                          all_gather_bytes_per_s=2000.0, transfer_time_safety_factor=1.0)
-    ex = PrefetchExecutor(issue=store.issue, config=cfg, clock=clock)
+    ex = PrefetchExecutor(issue=store.issue, config=cfg, clock=clock,
+                          locate=None if locate is None else locate(store))
+    return clock, store, ex
+
+
+def test_sim_prefetch_hides_transfers_and_fetches_no_earlier_than_needed():
+    clock, store, ex = _sim()
     units = [f"l{i}" for i in range(6)]
     for u in units:  # NVMe homed: 100 B at 500 B/s (0.2 s), 100 B at 1000 (0.1 s), 400 B at 2000 (0.2 s)
         ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
@@ -265,14 +274,8 @@ def test_evaluation_step_moves_the_next_steps_first_shards_up_during_its_last_un
     (released at the step's end, it would be wasted), so the training step after it stalls only on
     that unit's all-gather."""
     def run(then):
-        clock = SimClock()
-        bps = {(Level.NVME, Level.HOST): 500.0, (Level.HOST, Level.DEVICE): 200.0,
-               (Level.DEVICE, Level.GATHERED): 2000.0}
-        store = SimStore(clock, bps)
-        cfg = PrefetchConfig(nvme_to_host_bytes_per_s=500.0, host_to_device_bytes_per_s=200.0,
-                             all_gather_bytes_per_s=2000.0, transfer_time_safety_factor=1.0)
-        ex = PrefetchExecutor(issue=store.issue, config=cfg, clock=clock,
-                              locate=lambda u: store.level.get(u, Level.HOST))
+        clock, store, ex = _sim(host_to_device_bps=200.0,
+                                locate=lambda store: lambda u: store.level.get(u, Level.HOST))
         units = [f"l{i}" for i in range(4)]
         for u in units:  # 100 B at 200 B/s to the device (0.5 s), 400 B all-gathered (0.2 s)
             ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
@@ -645,14 +648,7 @@ def test_config_validation_names_the_field():
 
 def test_sim_multi_hop_from_nvme_after_full_eviction():
     """Every release drops all copies (back to NVMe): each use needs swap-in, copy and all-gather."""
-    clock = SimClock()
-    bps = {(Level.NVME, Level.HOST): 500.0, (Level.HOST, Level.DEVICE): 1000.0,
-           (Level.DEVICE, Level.GATHERED): 2000.0}
-    store = SimStore(clock, bps)
-    cfg = PrefetchConfig(nvme_to_host_bytes_per_s=500.0, host_to_device_bytes_per_s=1000.0,
-                         all_gather_bytes_per_s=2000.0, transfer_time_safety_factor=1.0)
-    ex = PrefetchExecutor(issue=store.issue, config=cfg, clock=clock,
-                          locate=lambda u: store.level.get(u, Level.NVME))
+    clock, store, ex = _sim(locate=lambda store: lambda u: store.level.get(u, Level.NVME))
     units = [f"l{i}" for i in range(6)]
     for u in units:
         ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.NVME))
