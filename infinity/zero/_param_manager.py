@@ -398,8 +398,8 @@ class ParameterManager:
         try:
             with torch.profiler.record_function(f"infinity::gather ({unit.name})"):
                 for g in unit.groups:
+                    # (no hpZ secondary gathers here: _borrow_host excludes hpZ)
                     if self._borrow_host and not unit.always_gathered \
-                            and phase is not Phase.SECONDARY_GATHER \
                             and g.store_key is not None and self._borrow(g):
                         continue
                     g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
