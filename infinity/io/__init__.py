@@ -7,6 +7,8 @@ and safetensors read and written by byte range.
 - :mod:`._swap_format`: the swap file's header, names and states ([Note: swap file layout]).
 - :func:`aligned_empty` / :func:`aligned_view` (:mod:`._aligned`): page-aligned host memory that
   direct I/O reads into without staging.
+- :func:`huge_pages_pay_off` (:mod:`._huge_pages`): whether large host buffers are advised to
+  use transparent huge pages on this machine (probed once per process).
 - :func:`free_disk_bytes` (:mod:`._disk`): free space of a path's file system, for the checks
   that run before anything is written.
 - :mod:`._safetensors`: streaming safetensors files (:class:`SafetensorsFile`), Hugging Face
@@ -18,6 +20,7 @@ Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from 
 from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, advise_huge_pages,
                                   aligned_empty, aligned_view, memory_at, pin_device_for, pinned_staging_ring)
 from infinity.io._disk import free_disk_bytes
+from infinity.io._huge_pages import huge_pages_pay_off
 from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, SafetensorsError,
                                       SafetensorsFile, TensorEntry, fsync_dir, iter_tensors,
                                       write_safetensors)
@@ -27,4 +30,4 @@ from infinity.io._swapper import SwapHandle, Swapper
 __all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
            "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
            "address_of", "advise_huge_pages", "aligned_empty", "aligned_view", "free_disk_bytes",
-           "fsync_dir", "iter_tensors", "memory_at", "pin_device_for", "pinned_staging_ring", "write_safetensors"]
+           "fsync_dir", "huge_pages_pay_off", "iter_tensors", "memory_at", "pin_device_for", "pinned_staging_ring", "write_safetensors"]

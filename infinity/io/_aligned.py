@@ -18,6 +18,7 @@ import torch
 
 from infinity._async_copy import StagingRing
 from infinity._common import align_up, format_bytes
+from infinity.io._huge_pages import huge_pages_pay_off
 
 DEFAULT_ALIGNMENT_BYTES = 4096
 """Direct-I/O alignment assumed when the file system does not say (and the page size we map)."""
@@ -81,9 +82,11 @@ def aligned_empty(numel: int, dtype: torch.dtype, *,
         return torch.empty(0, dtype=dtype)
     size = align_up(nbytes, mmap.PAGESIZE)
     buf = _RegisteredMmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if size >= _HUGEPAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+    if size >= _HUGEPAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE") and huge_pages_pay_off():
         # The host arena holds optimizer state that Adam streams through: on 4 KiB pages that
-        # stream is TLB-bound here (see [Note: state memory layout] in infinity/optim/cpu_adam.py).
+        # stream is TLB-bound (see [Note: state memory layout] in infinity/optim/cpu_adam.py),
+        # where huge pages are cheap to fault in ([Note: when huge pages cost more than they
+        # save] in infinity/io/_huge_pages.py).
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # transparent huge pages disabled: still correct on 4 KiB pages
@@ -114,13 +117,16 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     (a 400 MiB bf16 copy into a freshly resized storage, /tmp benchmark in the #16 note): a 7B
     model streams ~25 GB of such buffers per step, so this is seconds per step. The kernel's
     ``transparent_hugepage/enabled`` is ``madvise`` on common distributions: without the advice
-    nothing gets huge pages. Only the 2 MiB-aligned interior is advised."""
+    nothing gets huge pages. Only the 2 MiB-aligned interior is advised. Not advised at all
+    where huge pages are slow to fault in ([Note: when huge pages cost more than they save] in
+    infinity/io/_huge_pages.py: on that same VM, once the freed memory had gone back to the
+    hypervisor, the advised write ran at 0.15 GB/s)."""
     global _madvise, _madvise_looked_up
     if tensor.device.type != "cpu":
         return False
     storage = tensor.untyped_storage()
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
-    if nbytes < _HUGEPAGE_MIN_BYTES:
+    if nbytes < _HUGEPAGE_MIN_BYTES or not huge_pages_pay_off():
         return False
     if not _madvise_looked_up:
         _madvise_looked_up = True

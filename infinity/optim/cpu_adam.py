@@ -37,6 +37,7 @@ from typing import Any, Iterable
 import torch
 
 from infinity._common import warn_once
+from infinity.io import huge_pages_pay_off
 from infinity.optim import _cpu_adam_ext as _ext
 
 logger = logging.getLogger(__name__)
@@ -102,12 +103,14 @@ _stagger_counter = itertools.count()
 def zeros_host(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled flat CPU tensor laid out for streaming; see [Note: state memory layout].
 
-    From 4 MiB up: anonymous memory advised to use transparent huge pages, the tensor starting at
-    a different offset for each call (cycling over 32 offsets). Smaller, or without ``madvise``:
+    From 4 MiB up, where huge pages pay off ([Note: when huge pages cost more than they save] in
+    infinity/io/_huge_pages.py): anonymous memory advised to use transparent huge pages, the
+    tensor starting at a different offset for each call (cycling over 32 offsets). Otherwise
     ``torch.zeros``.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize < _HUGEPAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if (numel * itemsize < _HUGEPAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE")
+            or not huge_pages_pay_off()):
         return torch.zeros(numel, dtype=dtype)
     offset = (next(_stagger_counter) % 32) * _STAGGER_BYTES
     buf = mmap.mmap(-1, offset + numel * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

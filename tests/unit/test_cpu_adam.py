@@ -482,7 +482,9 @@ def test_kernel_releases_the_gil():
     assert isinstance(lib, ctypes.CDLL) and not isinstance(lib, ctypes.PyDLL)
 
 
-def test_zeros_host_large_buffers_are_zeroed_writable_and_staggered():
+def test_zeros_host_large_buffers_are_zeroed_writable_and_staggered(monkeypatch):
+    from infinity.io import _huge_pages
+    monkeypatch.setattr(_huge_pages, "_decision", True)  # the huge-page layout is what staggers
     n = (4 << 20) // 4 + 7  # just above the huge-page threshold
     a, b = cpu_adam.zeros_host(n, torch.float32), cpu_adam.zeros_host(n, torch.bfloat16)
     assert a.shape == (n,) and a.dtype == torch.float32 and b.dtype == torch.bfloat16

@@ -27,6 +27,14 @@ def _anon_huge_bytes(ptr: int, nbytes: int) -> int:
     return total
 
 
+@pytest.fixture(autouse=True)
+def _advice_on(monkeypatch):
+    """These tests check what the advice does where it is given ([Note: when huge pages cost
+    more than they save] decides where that is)."""
+    from infinity.io import _huge_pages
+    monkeypatch.setattr(_huge_pages, "_decision", True)
+
+
 def test_small_and_empty_buffers_are_left_alone():
     assert advise_huge_pages(torch.empty(1024)) is False
     assert advise_huge_pages(torch.empty(0)) is False
