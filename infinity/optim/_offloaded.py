@@ -5,6 +5,7 @@ forward). See :class:`OffloadedShardOptimizer` for the notes behind it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import time
@@ -228,13 +229,12 @@ class OffloadedShardOptimizer:
         for i, lo in enumerate(range(0, n_total, sub)):
             hi = min(n_total, lo + sub)
             n = hi - lo
-            initial = torch.zeros(3 * n, dtype=torch.float32)
-            initial[:n].copy_(master[lo:hi])
             home = Tier.HOST if i < resident else self.home
             if i < resident:
                 self.host_resident_bytes += SUB_GROUP_BYTES_PER_NUMEL * n
             sg = SubGroup(key=key, lo=lo, hi=hi, store_key=f"opt/{key}/{i}", home=home)
-            self.store.register(sg.store_key, 3 * n, torch.float32, home, initial=initial)
+            self.store.register(sg.store_key, 3 * n, torch.float32, home,
+                                fill=functools.partial(_fill_sub_group, master[lo:hi]))
             self._state_bytes += 8 * n
             records.append(sg)
         self._sub_groups[key] = records
@@ -693,3 +693,13 @@ class OffloadedShardOptimizer:
         if self._ring is None:
             self._ring = pinned_staging_ring(device)
         return self._ring
+
+
+def _fill_sub_group(master: torch.Tensor, out: torch.Tensor) -> None:
+    """[Note: set-up writes in place] A new sub-group's [master | exp_avg | exp_avg_sq], written
+    straight into its store copy. Assembled in a buffer of its own first, each sub-group cost a
+    fresh 3 x 4 B per element that the kernel faulted in page by page and then freed: 10 s of the
+    1B GPT's 45 s set-up on the 2-core VM (250 sub-groups of 48 MiB, cProfile: torch.zeros)."""
+    n = master.numel()
+    out[:n].copy_(master)
+    out[n:].zero_()

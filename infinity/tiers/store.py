@@ -81,17 +81,24 @@ class TieredStore:
     # -- registration ----------------------------------------------------------------------------
 
     def register(self, key: str, numel: int, dtype: torch.dtype, home: Tier,
-                 initial: torch.Tensor | None = None) -> None:
+                 initial: torch.Tensor | None = None, *,
+                 fill: Callable[[torch.Tensor], None] | None = None) -> None:
         """Add a shard. Its home copy is allocated now (DEVICE/HOST) and filled from ``initial``
         (zeros when None). NVME home: ``initial`` is copied into a HOST extent and written back
-        asynchronously (the HOST copy stays as a cache); None means zeros, read as zeros, no file."""
+        asynchronously (the HOST copy stays as a cache); None means zeros, read as zeros, no file.
+        ``fill`` instead of ``initial``: called with that copy (``numel`` elements of ``dtype``,
+        its bytes undefined) to write every element in place, so that a caller assembling the
+        values from parts needs no buffer of its own (set-up: an optimizer sub-group's master
+        beside its zero moments, [Note: set-up writes in place] in infinity/optim/_offloaded.py)."""
         self._check_new(key, numel, dtype, home, initial)
+        if fill is not None and initial is not None:
+            raise ValueError(f"register({key!r}): pass initial or fill, not both")
         with self._lock:
             self._check_open()
             if key in self._shards:
                 raise ValueError(f"register({key!r}): key is already registered; unregister it first")
             shard = _Shard(key, numel, dtype, home)
-            if home is Tier.NVME and initial is None:
+            if home is Tier.NVME and initial is None and fill is None:
                 shard.set_state(Tier.NVME, _R)
                 shard.nvme_zeros = True
                 self._shards[key] = shard
@@ -103,7 +110,9 @@ class TieredStore:
                 raise ValueError(f"register({key!r}): key is already registered; unregister it first")
             self.budgets.attach(shard, alloc)
             copy = shard.copies[tier]
-            if initial is None:
+            if fill is not None:
+                fill(copy.tensor)
+            elif initial is None:
                 copy.tensor.zero_()
             else:
                 copy.tensor.copy_(initial.reshape(-1))

@@ -177,16 +177,23 @@ class UnitBuilder:
         for slot in slots:  # [Note: release keeps parameter identity]
             set_local_view(slot.param, full[slot.offset:slot.offset + slot.numel].view(slot.shape))
         lo, hi = rank * shard_numel, (rank + 1) * shard_numel
-        shard = full[lo:hi] if always else full[lo:hi].clone()
+        stored = s.param_home is not Tier.DEVICE and not always
+        # [Note: set-up writes in place] in infinity/optim/_offloaded.py: a shard the store
+        # takes is copied into it at register, so it needs no copy of its own first, unless an
+        # fp32 master is that same tensor and outlives ``full``'s release.
+        own_copy = not always and not (stored and dtype != torch.float32)
+        shard = full[lo:hi].clone() if own_copy else full[lo:hi]
         part = full if s.stage == 0 else shard  # the optimizer's partition of the parameters
         master = None
         if requires_grad:
+            whole = init if s.stage == 0 else init[lo:hi]
+            sole = whole.numel() == init.numel()  # ``init`` is not used past here: no copy
             if dtype == torch.float32:
                 master = part
             elif s.optimizer_offloaded:  # the optimizer copies it into its tier at once
-                master = (init if s.stage == 0 else init[lo:hi]).to("cpu", copy=True)
+                master = whole.to("cpu", copy=not sole)
             else:
-                master = (init if s.stage == 0 else init[lo:hi]).clone()
+                master = whole if sole else whole.clone()
         group = FlatGroup(key=key, slots=slots, numel=numel, padded_numel=padded,
                           shard_numel=shard_numel, requires_grad=requires_grad, full=full,
                           shard=shard, master=master, tensor_sharded=tensor_sharded)
