@@ -176,5 +176,27 @@ def roofline(*, cpu_s: float, read_bytes: float, write_bytes: float,
     return line
 
 
-__all__ = ["DiskBandwidth", "gpt_compute_s", "nvme_minimum_bytes", "nvme_moved_bytes", "nvme_per_step",
-           "probe_disk", "roofline"]
+RNG_PROBE_NUMEL = 1 << 25
+"""Elements of the random-fill probe (128 MiB of fp32): long enough to time, short to run."""
+
+
+def init_roofline(*, random_numel: int, state_bytes: int, disk: DiskBandwidth,
+                  init_s: float | None = None) -> dict[str, float]:
+    """The least time of a lazy construction (issue #16): drawing the random values eager
+    construction draws, once (``random_numel``, :attr:`infinity.zero.Recording.random_numel`, at
+    the rate ``normal_`` fills fp32 here, measured now), plus writing ``state_bytes`` (the state
+    NVMe holds after ``initialize``) at the probed write bandwidth. With ``init_s``, also
+    ``init_x`` = init_s / that sum."""
+    buf = torch.empty(RNG_PROBE_NUMEL)
+    rate = RNG_PROBE_NUMEL / _median_s(lambda: buf.normal_(0.0, 0.02), 3)
+    rng_s = random_numel / rate
+    write_s = state_bytes / disk.write_bytes_per_s
+    line = {"init_rng_s": rng_s, "init_write_s": write_s, "init_roofline_s": rng_s + write_s,
+            "rng_numel_per_s": rate}
+    if init_s is not None:
+        line["init_x"] = init_s / max(rng_s + write_s, 1e-9)
+    return line
+
+
+__all__ = ["DiskBandwidth", "gpt_compute_s", "init_roofline", "nvme_minimum_bytes",
+           "nvme_moved_bytes", "nvme_per_step", "probe_disk", "roofline"]

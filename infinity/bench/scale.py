@@ -83,7 +83,9 @@ def _row(numel: float, s: dict[str, Any], ram: int) -> dict[str, Any]:
             "state GB": round(s["full_training_state_bytes"] / 1e9, 1),
             "state/RAM": round(s["full_training_state_bytes"] / ram, 2),
             "peak RSS GB": round(s["peak_rss_bytes"] / 1e9, 2),
-            "init s": round(s["init_s"], 1), "step s": round(s["median_step_s"], 2),
+            "init s": round(s["init_s"], 1),
+            "init x min": round(r.get("init_x", 0.0), 2),
+            "step s": round(s["median_step_s"], 2),
             "compute s": round(r.get("cpu_s", 0.0), 2),
             "disk read s": round(r.get("disk_read_s", 0.0), 2),
             "disk write s": round(r.get("disk_write_s", 0.0), 2),
@@ -133,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
                     rows=rows, params=vars(args) | {"ram_bytes": ram},
                     notes=["x roofline: median step / max(compute, disk read + disk write), "
                            "bandwidths from a raw direct-I/O probe of --dir in the same process",
+                           "init x min: init / (the random values eager construction draws, "
+                           "once, at the measured normal_ rate + the NVMe state at the probed "
+                           "write bandwidth)",
                            "NVMe x min: bytes moved per step / every NVMe-resident byte once each way"],
                     extra={"summaries": summaries})
     report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)

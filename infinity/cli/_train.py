@@ -28,8 +28,8 @@ import torch
 from infinity._common import format_bytes
 from infinity.bench.progress import progress
 from infinity.bench.report import format_table, peak_rss_bytes
-from infinity.bench.roofline import (gpt_compute_s, nvme_moved_bytes, nvme_per_step, probe_disk,
-                                     roofline)
+from infinity.bench.roofline import (gpt_compute_s, init_roofline, nvme_moved_bytes, nvme_per_step,
+                                     probe_disk, roofline)
 from infinity.cli._consolidate import parse_bytes
 from infinity.cli._resume_check import ResumeCheck
 from infinity.config import load_config
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     t_init = time.perf_counter()
-    with init():  # built on meta; initialize materialises it unit by unit (same values)
+    with init() as recording:  # built on meta; initialize materialises it unit by unit (same values)
         model = GPT(gpt_config)
     numel = sum(p.numel() for p in model.parameters())
     raw_config = _config(args, model)
@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
     engine = initialize(model, raw_config, progress=on_unit)
     init_bar.close()
     init_s = time.perf_counter() - t_init
+    init_state = {"random_numel": recording.random_numel,
+                  "nvme_state_bytes": int(engine.stats()["bytes"]["NVME"]["current"])}
     config = engine.config
     unit_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     stats = engine.stats()
@@ -230,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         summary = _summary(engine, ledger, numel, losses, step_times, time.perf_counter() - t_start,
                            args)
         summary["init_s"] = init_s
+        summary["init_state"] = init_state
         summary["peak_rss_bytes"] = peak_rss_bytes()  # before the probes below allocate
         summary["nvme_per_step"] = nvme_per_step(step_moved, engine.stats())
         if not args.no_roofline and args.offload == "nvme":
@@ -259,7 +262,11 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
     line = roofline(cpu_s=cpu_s, read_bytes=per_step["read_bytes"],
                     write_bytes=per_step["write_bytes"], disk=disk,
                     step_s=summary["median_step_s"])
-    return {**line, **compute, "cpu_s": cpu_s, "disk_read_bytes_per_s": disk.read_bytes_per_s,
+    start = init_roofline(random_numel=summary["init_state"]["random_numel"],
+                          state_bytes=summary["init_state"]["nvme_state_bytes"], disk=disk,
+                          init_s=summary["init_s"])
+    return {**line, **compute, **start, "cpu_s": cpu_s,
+            "disk_read_bytes_per_s": disk.read_bytes_per_s,
             "disk_write_bytes_per_s": disk.write_bytes_per_s, "direct_io": disk.direct,
             "median_step_s": summary["median_step_s"]}
 
@@ -332,6 +339,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"step / roofline {r['x_roofline']:.2f}x (disk probed at "
               f"{r['disk_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
               f"{r['disk_write_bytes_per_s'] / 1e9:.2f} GB/s write)")
+        print(f"init / (random values once {r['init_rng_s']:.1f} s + state written "
+              f"{r['init_write_s']:.1f} s) = {r['init_x']:.2f}x")
     c = summary.get("resume_check")
     if c:
         print()

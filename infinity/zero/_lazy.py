@@ -141,6 +141,10 @@ class Recording:
         self.writers: dict[int, list[int]] = {}
         """Storage key -> indices of the ops that created or wrote it, in order."""
         self.num_random = 0
+        self.random_numel = 0
+        """Elements the recorded random operations fill: what eager construction draws, and what
+        replaying them at ``initialize`` draws again (each also ran once here, on scratch memory,
+        to move the generator as eager construction moves it)."""
         self._scratch = _Scratch()
 
     # ------------------------------------------------------------------ recording
@@ -197,7 +201,10 @@ class Recording:
         self.ops.append(_Op(func, *_freeze(args, kwargs, func, out_leaves, creates),
                             reads=frozenset(before), creates=creates, created=created,
                             rng_state=rng_state, generator=generator))
-        self.num_random += rng_state is not None
+        if rng_state is not None:
+            self.num_random += 1
+            filled = [t for t in written if isinstance(t, torch.Tensor)] or created
+            self.random_numel += sum(t.numel() for t in filled)
         return out
 
     # ------------------------------------------------------------------ replay

@@ -285,3 +285,30 @@ def test_meta_tensor_from_before_the_block_is_refused():
         model = nn.Sequential(early)
     with pytest.raises(LazyInitError, match="before the infinity.init block"):
         infinity.initialize(model, engine_config(stage=3))
+
+
+def test_random_numel_counts_what_eager_construction_draws():
+    """The reference: every seeded-random aten op eager construction runs, and the elements it
+    fills (torch's own tag for ops that draw from a generator)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountDraws(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                CountDraws.numel += out.numel()
+            return out
+
+    def build():
+        m = nn.Sequential(nn.Linear(30, 20), nn.Embedding(50, 8), nn.LayerNorm(8))
+        nn.init.normal_(m[0].weight, std=0.02)  # drawn twice, as GPT's scaled projections are
+        return m
+
+    with CountDraws():
+        build()
+    with infinity.init() as recording:
+        build()
+    assert CountDraws.numel == 30 * 20 * 2 + 20 + 50 * 8
+    assert recording.random_numel == CountDraws.numel

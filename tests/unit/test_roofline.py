@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from infinity.bench.roofline import DiskBandwidth, nvme_minimum_bytes, roofline
+from infinity.bench.roofline import DiskBandwidth, init_roofline, nvme_minimum_bytes, roofline
 from infinity.cli import _train
 from infinity.models.gpt import PRESETS, gpt_for_params
 
@@ -108,3 +108,12 @@ def test_nvme_bytes_per_step_from_stats_samples():
     assert (cold["read_bytes"], cold["write_bytes"], cold["x_minimum"]) == (200, 60, 260 / 200)
     timed = nvme_per_step(moved, stats, cold_steps=0)  # bench step: warm-up steps already left out
     assert (timed["read_bytes"], timed["write_bytes"]) == (250, 65)
+
+
+def test_init_roofline_is_random_values_once_plus_the_state_written():
+    disk = DiskBandwidth(read_bytes_per_s=2e9, write_bytes_per_s=4e9, direct=True)
+    line = init_roofline(random_numel=int(1e8), state_bytes=int(8e9), disk=disk, init_s=9.0)
+    assert line["init_write_s"] == pytest.approx(2.0)
+    assert line["init_rng_s"] == pytest.approx(1e8 / line["rng_numel_per_s"])
+    assert line["init_roofline_s"] == pytest.approx(line["init_rng_s"] + 2.0)
+    assert line["init_x"] == pytest.approx(9.0 / line["init_roofline_s"])
