@@ -3,13 +3,23 @@
 offload, registered in the tiered store; fp32 masters built where the optimizer will take them.
 
 A model built under ``infinity.init`` has no values yet: each parameter's values are computed on
-demand (``initial_values``), one at a time, straight into its unit's buffer, so peak host memory
-stays near one unit plus the rank's shards.
+demand (``initial_values``), one unit ahead of the unit being built ([Note: the next unit's values
+are drawn ahead]), and copied into its unit's buffer, so peak host memory stays near two units
+plus the rank's shards.
+
+[Note: the next unit's values are drawn ahead] Replaying a unit's random initialisation is serial
+CPU work (one generator), and so is most of what follows it for the unit before: the fp32 to
+compute-dtype conversion, the copies into the store, the masters into the optimizer, while the
+NVMe writes go on in the store's threads. On a 2-core machine a worker thread replays unit i+1
+while unit i is built. Measured on the 2-core VM (1B GPT, width 2560, 4 GiB host budget): the
+replay was 13.2 s of a 28.6 s set-up. The worker touches no random stream the caller sees
+(``Recording.value`` restores the generator it sets) and nothing of the store.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
 import torch
@@ -106,9 +116,16 @@ class UnitBuilder:
                 on_progress(BuildProgress(units_done=len(units), num_units=len(choice.units),
                                           nvme_written_bytes=written))
 
-        for chosen in choice.units:
-            units.append(self._build_unit(chosen))
-            report()
+        ahead = _ValuesAhead(self._initial_values)
+        try:
+            for i, chosen in enumerate(choice.units):
+                values_of = ahead.take(chosen)
+                if i + 1 < len(choice.units):
+                    ahead.start(choice.units[i + 1])
+                units.append(self._build_unit(chosen, values_of))
+                report()
+        finally:
+            ahead.close()
         self._drop_setup_copies(units)
         if self._master_sink is not None:
             self._master_sink.drop_setup_copies()
@@ -138,14 +155,15 @@ class UnitBuilder:
                 if g.store_key is not None:
                     self.store.evict(g.store_key, Tier.HOST)  # waits for its write when needed
 
-    def _build_unit(self, chosen: ChosenUnit) -> Unit:
+    def _build_unit(self, chosen: ChosenUnit, values_of: InitialValues | None) -> Unit:
         s = self.settings
         always = s.stage < 3 or chosen.persistent
         by_kind: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in chosen.params:  # [Note: gradient norm across tensor ranks]
             kind = (s.compute_dtype, p.requires_grad, is_tensor_sharded(p))
             by_kind.setdefault(kind, []).append((name, p))
-        groups = [self._build_group(chosen, dtype, rg, params, always, tensor_sharded=ts)
+        groups = [self._build_group(chosen, dtype, rg, params, always, values_of,
+                                    tensor_sharded=ts)
                   for (dtype, rg, ts), params in by_kind.items()]
         unit = Unit(index=chosen.index, name=chosen.name, groups=groups, always_gathered=always,
                     num_trainable=sum(len(g.slots) for g in groups if g.requires_grad),
@@ -157,8 +175,9 @@ class UnitBuilder:
         return unit
 
     def _build_group(self, chosen: ChosenUnit, dtype: torch.dtype, requires_grad: bool,
-                     params: list[tuple[str, nn.Parameter]], always: bool, *,
-                     tensor_sharded: bool = False) -> FlatGroup:
+                     params: list[tuple[str, nn.Parameter]], always: bool,
+                     values_of: InitialValues | None, *, tensor_sharded: bool = False
+                     ) -> FlatGroup:
         s = self.settings
         world, rank = self.coll.world_size, self.coll.rank
         slots, numel, padded = layout_group(params, world, dtype)
@@ -168,7 +187,7 @@ class UnitBuilder:
         init = torch.zeros(padded, dtype=torch.float32, device=s.device)
         with torch.no_grad():
             for slot in slots:
-                values = self._initial_values(slot.param) if self._initial_values else None
+                values = values_of(slot.param) if values_of is not None else None
                 init[slot.offset:slot.offset + slot.numel].copy_(
                     (local_tensor(slot.param).detach() if values is None
                      else values).reshape(-1))
@@ -209,3 +228,43 @@ class UnitBuilder:
             self._master_sink.take(group, self._partition_of(group))
             group.master = None
         return group
+
+
+class _ValuesAhead:
+    """[Note: the next unit's values are drawn ahead]: ``start(unit)`` replays the values of
+    ``unit``'s parameters on a worker thread; ``take(unit)`` gives the ``InitialValues`` to build
+    it with (those values once ready; computed on the spot for any not started); ``close()``."""
+
+    def __init__(self, values_of: InitialValues | None):
+        self._values_of = values_of
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="infinity-init")
+                      if values_of is not None else None)
+        self._pending: dict[int, Future] = {}
+
+    def start(self, chosen: ChosenUnit) -> None:
+        if self._pool is not None:
+            self._pending[chosen.index] = self._pool.submit(self._replay, chosen)
+
+    def _replay(self, chosen: ChosenUnit) -> dict[int, torch.Tensor | None]:
+        with torch.no_grad():
+            return {id(p): self._values_of(p) for _, p in chosen.params}
+
+    def take(self, chosen: ChosenUnit) -> InitialValues | None:
+        if self._values_of is None:
+            return None
+        future = self._pending.pop(chosen.index, None)
+        ready = future.result() if future is not None else {}  # re-raises the replay's error
+        fallback = self._values_of
+
+        def values_of(param: torch.Tensor) -> torch.Tensor | None:
+            key = id(param)
+            return ready.pop(key) if key in ready else fallback(param)
+
+        return values_of
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for future in self._pending.values():
+                future.cancel()
+            self._pool.shutdown(wait=True)
+            self._pending.clear()
