@@ -185,10 +185,24 @@ class Counters:
         self.num_waits = 0
         self.evictions = {Tier.DEVICE: 0, Tier.HOST: 0}
         self.writebacks = 0
+        self.nvme_by_kind: dict[tuple[str, str], int] = {}
+        """(kind, 'read' | 'write') -> NVMe payload bytes; the kind is a key's first path
+        component ('param', 'opt', 'grad', ...)."""
 
-    def add_moved(self, src: Tier, dst: Tier, nbytes: int) -> None:
+    def add_moved(self, src: Tier, dst: Tier, nbytes: int, key: str | None = None) -> None:
         with self._lock:
             self.moved[(src.label, dst.label)] += nbytes
+            if key is not None and Tier.NVME in (src, dst):
+                slot = (key.split("/", 1)[0], "read" if src is Tier.NVME else "write")
+                self.nvme_by_kind[slot] = self.nvme_by_kind.get(slot, 0) + nbytes
+
+    def nvme_bytes_by_kind(self) -> dict[str, dict[str, int]]:
+        """{kind: {'read': bytes, 'write': bytes}} moved to and from NVMe so far."""
+        with self._lock:
+            out: dict[str, dict[str, int]] = {}
+            for (kind, way), n in sorted(self.nvme_by_kind.items()):
+                out.setdefault(kind, {"read": 0, "write": 0})[way] = n
+            return out
 
     def add_wait(self, seconds: float) -> None:
         with self._lock:

@@ -375,7 +375,7 @@ class TieredStore:
         if error is None:
             shard.set_state(dst, _R)
             if not (src is Tier.NVME and shard.nvme_zeros):
-                self.counters.add_moved(src, dst, shard.nbytes)
+                self.counters.add_moved(src, dst, shard.nbytes, shard.key)
             future.set_result(copy.tensor)
         else:
             shard.set_state(dst, _A)
@@ -545,7 +545,7 @@ class TieredStore:
                 extent = shard.copies[Tier.HOST].extent
                 shard.has_swap_file = True
                 self.swapper.swap_out(shard.key, self.arena.raw(extent)).wait()
-                self.counters.add_moved(Tier.HOST, Tier.NVME, shard.nbytes)
+                self.counters.add_moved(Tier.HOST, Tier.NVME, shard.nbytes, shard.key)
             else:
                 self._copy(shard.copies[home].tensor, shard.copies[src].tensor, ready)
                 self.counters.add_moved(src, home, shard.nbytes)
@@ -676,6 +676,11 @@ class TieredStore:
             out["num_shards"] = len(self._shards)
         out["host_largest_free_bytes"] = self.arena.largest_free_bytes()
         return out
+
+    def nvme_bytes_by_kind(self) -> dict[str, dict[str, int]]:
+        """NVMe bytes read and written so far per kind of shard (a key's first path component:
+        'param', 'opt', 'grad'): which state moves more than once a step."""
+        return self.counters.nvme_bytes_by_kind()
 
     def reset_peaks(self) -> None:
         with self._lock:

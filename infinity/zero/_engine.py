@@ -614,6 +614,9 @@ class InfinityEngine:
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.scale,
             "store": store,
+            # Which state moves to and from NVMe, so far: see where traffic exceeds the minimum.
+            "nvme_bytes_by_kind": (self.store.nvme_bytes_by_kind() if self.store is not None
+                                   else {}),
         }
 
     def full_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]:

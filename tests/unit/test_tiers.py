@@ -457,6 +457,30 @@ def test_counters_follow_the_bytes_moved(tmp_path):
         assert sorted(stats) == sorted(STATS_KEYS)
 
 
+def test_nvme_bytes_by_kind_follow_the_key_prefix(tmp_path):
+    """NVMe bytes are split by a key's first path component (what `infinity train` reports per
+    kind of state); bytes that never touch NVMe are not counted there."""
+    numel = 3000
+    nbytes = numel * 4
+    with make_store(tmp_path) as (store, _):
+        store.register("param/a", numel, torch.float32, Tier.NVME, initial=torch.ones(numel))
+        store.register("opt/a", numel, torch.float32, Tier.NVME, initial=torch.ones(numel))
+        store.register("grad/a", numel, torch.float32, Tier.HOST, initial=torch.ones(numel))
+        store.flush()
+        store.evict("param/a", Tier.HOST)
+        store.evict("opt/a", Tier.HOST)
+        store.fetch("param/a", Tier.HOST).wait()
+        store.fetch("param/a", Tier.HOST).wait()  # a hit: no bytes
+        store.fetch("grad/a", Tier.DEVICE).wait()  # HOST -> DEVICE: not NVMe
+        assert store.nvme_bytes_by_kind() == {
+            "param": {"read": nbytes, "write": nbytes},
+            "opt": {"read": 0, "write": nbytes},
+        }
+        stats = store.stats()
+        assert stats["bytes_nvme_to_host"] == nbytes
+        assert stats["bytes_host_to_nvme"] == 2 * nbytes
+
+
 def test_refused_swap_in_fails_through_the_handle(tmp_path, monkeypatch):
     with make_store(tmp_path) as (store, swapper):
         store.register("r", 100, torch.float32, Tier.NVME, initial=torch.ones(100))
