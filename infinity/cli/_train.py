@@ -209,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         moved = engine.stats()["bytes_moved"]
         kinds = engine.stats()["nvme_bytes_by_kind"]
-        last_step_kinds: dict[str, dict[str, int]] = {}
-        """NVMe bytes of the last step per kind of state (param, opt, grad)."""
+        step_kinds: list[dict[str, dict[str, int]]] = []
+        """NVMe bytes of each step per kind of state (param, opt, grad)."""
         for i in range(micro_steps):
             x, y = batch(i)
             loss = engine(x, y)
@@ -218,14 +218,16 @@ def run(args: argparse.Namespace) -> int:
             engine.step()
             losses.append(float(loss.item()))
             if (i + 1) % args.grad_accum == 0:
+                if i + 1 == micro_steps:  # the last update would wait for a forward that never comes
+                    engine.finish_step()
                 step_times.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 s = engine.stats()
                 before, moved = moved, s["bytes_moved"]
                 step_moved.append(nvme_moved_bytes(before, moved))
                 kinds_before, kinds = kinds, s["nvme_bytes_by_kind"]
-                last_step_kinds = {k: {way: n - kinds_before.get(k, {}).get(way, 0)
-                                       for way, n in v.items()} for k, v in kinds.items()}
+                step_kinds.append({k: {way: n - kinds_before.get(k, {}).get(way, 0)
+                                       for way, n in v.items()} for k, v in kinds.items()})
                 elapsed = time.perf_counter() - t_start
                 bar.set_postfix(loss=f"{losses[-1]:.4g}", step_s=f"{step_times[-1]:.3g}",
                                 nvme_read=format_bytes(moved.get("NVME->HOST", 0)),
@@ -241,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
         summary["init_state"] = init_state
         summary["peak_rss_bytes"] = peak_rss_bytes()  # before the probes below allocate
         summary["nvme_per_step"] = nvme_per_step(step_moved, engine.stats())
-        summary["nvme_per_step"]["last_step_by_kind"] = last_step_kinds
+        summary["nvme_per_step"]["by_step"] = [
+            {"step_s": t, "read_bytes": r, "write_bytes": w, "by_kind": k}
+            for t, (r, w), k in zip(step_times, step_moved, step_kinds)]
         if not args.no_roofline and args.offload == "nvme":
             summary["roofline"] = _roofline(args, gpt_config, summary)
         if check is not None:

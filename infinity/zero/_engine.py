@@ -663,6 +663,12 @@ class InfinityEngine:
             return directory
         return tensor_rank_dir(self.tensor_parallel, os.fspath(directory))
 
+    def finish_step(self) -> None:
+        """Run the optimizer updates still deferred into the next forward ([Note: deferred
+        optimizer step]) and wait for their write-backs: a timed loop's last step then ends with
+        its own update, not the work of a forward that never comes. A no-op when nothing waits."""
+        self.shard_optimizer.drain()
+
     def flush_offload(self) -> None:
         """Every shard the store holds is current in its home tier (a no-op without offload)."""
         if self.store is not None:

@@ -37,9 +37,13 @@ def test_main_job_trains_from_nvme_within_its_host_budget(tmp_path):
     per_step = summary["nvme_per_step"]  # the steps' own traffic, and the least it could be
     assert 0 < per_step["read_bytes"] <= moved["NVME->HOST"]
     assert per_step["minimum_read_bytes"] == tiers["NVME"]["measured_peak_bytes"]
-    kinds = per_step["last_step_by_kind"]  # the last step's bytes, split by kind of state
-    assert set(kinds) <= {"param", "opt", "grad"} and kinds["opt"]["write"] > 0
-    assert sum(k["read"] for k in kinds.values()) > 0
+    by_step = per_step["by_step"]  # each step's bytes, split by kind of state
+    assert len(by_step) == 3
+    for step in by_step:
+        assert set(step["by_kind"]) <= {"param", "opt", "grad"}
+        assert sum(k["read"] for k in step["by_kind"].values()) == step["read_bytes"]
+        assert sum(k["write"] for k in step["by_kind"].values()) == step["write_bytes"]
+    assert by_step[-1]["by_kind"]["opt"]["write"] > 0
     line = summary["roofline"]
     assert line["roofline_s"] == max(line["cpu_s"], line["disk_s"]) > 0
     assert line["disk_read_s"] == pytest.approx(per_step["read_bytes"]
