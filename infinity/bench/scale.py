@@ -142,18 +142,26 @@ def run(args: argparse.Namespace) -> int:
                     extra={"summaries": summaries})
     report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
     if args.plot:
-        _, message = save_plot(args.plot, lambda plt: _draw(plt, rows), what="scale plot")
+        _, message = save_plot(args.plot, lambda plt: _draw(plt, rows, ram), what="scale plot")
         print(message, file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0
 
 
-def _draw(plt, rows: list[dict[str, Any]]):
+def _draw(plt, rows: list[dict[str, Any]], ram_bytes: int):
+    """Two panels against model size: peak RSS with the issue's bound (25% of RAM), and the
+    median step over its roofline with NVMe bytes over their minimum (1.25x and 1.3x bounds)."""
     ok = [r for r in rows if "error" not in r and "x roofline" in r]
     x = [float(r["params"].rstrip("B")) for r in ok]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(x, [r["peak RSS GB"] for r in ok], marker="o")
-    a.set(xscale="log", xlabel="parameters (B)", ylabel="peak RSS (GB)", title="host memory")
-    b.plot(x, [r["x roofline"] for r in ok], marker="o")
-    b.axhline(1.0, color="grey", linestyle="--")
-    b.set(xscale="log", xlabel="parameters (B)", ylabel="step / roofline", title="speed")
+    a.plot(x, [r["peak RSS GB"] for r in ok], marker="o", label="peak RSS")
+    a.axhline(0.25 * ram_bytes / 1e9, color="tab:red", linestyle="--", label="25% of RAM")
+    a.set(xscale="log", xlabel="parameters (B)", ylabel="GB", title="host memory", ylim=(0, None))
+    a.legend(fontsize=8)
+    b.plot(x, [r["x roofline"] for r in ok], marker="o", label="step / roofline")
+    b.plot(x, [r["NVMe x min"] for r in ok], marker="s", label="NVMe bytes / minimum")
+    b.axhline(1.0, color="grey", linestyle=":")
+    b.axhline(1.25, color="tab:red", linestyle="--", label="1.25x")
+    b.set(xscale="log", xlabel="parameters (B)", ylabel="ratio", title="speed and traffic",
+          ylim=(0, None))
+    b.legend(fontsize=8)
     return fig

@@ -38,3 +38,23 @@ def test_one_row_per_size_from_its_own_process(tmp_path):
     line = summary["roofline"]
     assert row["x roofline"] == round(summary["median_step_s"] / line["roofline_s"], 2)
     assert line["roofline_s"] == max(line["cpu_s"], line["disk_s"])
+
+
+def test_plot_draws_the_rows_against_their_bounds():
+    """--plot: RSS and the ratios are the rows' own numbers, beside the issue's bounds."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    rows = [{"params": "0.10B", "peak RSS GB": 3.1, "x roofline": 1.1, "NVMe x min": 0.95},
+            {"params": "1.00B", "peak RSS GB": 3.4, "x roofline": 1.2, "NVMe x min": 1.0},
+            {"params": "3.3e+09", "error": "killed"}]
+    fig = scale._draw(plt, rows, ram_bytes=24 * 2**30)
+    try:
+        rss, speed = fig.axes
+        (line, bound) = rss.get_lines()
+        assert list(line.get_xdata()) == [0.1, 1.0] and list(line.get_ydata()) == [3.1, 3.4]
+        assert list(bound.get_ydata()) == [0.25 * 24 * 2**30 / 1e9] * 2
+        ratios = {ln.get_label(): list(ln.get_ydata()) for ln in speed.get_lines()}
+        assert ratios["step / roofline"] == [1.1, 1.2]
+        assert ratios["NVMe bytes / minimum"] == [0.95, 1.0]
+        assert ratios["1.25x"] == [1.25, 1.25]
+    finally:
+        plt.close(fig)
