@@ -20,8 +20,8 @@ from infinity.io import Swapper
 from infinity.ledger import DEFAULT_PREFETCH_UNITS, flat_layout, host_grad_dtype
 from infinity.tiers import (SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet, HostNeeds, NvmeBytes,
                             NvmeDemand, OffloadBudgets, OffloadRequest, StateSizes, StoreConfig,
-                            Tier, TieredStore, check_nvme_space, host_needs, least_host_bytes,
-                            nvme_bytes, resolve_offload_budgets)
+                            Tier, TieredStore, check_nvme_space, extent_bytes, host_needs,
+                            least_host_bytes, nvme_bytes, resolve_offload_budgets)
 from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS
 from infinity.zero._unit_choice import UnitChoice, units_of
 
@@ -32,8 +32,9 @@ def state_sizes(choice: UnitChoice, *, stage: int, world_size: int,
     element of the compute dtype): one flat group per unit and ``requires_grad``, laid out and
     padded as :func:`~infinity.zero._flat_group.layout_group` does ([Note: 16-byte aligned
     slots] in infinity/ledger/_flat_layout.py)."""
-    unit_bytes, param_shards, opt_parts = [], [], []
+    unit_bytes, param_shards, opt_parts, unit_extents = [], [], [], []
     for unit in choice.units:
+        extents = 0
         for trainable in (True, False):
             numels = [p.numel() for _, p in unit.params if p.requires_grad == trainable]
             if not sum(numels):
@@ -42,10 +43,14 @@ def state_sizes(choice: UnitChoice, *, stage: int, world_size: int,
             unit_bytes.append(shard * world_size * param_bytes)
             if not unit.persistent and stage == 3:
                 param_shards.append(shard * param_bytes)
+                extents += extent_bytes(shard * param_bytes)
             if trainable:  # the optimizer's partition: the shard, or everything at stage 0
                 opt_parts.append(shard if stage > 0 else shard * world_size)
+        if extents:
+            unit_extents.append(extents)
     return StateSizes(unit_bytes=tuple(unit_bytes), param_shard_bytes=tuple(param_shards),
-                      optimizer_partition_numel=tuple(opt_parts))
+                      optimizer_partition_numel=tuple(opt_parts),
+                      unit_param_shard_extents=tuple(unit_extents))
 
 
 def offload_request(config: InfinityConfig, world_size: int) -> OffloadRequest:
