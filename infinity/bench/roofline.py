@@ -141,9 +141,18 @@ def nvme_per_step(step_moved: Sequence[tuple[int, int]], stats: Mapping[str, Any
     least = nvme_minimum_bytes(stats)
     read = statistics.median(r for r, _ in steady) if steady else 0
     write = statistics.median(w for _, w in steady) if steady else 0
+    # The mean over every step, the cold one included: a deferred update may run across a step
+    # boundary (its first part in one step, the rest in the next), so a median of few steps can
+    # take one and a half updates or half of one; the sum over the steps holds each update once.
+    n = max(1, len(step_moved))
+    mean_read = sum(r for r, _ in step_moved) / n
+    mean_write = sum(w for _, w in step_moved) / n
+    total_least = max(1, least["read_bytes"] + least["write_bytes"])
     return {"read_bytes": read, "write_bytes": write, "minimum_read_bytes": least["read_bytes"],
             "minimum_write_bytes": least["write_bytes"],
-            "x_minimum": (read + write) / max(1, least["read_bytes"] + least["write_bytes"])}
+            "x_minimum": (read + write) / total_least,
+            "mean_read_bytes": mean_read, "mean_write_bytes": mean_write,
+            "x_minimum_mean": (mean_read + mean_write) / total_least}
 
 
 def nvme_minimum_bytes(stats: Mapping[str, Any]) -> dict[str, int]:

@@ -91,7 +91,10 @@ def _row(numel: float, s: dict[str, Any], ram: int) -> dict[str, Any]:
             "disk write s": round(r.get("disk_write_s", 0.0), 2),
             "stall s": round(s["time"]["stall_s"] / max(1, s["steps"]), 2),
             "x roofline": round(r.get("x_roofline", 0.0), 2),
-            "NVMe x min": round(n["x_minimum"], 2)}
+            "NVMe x min": round(n["x_minimum"], 2),
+            "mean step s": round(s["mean_step_s"], 2),
+            "x roofline (mean)": round(r.get("mean", {}).get("x_roofline", 0.0), 2),
+            "NVMe x min (mean)": round(n["x_minimum_mean"], 2)}
 
 
 def _lora_record_path(given: str, results_dir: str | None) -> str:
@@ -138,7 +141,10 @@ def run(args: argparse.Namespace) -> int:
                            "init x min: init / (the random values eager construction draws, "
                            "once, at the measured normal_ rate + the NVMe state at the probed "
                            "write bandwidth)",
-                           "NVMe x min: bytes moved per step / every NVMe-resident byte once each way"],
+                           "NVMe x min: bytes moved per step / every NVMe-resident byte once each way",
+                           "(mean): over every step with the last one's deferred update "
+                           "(engine.finish_step): a deferred update may straddle a step boundary, "
+                           "so the median of few steps can hold 1.5 updates or 0.5"],
                     extra={"summaries": summaries})
     report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
     if args.plot:

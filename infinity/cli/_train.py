@@ -276,7 +276,11 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
     start = init_roofline(random_numel=summary["init_state"]["random_numel"],
                           state_bytes=summary["init_state"]["nvme_state_bytes"], disk=disk,
                           init_s=summary["init_s"])
+    mean = roofline(cpu_s=cpu_s, read_bytes=per_step["mean_read_bytes"],
+                    write_bytes=per_step["mean_write_bytes"], disk=disk,
+                    step_s=summary["mean_step_s"])
     return {**line, **compute, **start, "cpu_s": cpu_s,
+            "mean": {k: mean[k] for k in ("disk_s", "roofline_s", "x_roofline")},
             "disk_read_bytes_per_s": disk.read_bytes_per_s,
             "disk_write_bytes_per_s": disk.write_bytes_per_s, "direct_io": disk.direct,
             "median_step_s": summary["median_step_s"]}
@@ -297,7 +301,8 @@ def _summary(engine: Any, ledger: Any, numel: int, losses: list[float], step_tim
         "device": str(engine.device),
         "full_training_state_bytes": ledger.total_bytes,
         "steps": len(step_times), "first_loss": losses[0], "final_loss": losses[-1],
-        "median_step_s": sorted(step_times)[len(step_times) // 2], "wall_s": wall_s,
+        "median_step_s": sorted(step_times)[len(step_times) // 2],
+        "mean_step_s": step_total / max(1, len(step_times)), "wall_s": wall_s,
         "tiers": tiers, "bytes_moved": s["bytes_moved"],
         "time": {"steps_s": step_total, "stall_s": stall,
                  "optimizer_step_s": s.get("optimizer_step_s", 0.0),
@@ -335,7 +340,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
           f"({summary['peak_rss_bytes'] / psutil.virtual_memory().total:.1%} of RAM)")
     n = summary["nvme_per_step"]
     print(f"NVMe per step: read {format_bytes(n['read_bytes'])}, write {format_bytes(n['write_bytes'])}"
-          f"; least {format_bytes(n['minimum_read_bytes'])} each way ({n['x_minimum']:.2f}x)")
+          f"; least {format_bytes(n['minimum_read_bytes'])} each way ({n['x_minimum']:.2f}x; "
+          f"mean over every step {n['x_minimum_mean']:.2f}x)")
     r = summary.get("roofline")
     if r:
         print()
@@ -349,7 +355,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ]))
         print(f"step / roofline {r['x_roofline']:.2f}x (disk probed at "
               f"{r['disk_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
-              f"{r['disk_write_bytes_per_s'] / 1e9:.2f} GB/s write)")
+              f"{r['disk_write_bytes_per_s'] / 1e9:.2f} GB/s write); mean step "
+              f"{summary['mean_step_s']:.2f} s / its roofline {r['mean']['x_roofline']:.2f}x")
         print(f"init / (random values once {r['init_rng_s']:.1f} s + state written "
               f"{r['init_write_s']:.1f} s) = {r['init_x']:.2f}x")
     c = summary.get("resume_check")

@@ -44,7 +44,11 @@ def test_main_job_trains_from_nvme_within_its_host_budget(tmp_path):
         assert sum(k["read"] for k in step["by_kind"].values()) == step["read_bytes"]
         assert sum(k["write"] for k in step["by_kind"].values()) == step["write_bytes"]
     assert by_step[-1]["by_kind"]["opt"]["write"] > 0
+    assert per_step["mean_read_bytes"] == sum(st["read_bytes"] for st in by_step) / 3
+    assert summary["mean_step_s"] == pytest.approx(sum(st["step_s"] for st in by_step) / 3)
     line = summary["roofline"]
+    assert line["mean"]["x_roofline"] == pytest.approx(summary["mean_step_s"]
+                                                       / line["mean"]["roofline_s"])
     assert line["roofline_s"] == max(line["cpu_s"], line["disk_s"]) > 0
     assert line["disk_read_s"] == pytest.approx(per_step["read_bytes"]
                                                 / line["disk_read_bytes_per_s"])

@@ -108,6 +108,9 @@ def test_nvme_bytes_per_step_from_stats_samples():
     assert (cold["read_bytes"], cold["write_bytes"], cold["x_minimum"]) == (200, 60, 260 / 200)
     timed = nvme_per_step(moved, stats, cold_steps=0)  # bench step: warm-up steps already left out
     assert (timed["read_bytes"], timed["write_bytes"]) == (250, 65)
+    # The mean over every step, the cold one in it: each update counted once wherever it ran.
+    assert (cold["mean_read_bytes"], cold["mean_write_bytes"]) == (1500 / 4, 1080 / 4)
+    assert cold["x_minimum_mean"] == (1500 + 1080) / 4 / 200
 
 
 def test_init_roofline_is_random_values_once_plus_the_state_written():
