@@ -86,7 +86,9 @@ def _cpu_model() -> str | None:
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
     if not rows:
         return "(no rows)"
-    columns = list(columns or rows[0].keys())
+    # Every key of every row, in first-seen order: a row with its own columns (bench scale's 7B
+    # LoRA row: x plain, plain step) must not lose them to the first row's.
+    columns = list(columns or dict.fromkeys(k for r in rows for k in r))
 
     def cell(v: Any) -> str:
         if isinstance(v, float):

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _draw(plt, rows: list[dict[str, Any]], ram_bytes: int):
     """Two panels against model size: peak RSS with the issue's bound (25% of RAM), and the
-    median step over its roofline with NVMe bytes over their minimum (1.25x and 1.3x bounds)."""
+    median step over its roofline and NVMe bytes over their minimum, beside the 1.25x bound."""
     ok = [r for r in rows if "error" not in r and "x roofline" in r]
     x = [float(r["params"].rstrip("B")) for r in ok]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -170,4 +170,7 @@ def _draw(plt, rows: list[dict[str, Any]], ram_bytes: int):
     b.set(xscale="log", xlabel="parameters (B)", ylabel="ratio", title="speed and traffic",
           ylim=(0, None))
     b.legend(fontsize=8)
+    for ax in (a, b):  # sizes as plain numbers (0.3, 1, 3.3), not powers of ten
+        ax.set_xticks(x, [f"{v:g}" for v in x])
+        ax.minorticks_off()
     return fig
