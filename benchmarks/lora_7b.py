@@ -17,9 +17,12 @@ Reproduce (about 15 minutes here; 13.5 GB base checkpoint + 13.5 GB of swap unde
 3. ours, in its own process: the model built under ``infinity.init`` (LoRA included), the base
    loaded into NVMe-homed shards (``load_base_weights``), the same adapters, the engine's AdamW,
    the same batches.
-Each child reports its peak RSS (VmHWM, whole process), its step times and losses. Printed: the
-median step of each, the ratio ours / plain, the largest loss difference, and the peak RSS of
-ours against 25% of RAM; written to benchmarks/results/lora7b-<time>.json.
+Each child reports its peak RSS (VmHWM, whole process), its step times and losses; ours also its
+NVMe bytes per step and a raw direct-I/O probe of the swap directory just before and after its
+steps. Printed: the median step of each, the ratio ours / plain, the largest loss difference, the
+peak RSS of ours against 25% of RAM, and ours against the roofline max(plain step, NVMe bytes /
+probed bandwidth) (the disk's speed drifts 2x between hours here: the roofline says whether a slow
+run was the disk's or ours); written to benchmarks/results/lora7b-<time>.json.
 """
 
 from __future__ import annotations
@@ -158,6 +161,7 @@ def run_ours(args: argparse.Namespace, base: str, adapters: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import infinity
+    from infinity.bench.roofline import nvme_moved_bytes, probe_disk
     from infinity.integrations.peft import load_base_weights
 
     config = {"zero": {"stage": 3, "unit_class_names": ["LlamaDecoderLayer"]},
@@ -177,16 +181,24 @@ def run_ours(args: argparse.Namespace, base: str, adapters: str) -> dict:
     engine.load_weights(adapters, strict=False)  # the same initial adapters as the plain run
     setup_s = time.perf_counter() - t0
 
+    moved: list[tuple[int, int]] = []  # NVMe (read, written) per step
+
     def step(tokens):
+        before = engine.stats()["bytes_moved"]
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()
-        return loss.item()
+        value = loss.item()
+        moved.append(nvme_moved_bytes(before, engine.stats()["bytes_moved"]))
+        return value
 
-    before = engine.stats()["bytes_moved"]
+    # The disk's raw bandwidth on the swap directory, probed just before and just after the steps
+    # (a shared virtual disk drifts by 2x between hours: the roofline needs the figure of this run).
+    swap = config["offload_param"]["nvme_path"]
+    disk_before = probe_disk(swap)
     out = _train(step, args, model.config.vocab_size)
+    disk_after = probe_disk(swap)
     stats = engine.stats()
-    moved = stats["bytes_moved"]
     budgets = {"host_budget_bytes": engine.offload.host_budget_bytes,
                "device_budget_bytes": engine.offload.device_budget_bytes,
                "prefetch_overlap": engine.offload.overlap,
@@ -194,9 +206,12 @@ def run_ours(args: argparse.Namespace, base: str, adapters: str) -> dict:
                "prefetch_hit_rate": stats["prefetch"]["hit_rate"],
                "stall_s": stats["stall_s"]}
     engine.close()
+    probes = [{"read_bytes_per_s": d.read_bytes_per_s, "write_bytes_per_s": d.write_bytes_per_s,
+               "direct": d.direct} for d in (disk_before, disk_after)]
     return out | {"setup_s": setup_s, "peak_rss_bytes": _peak_rss_bytes(),
-                  "nvme_read_per_step_bytes": (moved["NVME->HOST"] - before["NVME->HOST"])
-                  / args.steps, **budgets}
+                  "nvme_read_per_step_bytes": sum(r for r, _ in moved) / len(moved),
+                  "nvme_moved_by_step": [{"read_bytes": r, "write_bytes": w} for r, w in moved],
+                  "disk_probes": probes, **budgets}
 
 
 def _child(which: str, args: argparse.Namespace) -> dict:
@@ -210,6 +225,26 @@ def _child(which: str, args: argparse.Namespace) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"{which} run failed (exit {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _roofline(plain: dict, ours: dict, median: dict[str, float]) -> dict:
+    """Ours against max(compute, disk): compute is the plain run's median step (the same model,
+    batches and optimizer with every weight in RAM), disk the median steady step's NVMe bytes at
+    the mean of the two raw probes of the swap directory taken around ours' steps."""
+    from infinity.bench.roofline import DiskBandwidth, roofline
+
+    steps = ours["nvme_moved_by_step"]
+    steady = steps[1:] or steps  # the first step also reads what set-up left cold
+    probes = ours["disk_probes"]
+    disk = DiskBandwidth(
+        read_bytes_per_s=statistics.mean(p["read_bytes_per_s"] for p in probes),
+        write_bytes_per_s=statistics.mean(p["write_bytes_per_s"] for p in probes),
+        direct=all(p["direct"] for p in probes))
+    return roofline(cpu_s=median["plain"],
+                    read_bytes=statistics.median(s["read_bytes"] for s in steady),
+                    write_bytes=statistics.median(s["write_bytes"] for s in steady),
+                    disk=disk, step_s=median["ours"]) | {
+        "read_bytes_per_s": disk.read_bytes_per_s, "write_bytes_per_s": disk.write_bytes_per_s}
 
 
 def main() -> None:
@@ -252,14 +287,19 @@ def main() -> None:
         "median_step_s": median, "x_plain": median["ours"] / median["plain"],
         "max_loss_diff": max(abs(a - b) for a, b in zip(plain["losses"], ours["losses"])),
         "ours_peak_rss_over_ram": ours["peak_rss_bytes"] / ram,
+        "roofline": _roofline(plain, ours, median),
     }
     print(f"plain: median step {median['plain']:.2f} s, peak RSS "
           f"{plain['peak_rss_bytes'] / 2**30:.2f} GiB, losses {plain['losses']}")
     print(f"ours:  median step {median['ours']:.2f} s, peak RSS "
           f"{ours['peak_rss_bytes'] / 2**30:.2f} GiB ({record['ours_peak_rss_over_ram']:.1%} of RAM), "
           f"NVMe read per step {ours['nvme_read_per_step_bytes'] / 1e9:.2f} GB, losses {ours['losses']}")
+    r = record["roofline"]
     print(f"ours / plain: {record['x_plain']:.3f}; largest loss difference "
           f"{record['max_loss_diff']:.2e}")
+    print(f"roofline: max(compute {r['cpu_s']:.2f} s, disk {r['disk_s']:.2f} s at "
+          f"{r['read_bytes_per_s'] / 1e9:.2f} GB/s read) = {r['roofline_s']:.2f} s; "
+          f"ours / roofline {r['x_roofline']:.3f}")
     if not args.no_save:
         os.makedirs(args.results_dir, exist_ok=True)
         path = os.path.join(args.results_dir, f"lora7b-{time.strftime('%Y%m%d-%H%M%S')}.json")

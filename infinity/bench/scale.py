@@ -112,7 +112,8 @@ def _lora_record_path(given: str, results_dir: str | None) -> str:
 def lora_row(path: str, ram: int) -> dict[str, Any]:
     """The scale table's 7B LoRA row from a ``benchmarks/lora_7b.py`` record: the frozen bf16 base
     on NVMe, adapters and their optimizer in memory, against plain peft with the model in RAM
-    (its ``x plain`` is the ratio the scenario targets; there is no roofline column)."""
+    (its ``x plain`` is the ratio the scenario targets); records from before the script probed the
+    disk have no roofline column."""
     with open(path) as f:
         rec = json.load(f)
     ours = rec["ours"]
@@ -123,6 +124,7 @@ def lora_row(path: str, ram: int) -> dict[str, Any]:
             "plain step s": round(rec["median_step_s"]["plain"], 2),
             "x plain": round(rec["x_plain"], 3),
             "NVMe read GB/step": round(ours["nvme_read_per_step_bytes"] / 1e9, 2),
+            **({"x roofline": round(rec["roofline"]["x_roofline"], 2)} if "roofline" in rec else {}),
             "record": os.path.basename(path)}
 
 

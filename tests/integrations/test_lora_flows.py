@@ -50,3 +50,10 @@ def test_benchmark_runs_give_the_same_losses_from_the_same_weights(tmp_path):
     # bf16 compute in both; the engine keeps fp32 masters of the adapters, peft steps them in
     # its own dtype: measured 2.6e-4 apart here, against losses of ~5.6.
     assert max(abs(a - b) for a, b in zip(plain, ours)) < 5e-3, record
+    # The roofline's disk side is the steady steps' NVMe bytes at the probed bandwidth.
+    line, moved = record["roofline"], record["ours"]["nvme_moved_by_step"]
+    assert len(moved) == 3 and len(record["ours"]["disk_probes"]) == 2
+    assert sum(m["read_bytes"] for m in moved) / 3 == record["ours"]["nvme_read_per_step_bytes"]
+    reads = sorted(m["read_bytes"] for m in moved[1:])
+    assert line["disk_read_s"] == pytest.approx(sum(reads) / 2 / line["read_bytes_per_s"])
+    assert line["roofline_s"] == max(record["median_step_s"]["plain"], line["disk_s"])

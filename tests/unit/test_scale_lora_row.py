@@ -22,6 +22,9 @@ def test_lora_row_reports_the_record_figures(tmp_path):
     assert row["x plain"] == 1.1 and row["step s"] == 13.2 and row["plain step s"] == 12.0
     assert row["peak RSS GB"] == 5.0 and row["peak RSS / RAM"] == 0.25
     assert row["NVMe read GB/step"] == 24.6
+    assert "x roofline" not in row  # a record from before the script probed the disk
+    newer.write_text(json.dumps({**record, "roofline": {"x_roofline": 1.084}}))
+    assert lora_row(path, ram=20 * 10**9)["x roofline"] == 1.08
 
 
 def test_latest_without_a_record_names_the_folder(tmp_path):
