@@ -26,12 +26,13 @@ from infinity.config._ds_keys import Fate, fate_of
 from infinity.config._load import is_deepspeed_config, load_config
 from infinity.config._mesh import MeshConfig
 from infinity.config._native import config_from_native, did_you_mean, unknown_key_error
-from infinity.config._sections import (DTYPE_BYTES, ActivationCheckpointingConfig, DTypeName,
+from infinity.config._sections import (AUTO_SUB_GROUP_NUMEL, DTYPE_BYTES,
+                                       ActivationCheckpointingConfig, DTypeName,
                                        InfinityConfig, MemoryConfig, OffloadConfig, OffloadDevice,
                                        OptimizerConfig, PrecisionConfig, SwapperConfig, ZeroConfig)
 from infinity.config._scheduler import SchedulerConfig
 
-__all__ = ["AUTO", "DEEPSPEED_KEYS", "DS_ONLY_TOP_KEYS", "DTYPE_BYTES",
+__all__ = ["AUTO", "AUTO_SUB_GROUP_NUMEL", "DEEPSPEED_KEYS", "DS_ONLY_TOP_KEYS", "DTYPE_BYTES",
            "TRAINING_ARGUMENTS_DEFAULTS", "ActivationCheckpointingConfig", "DTypeName", "Fate",
            "InfinityConfig", "MemoryConfig", "MeshConfig", "OffloadConfig", "OffloadDevice",
            "OptimizerConfig", "PrecisionConfig", "SchedulerConfig", "SwapperConfig", "ZeroConfig",

@@ -24,6 +24,11 @@ _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
+AUTO_SUB_GROUP_NUMEL = 2 ** 22
+"""'auto' zero.sub_group_numel: 4 Mi elements, a 48 MiB [master | exp_avg | exp_avg_sq] shard:
+large enough for full-speed NVMe requests, small enough that three (the read ahead, the one
+being stepped, the one being written) fit a modest host budget. Here rather than in the offload
+budgets that halve it, so that the ledger (which sees only the config) assumes the same size."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +141,8 @@ class ZeroConfig:
     max_reuse_distance_numel: int | Literal["auto"] = AUTO
     """Keep a unit gathered when the trace says it is used again within this many elements of fetches."""
     sub_group_numel: int | Literal["auto"] = AUTO
-    """Optimizer-state elements stepped and swapped as one piece (the NVMe pipeline's grain)."""
+    """Optimizer-state elements stepped and swapped as one piece (the NVMe pipeline's grain);
+    'auto': AUTO_SUB_GROUP_NUMEL, halved while the host budget cannot hold its staging."""
     # ZeRO++ quantized collectives (infinity/zero/_quantized_collectives.py; issue #17, part 3)
     quantized_weights: bool = False
     """qwZ: stage 3's parameter all-gathers (forward and backward) send int8 with fp32 block

@@ -88,7 +88,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from infinity._tier import Tier
-from infinity.config import DTYPE_BYTES, InfinityConfig
+from infinity.config import AUTO_SUB_GROUP_NUMEL, DTYPE_BYTES, InfinityConfig
 
 GB = 10**9
 """The unit of the ZeRO papers' model-state figures (1T params x 16 B = 16000 GB)."""
@@ -101,7 +101,10 @@ OPTIMIZER_STAGING_SUBGROUPS = 3
 """Sub-groups staged on the host with the optimizer on NVMe: read(i+1), step(i), write(i-1)."""
 
 DEFAULT_SUB_GROUP_NUMEL = 100_000_000
-"""Sub-group size the ledger assumes when the config leaves ``zero.sub_group_numel`` at 'auto'."""
+"""The sub-group size ``infinity plan`` writes for an NVMe optimizer (and prices). A ledger
+given no size, or a config at 'auto', assumes the engine's 'auto' (AUTO_SUB_GROUP_NUMEL): the
+estimate of a default config must stage what the engine stages (it assumed this 1e8 until
+2026-12-04: 3.6 GB of optimizer staging where the engine held 0.15 GB)."""
 
 DEFAULT_PREFETCH_UNITS = 2
 """Units gathered ahead of compute the ledger assumes when the lookahead is 'auto'."""
@@ -395,7 +398,7 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     if opt_tier is Tier.NVME and stepped:
         # Sub-groups of optimizer state (K) read, stepped and written; the gradient is read in
         # place from its host accumulator, the new parameters go straight to their home.
-        group = min(sub_group_numel or DEFAULT_SUB_GROUP_NUMEL, stepped)
+        group = min(sub_group_numel or AUTO_SUB_GROUP_NUMEL, stepped)
         buffers.setdefault(Tier.HOST, {})["optimizer_staging"] = ceil_bytes(
             OPTIMIZER_STAGING_SUBGROUPS * group * terms.optimizer_bytes)
         if grads_on_nvme:  # a slice beside each sub-group, and the one being accumulated
@@ -460,15 +463,19 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
                          unit_numel: int | None = None,
                          optimizer_host_resident_bytes: int = 0,
                          grads_on_nvme: bool = False, trainable_numel: int | None = None,
-                         unit_trainable_numel: int | None = None) -> Ledger:
+                         unit_trainable_numel: int | None = None,
+                         sub_group_numel: int | None = None) -> Ledger:
     """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size);
     ``optimizer_host_resident_bytes`` and ``grads_on_nvme`` as in :func:`estimate_model_states`
     (the engine's plan), ``trainable_numel`` and ``unit_trainable_numel`` too (frozen
-    parameters: [Note: frozen parameters]). ``world_size``: every rank (the config's ``mesh``
+    parameters: [Note: frozen parameters]). ``sub_group_numel``: the size the engine resolved
+    (``engine.stats()["sub_group_numel"]``, the plan again: an 'auto' size is halved where the
+    host budget is small); None: the config's, AUTO_SUB_GROUP_NUMEL for 'auto'. ``world_size``: every rank (the config's ``mesh``
     says how many shard a unit: the sharded terms divide by that shard degree)."""
     _, shard_size, _ = config.mesh.resolve(world_size)
     z = config.zero
-    sub_group = z.sub_group_numel if isinstance(z.sub_group_numel, int) else None
+    sub_group = sub_group_numel or (z.sub_group_numel if isinstance(z.sub_group_numel, int)
+                                    else None)
     prefetch_units = DEFAULT_PREFETCH_UNITS
     if unit_numel and isinstance(z.prefetch_lookahead_bytes, int):
         prefetch_units = z.prefetch_lookahead_bytes // max(1, unit_numel * config.precision.param_bytes)

@@ -18,13 +18,10 @@ import torch
 
 from infinity._common import warn_once
 from infinity._tier import Tier
+from infinity.config import AUTO_SUB_GROUP_NUMEL
 
 SUB_GROUP_BYTES_PER_NUMEL = 12
 """Bytes per element of one optimizer sub-group shard ``[master | exp_avg | exp_avg_sq]`` (fp32)."""
-AUTO_SUB_GROUP_NUMEL = 2 ** 22
-"""'auto' zero.sub_group_numel: 4 Mi elements, a 48 MiB [master | exp_avg | exp_avg_sq] shard:
-large enough for full-speed NVMe requests, small enough that three (the read ahead, the one
-being stepped, the one being written) fit a modest host budget."""
 EXTENT_ALIGN_BYTES = 4096
 """The arena extent the budgets count in (the arena's own alignment when the file system says
 nothing larger; the optimizer takes host-resident room in the arena's real extents)."""

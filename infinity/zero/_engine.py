@@ -610,6 +610,10 @@ class InfinityEngine:
             # [Note: host-resident sub-groups]: optimizer state homed on HOST out of an NVMe home.
             "optimizer_host_resident_bytes": self.shard_optimizer.host_resident_bytes,
             "grads_on_nvme": grads_on_nvme,
+            # The optimizer's sub-group size as resolved ('auto' halves it for small host
+            # budgets): the ledger of the engine's plan stages this many (None: nothing offloaded).
+            "sub_group_numel": (self.offload.sub_group_numel if self.offload is not None
+                                else None),
             "global_steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.scale,

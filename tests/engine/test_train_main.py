@@ -29,6 +29,14 @@ def test_main_job_trains_from_nvme_within_its_host_budget(tmp_path):
     assert summary["offload"] == "nvme" and summary["steps"] == 3
     assert summary["full_training_state_bytes"] > 2 * host_budget  # it cannot fit: NVMe it is
     assert 0 < tiers["HOST"]["measured_peak_bytes"] <= host_budget
+    # The ledger of the engine's plan stages the sub-groups the engine resolved (3: read ahead,
+    # stepped, written back), and is the least the host holds: the store fills the room an
+    # 'auto' budget leaves above it with cached copies, never holds less.
+    sub_group = summary["stats"]["sub_group_numel"]
+    stepped = summary["num_params"]
+    staging = summary["ledger"]["tiers"]["host"]["buffers"]["optimizer_staging"]
+    assert staging == 3 * min(sub_group, stepped) * 12
+    assert tiers["HOST"]["estimate_bytes"] <= tiers["HOST"]["measured_peak_bytes"]
     moved = summary["bytes_moved"]
     assert moved["NVME->HOST"] > 0 and moved["HOST->NVME"] > 0
     assert tiers["NVME"]["measured_peak_bytes"] == pytest.approx(tiers["NVME"]["estimate_bytes"],

@@ -9,7 +9,7 @@ import pytest
 from infinity import cli
 from infinity.cli._estimate import load_model_shape, shape_from_hf_config
 from infinity.config import (InfinityConfig, OffloadConfig, OptimizerConfig, PrecisionConfig,
-                             ZeroConfig)
+                             ZeroConfig, load_config)
 from infinity.ledger import (GB, ModelShape, StateTerms, Tier, activation_bytes,
                              estimate_from_config, estimate_model_states, paper_bytes_per_device)
 
@@ -103,6 +103,24 @@ def test_tier_split_zero_infinity_all_nvme():
     assert d["tiers"]["nvme"]["node_total_bytes"] == 14 * psi
     assert d["tiers"]["host"]["buffers"] == {"optimizer_staging": 3 * 10**8 * 12}
     assert ledger.total_bytes == 16 * psi // n
+
+
+def test_an_auto_sub_group_stages_what_the_engine_stages():
+    """A config at 'auto' stages 4 Mi-element sub-groups, as the engine's 'auto' does (the ledger
+    assumed 1e8 until 2026-12-04: 3.6 GB of staging against the engine's 0.15 GB); the size the
+    engine resolved (smaller for a small host budget) overrides it."""
+    config = load_config({"zero": {"stage": 3},
+                          "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+                          "offload_param": {"device": "nvme", "nvme_path": "/tmp"}})
+    assert config.zero.sub_group_numel == "auto"
+    staging = estimate_from_config(config, 10**9, 1).to_dict()["tiers"]["host"]["buffers"]
+    assert staging["optimizer_staging"] == 3 * 2**22 * 12
+    resolved = estimate_from_config(config, 10**9, 1, sub_group_numel=2**18)
+    assert resolved.to_dict()["tiers"]["host"]["buffers"]["optimizer_staging"] == 3 * 2**18 * 12
+    explicit = load_config({"zero": {"stage": 3, "sub_group_numel": 10**6},
+                            "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}})
+    assert estimate_from_config(explicit, 10**9, 1).to_dict()["tiers"]["host"]["buffers"][
+        "optimizer_staging"] == 3 * 10**6 * 12
 
 
 def test_frozen_parameters_have_only_their_params_term():
