@@ -107,6 +107,12 @@ def _peak_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def _reset_peak_rss() -> None:
+    """Start a new VmHWM from the current RSS (Linux), to split set-up's peak from the steps'."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _train(step_fn, args: argparse.Namespace, vocab_size: int) -> dict:
     losses, times = [], []
     for tokens in batches(vocab_size, args.batch_size, args.seq_len, args.steps):
@@ -192,23 +198,29 @@ def run_ours(args: argparse.Namespace, base: str, adapters: str) -> dict:
         moved.append(nvme_moved_bytes(before, engine.stats()["bytes_moved"]))
         return value
 
-    # The disk's raw bandwidth on the swap directory, probed just before and just after the steps
-    # (a shared virtual disk drifts by 2x between hours: the roofline needs the figure of this run).
+    # The disk's raw bandwidth on the swap directory, probed just before the steps and once the
+    # engine is closed (a shared virtual disk drifts by 2x between hours, and within a run: the
+    # roofline needs this run's figure). Peak RSS: set-up's and the steps' apart.
     swap = config["offload_param"]["nvme_path"]
+    setup_peak = _peak_rss_bytes()
     disk_before = probe_disk(swap)
+    _reset_peak_rss()  # the probe's buffer is freed: the steps' peak starts here
     out = _train(step, args, model.config.vocab_size)
-    disk_after = probe_disk(swap)
+    steps_peak = _peak_rss_bytes()
     stats = engine.stats()
     budgets = {"host_budget_bytes": engine.offload.host_budget_bytes,
                "device_budget_bytes": engine.offload.device_budget_bytes,
                "prefetch_overlap": engine.offload.overlap,
                "tier_peak_bytes": {t: stats["bytes"][t]["peak"] for t in ("DEVICE", "HOST")},
                "prefetch_hit_rate": stats["prefetch"]["hit_rate"],
+               "prefetch": stats["prefetch"],
                "stall_s": stats["stall_s"]}
     engine.close()
+    disk_after = probe_disk(swap)  # after close: no prefetch or write-back of ours in flight
     probes = [{"read_bytes_per_s": d.read_bytes_per_s, "write_bytes_per_s": d.write_bytes_per_s,
                "direct": d.direct} for d in (disk_before, disk_after)]
-    return out | {"setup_s": setup_s, "peak_rss_bytes": _peak_rss_bytes(),
+    return out | {"setup_s": setup_s, "peak_rss_bytes": max(setup_peak, steps_peak),
+                  "setup_peak_rss_bytes": setup_peak, "steps_peak_rss_bytes": steps_peak,
                   "nvme_read_per_step_bytes": sum(r for r, _ in moved) / len(moved),
                   "nvme_moved_by_step": [{"read_bytes": r, "write_bytes": w} for r, w in moved],
                   "disk_probes": probes, **budgets}
@@ -292,7 +304,9 @@ def main() -> None:
     print(f"plain: median step {median['plain']:.2f} s, peak RSS "
           f"{plain['peak_rss_bytes'] / 2**30:.2f} GiB, losses {plain['losses']}")
     print(f"ours:  median step {median['ours']:.2f} s, peak RSS "
-          f"{ours['peak_rss_bytes'] / 2**30:.2f} GiB ({record['ours_peak_rss_over_ram']:.1%} of RAM), "
+          f"{ours['peak_rss_bytes'] / 2**30:.2f} GiB ({record['ours_peak_rss_over_ram']:.1%} of RAM; "
+          f"set-up {ours['setup_peak_rss_bytes'] / 2**30:.2f}, steps "
+          f"{ours['steps_peak_rss_bytes'] / 2**30:.2f}), "
           f"NVMe read per step {ours['nvme_read_per_step_bytes'] / 1e9:.2f} GB, losses {ours['losses']}")
     r = record["roofline"]
     print(f"ours / plain: {record['x_plain']:.3f}; largest loss difference "
