@@ -9,6 +9,9 @@ and safetensors read and written by byte range.
   direct I/O reads into without staging.
 - :func:`huge_pages_pay_off` (:mod:`._huge_pages`): whether large host buffers are advised to
   use transparent huge pages on this machine (probed once per process).
+- :func:`manage_mmap_threshold`, :func:`activations_in_heap`, :func:`engine_buffers`
+  (:mod:`._host_malloc`): glibc's mmap threshold, so that the engine's buffers leave the process
+  when freed while the model's activations reuse heap memory.
 - :func:`free_disk_bytes` (:mod:`._disk`): free space of a path's file system, for the checks
   that run before anything is written.
 - :mod:`._safetensors`: streaming safetensors files (:class:`SafetensorsFile`), Hugging Face
@@ -20,6 +23,7 @@ Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from 
 from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, advise_huge_pages,
                                   aligned_empty, aligned_view, memory_at, pin_device_for, pinned_staging_ring)
 from infinity.io._disk import free_disk_bytes
+from infinity.io._host_malloc import activations_in_heap, engine_buffers, manage_mmap_threshold
 from infinity.io._huge_pages import huge_pages_pay_off
 from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, SafetensorsError,
                                       SafetensorsFile, TensorEntry, fsync_dir, iter_tensors,
@@ -27,7 +31,8 @@ from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, Safeten
 from infinity.io._swap_format import FileState
 from infinity.io._swapper import SwapHandle, Swapper
 
-__all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
+__all__ = ["DEFAULT_ALIGNMENT_BYTES", "activations_in_heap", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
            "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
-           "address_of", "advise_huge_pages", "aligned_empty", "aligned_view", "free_disk_bytes",
+           "address_of", "advise_huge_pages", "aligned_empty", "aligned_view", "engine_buffers",
+           "free_disk_bytes", "manage_mmap_threshold",
            "fsync_dir", "huge_pages_pay_off", "iter_tensors", "memory_at", "pin_device_for", "pinned_staging_ring", "write_safetensors"]

@@ -111,7 +111,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
     [Note: first touch of large host buffers] torch's CPU allocator serves every buffer of a
     unit's size (hundreds of MiB at 7B) with a fresh ``mmap`` that is returned on free ([Note:
-    freed buffers leave the process] in infinity/zero/_host_malloc.py), so each gathered unit and
+    freed buffers leave the process] in infinity/io/_host_malloc.py), so each gathered unit and
     each DEVICE-tier copy on a CPU engine is faulted in page by page on its first write. On the
     2-core VM that first write ran at 2.1 GB/s on 4 KiB pages and 5.5-6 GB/s with this advice
     (a 400 MiB bf16 copy into a freshly resized storage, /tmp benchmark in the #16 note): a 7B

@@ -16,7 +16,7 @@ import torch
 from infinity._async_copy import StagingRing
 from infinity.config import OptimizerConfig
 from infinity.errors import TierCapacityError
-from infinity.io import pinned_staging_ring
+from infinity.io import engine_buffers, pinned_staging_ring
 from infinity.optim._partition import StoredGrad, check_numel, open_param_out
 from infinity.optim._runs import AdamRun, adam_runs, clipped, config_hyperparameters, covers
 from infinity.optim._sub_group import (STEP_TRANSITIONS, ReadAhead, StepRun, StepState, SubGroup,
@@ -506,7 +506,10 @@ class OffloadedShardOptimizer:
             return
         t0 = time.perf_counter()
         try:
-            self._advance(run.last_of[run.pending_params[store_key]] + 1)
+            # In the forward, where activations come from the heap: the update's sub-group
+            # temporaries must not stay there ([Note: activations stay in the heap] in infinity/io).
+            with engine_buffers():
+                self._advance(run.last_of[run.pending_params[store_key]] + 1)
         finally:
             self.deferred_s += time.perf_counter() - t0
 

@@ -22,7 +22,7 @@ import torch
 
 from infinity._common import format_bytes
 from infinity.errors import TierCapacityError
-from infinity.io import advise_huge_pages
+from infinity.io import advise_huge_pages, engine_buffers
 from infinity.tiers._arena import HostArena
 from infinity.tiers._records import Counters, _Shard
 from infinity.tiers.residency import Residency, Tier
@@ -36,7 +36,8 @@ _A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Resid
 
 def _empty_device(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every DEVICE allocation of the store goes through here (tests wrap it to count live bytes)."""
-    tensor = torch.empty(numel, dtype=dtype, device=device)
+    with engine_buffers():  # [Note: freed buffers leave the process] in infinity/io
+        tensor = torch.empty(numel, dtype=dtype, device=device)
     advise_huge_pages(tensor)  # a CPU engine's DEVICE tier: [Note: first touch of large host buffers]
     return tensor
 

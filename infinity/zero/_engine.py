@@ -53,6 +53,7 @@ from torch import nn
 from infinity._timing import timer_for
 from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, MeshConfig, load_config
+from infinity.io import activations_in_heap, manage_mmap_threshold
 from infinity.ledger import host_grad_dtype
 from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer,
                             StoredGrad, check_hyperparameters, json_safe_group,
@@ -65,7 +66,6 @@ from infinity.zero._collectives import (Collectives, Phase, init_from_env_if_lau
 from infinity.zero._device import resolve_device
 from infinity.zero._flat_group import FlatGroup
 from infinity.zero._grad_norm import sum_of_squares
-from infinity.zero._host_malloc import fix_mmap_threshold
 from infinity.zero._inputs import move_to_device
 from infinity.zero._lazy import materialise_placeholders, recording_of
 from infinity.zero._loss_scale import LossScaler
@@ -235,8 +235,8 @@ class InfinityEngine:
                                            device=self.device, data_parallel_size=data_parallel)
         self.store, self._swapper = None, None
         if self.offload is not None:
-            # [Note: freed buffers leave the process] in infinity/zero/_host_malloc.py
-            fix_mmap_threshold()
+            # [Note: activations stay in the heap] in infinity/io/_host_malloc.py
+            manage_mmap_threshold()
             self.store, self._swapper = build_store(self.device, self.offload,
                                                     swapper_config=config.swapper,
                                                     rank=self.collectives.rank)
@@ -355,7 +355,8 @@ class InfinityEngine:
             self._broadcast_buffers()
         # [Note: the engine moves inputs] in infinity/zero/_inputs.py
         args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
-        with self.manager.forward_scope():
+        # [Note: activations stay in the heap] in infinity/io/_host_malloc.py
+        with self.manager.forward_scope(), activations_in_heap():
             try:
                 return self.module(*args, **kwargs)
             except RuntimeError as e:
@@ -431,7 +432,8 @@ class InfinityEngine:
             self.shard_optimizer.read_ahead(self.manager.forward_keys())
         self.manager.begin_backward()
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
+            with activations_in_heap():  # [Note: activations stay in the heap] (io)
+                (loss * scale if scale != 1.0 else loss).backward()
             self.manager.finish_backward()
         except BaseException:
             self.manager.abort_backward()

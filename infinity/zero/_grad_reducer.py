@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 import torch
 
 from infinity._async_copy import StagingRing
-from infinity.io import advise_huge_pages, pinned_staging_ring
+from infinity.io import advise_huge_pages, engine_buffers, pinned_staging_ring
 from infinity.optim import StoredGrad
 from infinity.tiers import Tier, TieredStore, TierHandle
 from infinity.zero._collectives import Collectives, Phase
@@ -151,7 +151,8 @@ class GradientReducer:
     def _new_staging(self, g: FlatGroup) -> torch.Tensor:
         if self._stages_in_host(g):
             return g.grad_host.zero_()
-        staging = torch.empty(g.padded_numel, dtype=torch.float32, device=self.config.device)
+        with engine_buffers():  # [Note: freed buffers leave the process] in infinity/io
+            staging = torch.empty(g.padded_numel, dtype=torch.float32, device=self.config.device)
         advise_huge_pages(staging)  # [Note: first touch of large host buffers] in infinity/io
         return staging.zero_()
 

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from infinity._common import warn_once
-from infinity.io import advise_huge_pages
+from infinity.io import advise_huge_pages, engine_buffers
 from infinity.optim import StoredGrad
 from infinity.prefetch import Level
 from infinity.tiers import Tier, TieredStore
@@ -402,7 +402,8 @@ class ParameterManager:
                     if self._borrow_host and not unit.always_gathered \
                             and g.store_key is not None and self._borrow(g):
                         continue
-                    g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
+                    with engine_buffers():  # [Note: freed buffers leave the process] (io)
+                        g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
                     advise_huge_pages(g.full)  # [Note: first touch of large host buffers] (io)
                     context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
                                f"(micro-step {self.micro_step})")
@@ -731,7 +732,8 @@ class ParameterManager:
             if id(g) in self._borrowed:
                 values = g.full.clone()
                 self._give_back(g)
-                g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
+                with engine_buffers():
+                    g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
                 g.full.copy_(values)
         self._gather(unit, Phase.FORWARD_GATHER)
 
