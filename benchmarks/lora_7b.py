@@ -304,7 +304,8 @@ def main() -> None:
     print(f"plain: median step {median['plain']:.2f} s, peak RSS "
           f"{plain['peak_rss_bytes'] / 2**30:.2f} GiB, losses {plain['losses']}")
     print(f"ours:  median step {median['ours']:.2f} s, peak RSS "
-          f"{ours['peak_rss_bytes'] / 2**30:.2f} GiB ({record['ours_peak_rss_over_ram']:.1%} of RAM; "
+          f"{ours['peak_rss_bytes'] / 2**30:.2f} GiB "
+          f"({record['ours_peak_rss_over_ram']:.1%} of RAM; "
           f"set-up {ours['setup_peak_rss_bytes'] / 2**30:.2f}, steps "
           f"{ours['steps_peak_rss_bytes'] / 2**30:.2f}), "
           f"NVMe read per step {ours['nvme_read_per_step_bytes'] / 1e9:.2f} GB, losses {ours['losses']}")

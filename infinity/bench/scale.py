@@ -124,7 +124,8 @@ def lora_row(path: str, ram: int) -> dict[str, Any]:
             "plain step s": round(rec["median_step_s"]["plain"], 2),
             "x plain": round(rec["x_plain"], 3),
             "NVMe read GB/step": round(ours["nvme_read_per_step_bytes"] / 1e9, 2),
-            **({"x roofline": round(rec["roofline"]["x_roofline"], 2)} if "roofline" in rec else {}),
+            **({"x roofline": round(rec["roofline"]["x_roofline"], 2)}
+               if "roofline" in rec else {}),
             "record": os.path.basename(path)}
 
 

@@ -329,9 +329,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
         # The ledger's HOST row is the least the plan needs (homed state, staging); an 'auto'
         # budget leaves room above it that the store fills with evictable parameter copies and
         # the optimizer's read-ahead ([Note: ledger placement]): a policy, not a ledger term.
-        print(f"  HOST above the ledger: {format_bytes(host['measured_peak_bytes'] - host['estimate_bytes'])}"
-              f" of cached copies and read-ahead, within the budget's "
-              f"{format_bytes(host['budget_bytes'] - host['estimate_bytes'])} of room")
+        above = host["measured_peak_bytes"] - host["estimate_bytes"]
+        room = host["budget_bytes"] - host["estimate_bytes"]
+        print(f"  HOST above the ledger: {format_bytes(above)} of cached copies and read-ahead, "
+              f"within the budget's {format_bytes(room)} of room")
     print()
     print(format_table([{"traffic": k, "bytes": format_bytes(v)}
                         for k, v in summary["bytes_moved"].items()]))

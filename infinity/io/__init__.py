@@ -31,8 +31,9 @@ from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, Safeten
 from infinity.io._swap_format import FileState
 from infinity.io._swapper import SwapHandle, Swapper
 
-__all__ = ["DEFAULT_ALIGNMENT_BYTES", "activations_in_heap", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
+__all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
            "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
-           "address_of", "advise_huge_pages", "aligned_empty", "aligned_view", "engine_buffers",
-           "free_disk_bytes", "manage_mmap_threshold",
-           "fsync_dir", "huge_pages_pay_off", "iter_tensors", "memory_at", "pin_device_for", "pinned_staging_ring", "write_safetensors"]
+           "activations_in_heap", "address_of", "advise_huge_pages", "aligned_empty",
+           "aligned_view", "engine_buffers", "free_disk_bytes", "fsync_dir", "huge_pages_pay_off",
+           "iter_tensors", "manage_mmap_threshold", "memory_at", "pin_device_for",
+           "pinned_staging_ring", "write_safetensors"]

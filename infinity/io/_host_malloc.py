@@ -53,10 +53,11 @@ logger = logging.getLogger(__name__)
 _M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameter number for the mmap threshold."""
 ENGINE_BUFFER_THRESHOLD_BYTES = 128 * 1024
-"""Inside :func:`engine_buffers`: glibc's own initial threshold, so a unit's buffer is its own
-``mmap``, returned to the system on free."""
+"""Outside :func:`activations_in_heap`, and inside :func:`engine_buffers`: glibc's own initial
+threshold, so a unit's buffer is its own ``mmap``, returned to the system on free."""
 COMPUTE_THRESHOLD_BYTES = 32 * 1024 * 1024
-"""Outside: glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit, where its dynamic threshold ends up."""
+"""Inside :func:`activations_in_heap` with no engine window open: glibc's
+``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit, where its dynamic threshold ends up."""
 
 _mallopt = None  # set by manage_mmap_threshold() on glibc
 _lock = threading.Lock()

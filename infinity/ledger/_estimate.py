@@ -470,8 +470,9 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
     (the engine's plan), ``trainable_numel`` and ``unit_trainable_numel`` too (frozen
     parameters: [Note: frozen parameters]). ``sub_group_numel``: the size the engine resolved
     (``engine.stats()["sub_group_numel"]``, the plan again: an 'auto' size is halved where the
-    host budget is small); None: the config's, AUTO_SUB_GROUP_NUMEL for 'auto'. ``world_size``: every rank (the config's ``mesh``
-    says how many shard a unit: the sharded terms divide by that shard degree)."""
+    host budget is small); None: the config's, AUTO_SUB_GROUP_NUMEL for 'auto'. ``world_size``:
+    every rank (the config's ``mesh`` says how many shard a unit: the sharded terms divide by
+    that shard degree)."""
     _, shard_size, _ = config.mesh.resolve(world_size)
     z = config.zero
     sub_group = sub_group_numel or (z.sub_group_numel if isinstance(z.sub_group_numel, int)

@@ -1,8 +1,9 @@
 """[Note: activations stay in the heap] (infinity/io/_host_malloc.py): with the threshold managed,
 a new 1 MiB buffer allocated inside ``activations_in_heap`` grows the heap (and is reused from
 there, without page faults), one allocated inside ``engine_buffers`` (even nested in it) or
-outside both gets its own ``mmap`` (returned to the system on free). Checked against the kernel's own map of the process:
-the main thread's heap is the ``[heap]`` mapping of /proc/self/maps."""
+outside both gets its own ``mmap`` (returned to the system on free). Checked against the
+kernel's own map of the process: the main thread's heap is the ``[heap]`` mapping of
+/proc/self/maps."""
 
 from __future__ import annotations
 
