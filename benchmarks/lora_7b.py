@@ -45,6 +45,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from finetune_lora import SHAPES, batches  # noqa: E402 (the example's shapes and data)
 
+from infinity.bench.report import peak_rss_bytes  # noqa: E402 (VmHWM of this process)
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -102,11 +104,6 @@ def make_inputs(shape: str, out_dir: str, rank: int) -> tuple[str, str]:
     return base, adapters
 
 
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def _reset_peak_rss() -> None:
     """Start a new VmHWM from the current RSS (Linux), to split set-up's peak from the steps'."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -159,7 +156,7 @@ def run_plain(args: argparse.Namespace, base: str, adapters: str) -> dict:
         return loss.item()
 
     out = _train(step, args, model.config.vocab_size)
-    return out | {"setup_s": setup_s, "peak_rss_bytes": _peak_rss_bytes()}
+    return out | {"setup_s": setup_s, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def run_ours(args: argparse.Namespace, base: str, adapters: str) -> dict:
@@ -188,25 +185,27 @@ def run_ours(args: argparse.Namespace, base: str, adapters: str) -> dict:
     setup_s = time.perf_counter() - t0
 
     moved: list[tuple[int, int]] = []  # NVMe (read, written) per step
+    last = [engine.stats()["bytes_moved"]]  # one sample per step, diffed with the one before
 
     def step(tokens):
-        before = engine.stats()["bytes_moved"]
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()
         value = loss.item()
-        moved.append(nvme_moved_bytes(before, engine.stats()["bytes_moved"]))
+        now = engine.stats()["bytes_moved"]
+        moved.append(nvme_moved_bytes(last[0], now))
+        last[0] = now
         return value
 
     # The disk's raw bandwidth on the swap directory, probed just before the steps and once the
     # engine is closed (a shared virtual disk drifts by 2x between hours, and within a run: the
     # roofline needs this run's figure). Peak RSS: set-up's and the steps' apart.
     swap = config["offload_param"]["nvme_path"]
-    setup_peak = _peak_rss_bytes()
+    setup_peak = peak_rss_bytes()
     disk_before = probe_disk(swap)
     _reset_peak_rss()  # the probe's buffer is freed: the steps' peak starts here
     out = _train(step, args, model.config.vocab_size)
-    steps_peak = _peak_rss_bytes()
+    steps_peak = peak_rss_bytes()
     stats = engine.stats()
     budgets = {"host_budget_bytes": engine.offload.host_budget_bytes,
                "device_budget_bytes": engine.offload.device_budget_bytes,

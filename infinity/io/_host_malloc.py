@@ -100,23 +100,26 @@ def manage_mmap_threshold() -> bool:
 
 @contextlib.contextmanager
 def _window(kind: str) -> Iterator[None]:
-    global _current
     if _mallopt is None:
         yield
         return
     with _lock:
         _open[kind] += 1
-        if _threshold() != _current:
-            _current = _threshold()
-            _mallopt(_M_MMAP_THRESHOLD, _current)
+        _apply_locked()
     try:
         yield
     finally:
         with _lock:
             _open[kind] -= 1
-            if _threshold() != _current:
-                _current = _threshold()
-                _mallopt(_M_MMAP_THRESHOLD, _current)
+            _apply_locked()
+
+
+def _apply_locked() -> None:
+    """Set the threshold the open windows call for, if it changed (``_lock`` held)."""
+    global _current
+    if _threshold() != _current:
+        _current = _threshold()
+        _mallopt(_M_MMAP_THRESHOLD, _current)
 
 
 def activations_in_heap() -> contextlib.AbstractContextManager[None]:

@@ -29,7 +29,7 @@ def _in_heap(ptr: int) -> bool:
 
 def _where_buffers_land() -> dict:
     """In a fresh process: where a 1 MiB tensor lands outside, in the compute window, and in an
-    engine window nested in it (None when the threshold could not be managed)."""
+    engine window nested in it ({"managed": False} when the threshold could not be managed)."""
     import torch
 
     from infinity.io import activations_in_heap, engine_buffers, manage_mmap_threshold
