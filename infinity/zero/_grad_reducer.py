@@ -135,10 +135,41 @@ class GradientReducer:
         return sum(self.accumulator_numel(g) for g in groups) * self.config.host_dtype.itemsize
 
     def stage(self, group: FlatGroup, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """Add one parameter's ``grad`` into its group's staging buffer (created on first use)."""
+        """Put one parameter's ``grad`` into its group's staging buffer (created on first use):
+        [Note: staging writes each gradient once]."""
         if group.grad_staging is None:
             group.grad_staging = self._new_staging(group)
-        group.grad_staging[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+            group.grad_staged = set()
+        view = group.grad_staging[slot.offset:slot.offset + slot.numel]
+        if slot.offset in group.grad_staged:
+            view.add_(grad.reshape(-1))  # a parameter used again in this backward (tied weights)
+        else:
+            view.copy_(grad.reshape(-1))
+            group.grad_staged.add(slot.offset)
+
+    def _completed_staging(self, g: FlatGroup) -> torch.Tensor:
+        """[Note: staging writes each gradient once]
+        The staging buffer is not zeroed when it is made: each parameter's first gradient of the
+        backward is copied into its slot, later ones (a parameter used twice) are added, and only
+        what no gradient wrote (the padding, the gaps of 16-byte aligned slots, parameters
+        without a gradient in this backward) is zeroed here, before the buffer is reduced.
+        Zeroing the whole buffer and adding every gradient into it cost two more passes over it
+        per backward: on the 135M GPT (bf16, 2-core VM) 0.16 s of a 1.8 s step with fp32
+        staging, against plain PyTorch, whose gradient is autograd's own tensor. The values are
+        the same: 0 + g is g (bar the sign of a zero, which no sum, square or Adam moment keeps)."""
+        staging = g.grad_staging
+        staged = g.grad_staged
+        if staging is None:
+            staging, staged = self._new_staging(g), set()
+        pos = 0
+        for s in sorted(g.slots, key=lambda s: s.offset):
+            if s.offset in staged:
+                if s.offset > pos:
+                    staging[pos:s.offset].zero_()
+                pos = s.offset + s.numel
+        if pos < staging.numel():
+            staging[pos:].zero_()
+        return staging
 
     def _stages_in_host(self, g: FlatGroup) -> bool:
         """One rank, an empty host accumulator on the compute device (CPU): the staging buffer is
@@ -149,12 +180,13 @@ class GradientReducer:
                 and g.grad_host.numel() == g.padded_numel)
 
     def _new_staging(self, g: FlatGroup) -> torch.Tensor:
+        """An unzeroed staging buffer ([Note: staging writes each gradient once])."""
         if self._stages_in_host(g):
-            return g.grad_host.zero_()
+            return g.grad_host
         with engine_buffers():  # [Note: freed buffers leave the process] in infinity/io
             staging = torch.empty(g.padded_numel, dtype=torch.float32, device=self.config.device)
         advise_huge_pages(staging)  # [Note: first touch of large host buffers] in infinity/io
-        return staging.zero_()
+        return staging
 
     def reduce(self, groups: Iterable[FlatGroup], *, context: str) -> None:
         """Average each trainable group's staging buffer over the ranks into its accumulator
@@ -164,10 +196,8 @@ class GradientReducer:
         for g in groups:
             if not g.requires_grad:
                 continue
-            staging = g.grad_staging
-            if staging is None:
-                staging = self._new_staging(g)
-            g.grad_staging = None
+            staging = self._completed_staging(g)
+            g.grad_staging, g.grad_staged = None, set()
             if self.data_parallel_size > 1:
                 staging.div_(self.data_parallel_size)
             # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
@@ -179,7 +209,10 @@ class GradientReducer:
             if stage >= 2 and self.world_size == 1:
                 part = wire  # the shard is the whole buffer: no reduce-scatter, no copy
                 self.coll.all_reduce_replicas(part, context=context)
-                part = part.float()
+                if part is not staging:  # the replicas' wire dtype: back to fp32
+                    part = part.float()
+                # else fp32 already, or the host accumulator itself (_stages_in_host: in place;
+                # converting it to fp32 and back cost 0.14 s of the 135M GPT's bf16 step)
             elif stage >= 2 and self.config.grad_quant is not None:
                 # qgZ inside the shard group; the replicas then sum the fp32 shard exactly.
                 part = torch.empty(g.shard_numel, dtype=torch.float32, device=device)
