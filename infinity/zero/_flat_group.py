@@ -86,7 +86,7 @@ class FlatGroup:
     grad_staging: torch.Tensor | None = None
     """fp32 full-size gradient of the current backward (see [Note: gradient ledger])."""
     grad_staged: set[int] = dataclasses.field(default_factory=set)
-    """Offsets of the slots ``grad_staging`` holds a gradient in; the rest of it is not zeroed
+    """id() of the slots ``grad_staging`` holds a gradient in; the rest of it is not zeroed
     until it is reduced ([Note: staging writes each gradient once] in
     infinity/zero/_grad_reducer.py)."""
     grad_acc: torch.Tensor | None = None

@@ -141,11 +141,11 @@ class GradientReducer:
             group.grad_staging = self._new_staging(group)
             group.grad_staged = set()
         view = group.grad_staging[slot.offset:slot.offset + slot.numel]
-        if slot.offset in group.grad_staged:
+        if id(slot) in group.grad_staged:
             view.add_(grad.reshape(-1))  # a parameter used again in this backward (tied weights)
         else:
             view.copy_(grad.reshape(-1))
-            group.grad_staged.add(slot.offset)
+            group.grad_staged.add(id(slot))  # not the offset: a zero-size slot shares the next's
 
     def _completed_staging(self, g: FlatGroup) -> torch.Tensor:
         """[Note: staging writes each gradient once]
@@ -163,7 +163,7 @@ class GradientReducer:
             staging, staged = self._new_staging(g), set()
         pos = 0
         for s in sorted(g.slots, key=lambda s: s.offset):
-            if s.offset in staged:
+            if id(s) in staged:
                 if s.offset > pos:
                     staging[pos:s.offset].zero_()
                 pos = s.offset + s.numel
