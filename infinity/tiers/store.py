@@ -165,12 +165,15 @@ class TieredStore:
 
     # -- fetch, get, pin -------------------------------------------------------------------------
 
-    def fetch(self, key: str, tier: Tier, *, next_use: float | None = None) -> TierHandle:
+    def fetch(self, key: str, tier: Tier, *, next_use: float | None = None,
+              prefetch: bool = False) -> TierHandle:
         """Bring a copy of ``key`` to ``tier`` (DEVICE or HOST); ``wait()`` returns its tensor.
 
         NVME -> DEVICE goes through a HOST copy, which stays cached. Without a pin the copy may be
-        evicted by later allocations: use :meth:`acquire` when compute reads it."""
-        return self._fetch(key, tier, next_use=next_use, pin=False)
+        evicted by later allocations: use :meth:`acquire` when compute reads it. ``prefetch``:
+        the fetch may wait, so it raises TierCapacityError rather than evict a copy used sooner
+        than this one ([Note: a prefetch never evicts a sooner use] in infinity/tiers/_budgets.py)."""
+        return self._fetch(key, tier, next_use=next_use, pin=False, prefetch=prefetch)
 
     def acquire(self, key: str, tier: Tier, *, next_use: float | None = None,
                 overwrite: bool = False) -> TierHandle:
@@ -213,7 +216,7 @@ class TieredStore:
         return copy.tensor
 
     def _fetch(self, key: str, tier: Tier, *, next_use: float | None, pin: bool,
-               overwrite: bool = False) -> TierHandle:
+               overwrite: bool = False, prefetch: bool = False) -> TierHandle:
         if tier not in (Tier.DEVICE, Tier.HOST):
             raise ValueError(f"fetch({key!r}, {tier!r}): fetch to DEVICE or HOST; write_back "
                              "moves data to the home tier")
@@ -224,13 +227,13 @@ class TieredStore:
             shard = self._shard(key)
             if next_use is not None:
                 shard.next_use = next_use
-            future, outcome = self._fetch_locked(shard, tier, pin, overwrite)
+            future, outcome = self._fetch_locked(shard, tier, pin, overwrite, prefetch)
             self.counters.fetch[outcome] += 1
         return TierHandle(future, key, tier, self.counters.add_wait,
                           before_use=self._device_reader(shard, tier))
 
-    def _fetch_locked(self, shard: _Shard, tier: Tier, pin: bool,
-                      overwrite: bool = False) -> tuple[Future, str]:
+    def _fetch_locked(self, shard: _Shard, tier: Tier, pin: bool, overwrite: bool = False,
+                      prefetch: bool = False) -> tuple[Future, str]:
         missed = False
         started: Future | None = None  # the move this call issued (or its HOST staging fetch)
         while True:
@@ -256,9 +259,10 @@ class TieredStore:
                 return future, "overwrite"
             source = self._source(shard, tier)
             if source is None:  # DEVICE from NVME: stage in HOST first, then come back
-                started = self._fetch_locked(shard, Tier.HOST, False)[0]
+                started = self._fetch_locked(shard, Tier.HOST, False, prefetch=prefetch)[0]
                 continue
-            alloc = self.budgets.reserve(tier, shard, for_key=shard.key)
+            alloc = self.budgets.reserve(tier, shard, for_key=shard.key,
+                                         displace_sooner=not prefetch)
             if self._shards.get(shard.key) is not shard:
                 self.budgets.free(alloc)
                 raise KeyError(f"fetch({shard.key!r}): unregistered while waiting for memory")

@@ -257,7 +257,8 @@ class ParamPrefetcher:
                 continue
             try:
                 for key in u.keys:
-                    self._warm_handles.append(self.store.fetch(key, self._tier_of[Level.DEVICE]))
+                    self._warm_handles.append(self.store.fetch(key, self._tier_of[Level.DEVICE],
+                                                               prefetch=True))
             except TierCapacityError:
                 break  # the device is full of copies needed sooner
             self._warm_bytes += u.shard_bytes
@@ -315,7 +316,7 @@ class ParamPrefetcher:
             self._gather(action.unit)
             return _Done(self._clock() - t0)
         tier, dst = self._tier_of[action.dst], action.dst
-        handles = [self.store.fetch(key, tier) for key in u.keys]
+        handles = [self.store.fetch(key, tier, prefetch=not action.demand) for key in u.keys]
         return _Fetch(handles, t0, self._clock,
                       lambda: self._cached.setdefault(u.unit, set()).add(dst))
 

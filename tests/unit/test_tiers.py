@@ -319,6 +319,43 @@ def test_fragmented_arena_evicts_to_make_a_hole(tmp_path):
         assert torch.all(store.get("s3", Tier.HOST) == 3)
 
 
+def test_a_prefetch_never_evicts_a_copy_used_sooner(tmp_path):
+    """[Note: a prefetch never evicts a sooner use]: free bytes enough for 'big', but in two holes,
+    so a hole must be made; the only evictable copies are used before 'big'. A prefetch is refused
+    and leaves them resident; once a copy used after it is evictable, the prefetch takes that
+    one; a demand fetch still takes copies used sooner (furthest first)."""
+    distance = {"s0": 1.0, "s1": 0.0, "s2": 3.0, "big": 2.0}
+    with make_store(tmp_path, host_bytes=4 * KB4, next_use=distance.get) as (store, _):
+        for i in range(4):
+            store.register(f"s{i}", KB4, torch.uint8, Tier.NVME,
+                           initial=torch.full((KB4,), i, dtype=torch.uint8))
+        store.register("big", 2 * KB4, torch.uint8, Tier.NVME, initial=None)
+        store.flush()
+        for i in range(4):
+            store.fetch(f"s{i}", Tier.HOST).wait()
+        store.evict("s3", Tier.HOST)
+        store.evict("s1", Tier.HOST)  # free: extents 1 and 3, not contiguous
+        store.fetch("s1", Tier.HOST).wait()  # back in a hole: s0 s1 s2 _
+        store.evict("s2", Tier.HOST)  # s0 s1 _ _: 'big' fits without eviction ...
+        store.fetch("s2", Tier.HOST, prefetch=True).wait()  # ... until s2 lands best-fit: s0 s1 s2 _
+        assert [store.state(f"s{i}", Tier.HOST) for i in range(3)] == [Residency.RESIDENT] * 3
+        store.acquire("s2", Tier.HOST).wait()  # the one copy used after 'big': pinned
+        with pytest.raises(TierCapacityError, match="used sooner"):
+            store.fetch("big", Tier.HOST, prefetch=True)
+        assert [store.state(f"s{i}", Tier.HOST) for i in range(3)] == [Residency.RESIDENT] * 3
+        store.release("s2", Tier.HOST)
+        store.fetch("big", Tier.HOST, prefetch=True).wait()  # s2, used after it, makes way
+        assert store.state("s2", Tier.HOST) is Residency.ABSENT
+        assert store.state("s0", Tier.HOST) is Residency.RESIDENT
+        store.evict("big", Tier.HOST)
+        store.fetch("s2", Tier.HOST).wait()
+        store.acquire("s2", Tier.HOST).wait()
+        store.fetch("big", Tier.HOST).wait()  # demand: takes copies used sooner all the same
+        assert store.state("big", Tier.HOST) is Residency.RESIDENT
+        assert store.state("s0", Tier.HOST) is Residency.ABSENT
+        store.release("s2", Tier.HOST)
+
+
 def test_store_config_validation():
     with pytest.raises(ValueError, match="auto"):
         StoreConfig.from_memory(MemoryConfig())
