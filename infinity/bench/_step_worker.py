@@ -56,9 +56,17 @@ def _plain(model: nn.Module, spec: dict[str, Any]):
     loss_of = step_model(spec["model"]).loss
 
     def step(micro_batches) -> float:
+        forward_s = backward_s = 0.0
         for x, y in micro_batches:  # gradient accumulation: summed in param.grad, as users do
+            _sync()
+            t0 = time.perf_counter()
             loss = loss_of(model, x.to(device), y.to(device))
+            _sync()
+            t1 = time.perf_counter()
             (loss / len(micro_batches)).backward()
+            _sync()
+            forward_s, backward_s = forward_s + t1 - t0, backward_s + time.perf_counter() - t1
+        t2 = time.perf_counter()
         if masters is not params:
             for m, p in zip(masters, params):
                 m.grad = p.grad.float()
@@ -70,9 +78,17 @@ def _plain(model: nn.Module, spec: dict[str, Any]):
             with torch.no_grad():
                 for m, p in zip(masters, params):
                     p.copy_(m)
+        _sync()
+        PLAIN_PHASES.append({"forward": forward_s, "backward": backward_s,
+                             "optimizer": time.perf_counter() - t2})
         return loss.item()
 
     return step, lambda: {}, lambda: None
+
+
+PLAIN_PHASES: list[dict[str, float]] = []
+"""Seconds of each plain step's forward, backward and optimizer (clip, AdamW, copy-back): the
+compute of [Note: the staging bound] in infinity/bench/roofline.py."""
 
 
 def model_flops_per_token(model: nn.Module, block_class_name: str, seq_len: int) -> float:
@@ -241,6 +257,21 @@ def _param_reads(after: dict[str, Any], before: dict[str, Any], steps: int,
     return out
 
 
+def _staging(after: dict[str, Any], before: dict[str, Any], steps: int) -> dict[str, float]:
+    """What [Note: the staging bound] in infinity/bench/roofline.py needs of an engine run: the
+    optimizer's NVMe bytes per timed step (its sub-groups and, where they are on NVMe, the
+    gradient slices) and the host room left beside what is homed there for good."""
+    kinds_a, kinds_b = after.get("nvme_bytes_by_kind", {}), before.get("nvme_bytes_by_kind", {})
+
+    def moved(direction: str) -> float:
+        return sum(kinds_a.get(k, {}).get(direction, 0) - kinds_b.get(k, {}).get(direction, 0)
+                   for k in ("opt", "grad")) / max(steps, 1)
+
+    store = after["store"]
+    return {"window_read_bytes": moved("read"), "window_write_bytes": moved("write"),
+            "staging_room_bytes": store["host_budget_bytes"] - store["host_homed_bytes"]}
+
+
 def _io_thread_cpu(per_step: list[dict[str, float]]) -> dict[str, Any]:
     """The engine threads' CPU seconds per timed step (median; every step's, and per thread
     group, in the record). Plain PyTorch starts no such threads: zero."""
@@ -294,6 +325,13 @@ def main() -> None:
             step_moved.append(nvme_moved_bytes(before.get("bytes_moved", {}),
                                                after.get("bytes_moved", {})))
     s = stats() or {}
+    extra: dict[str, Any] = {}
+    if spec["mode"] == "plain":
+        timed_phases = PLAIN_PHASES[spec["warmup"]:]
+        extra["phase_s"] = {k: statistics.median(p[k] for p in timed_phases)
+                            for k in ("forward", "backward", "optimizer")}
+    elif s.get("store"):
+        extra["staging"] = _staging(s, warm, len(times))
     timed = _timed(s, warm, times)
     if spec["mode"] == "stage3-nvme-params":
         timed.update(_param_reads(s, warm, len(times), spec))
@@ -316,7 +354,7 @@ def main() -> None:
            # among them): plain PyTorch keeps everything in memory and moves nothing.
            "nvme_per_step": nvme_per_step(step_moved, s, cold_steps=0) if s else {
                "read_bytes": 0, "write_bytes": 0},
-           **_io_thread_cpu(io_thread_cpu),
+           **_io_thread_cpu(io_thread_cpu), **extra,
            "stats": s}
     print(json.dumps(out, default=str), flush=True)
     close()  # prefetches may be in flight: stop the store's threads before the interpreter does

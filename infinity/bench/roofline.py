@@ -185,6 +185,41 @@ def roofline(*, cpu_s: float, read_bytes: float, write_bytes: float,
     return line
 
 
+def staging_bound(*, forward_s: float, backward_s: float, optimizer_s: float,
+                  window_read_bytes: float, window_write_bytes: float, staging_room_bytes: float,
+                  disk: DiskBandwidth, roofline_s: float,
+                  step_s: float | None = None) -> dict[str, float]:
+    """[Note: the staging bound] The least step time of an engine whose optimizer state lives on
+    NVMe, when the host budget cannot stage the whole step's optimizer traffic.
+
+    With exact global-norm clipping no update can start before the backward ends (the clip
+    coefficient needs every gradient), and every parameter must be updated before the next
+    forward reads it: all updates fall between the end of one backward and the end of the next
+    forward. Their reads can start earlier, and their write-backs finish later, only through host
+    memory: at most ``staging_room_bytes`` (the host budget less what is homed there for good:
+    gradient accumulators, host-resident sub-groups) read ahead before the window, and as many
+    left to write after it. The rest crosses the disk inside the window:
+
+        window_disk_s = max(0, R - H) / read bandwidth + max(0, W - H) / write bandwidth
+
+    (R, W: the optimizer's NVMe bytes per step, ``window_*_bytes``; H: the room). The window
+    holds the forward and the optimizer's compute; the backward lies outside it, so
+
+        staging_bound_s = max(roofline_s, backward_s + max(forward_s + optimizer_s, window_disk_s))
+
+    with plain PyTorch's phases as the compute (nothing computes faster than it). When the room
+    holds the traffic the bound is the roofline; when it is short, no schedule, ours or anyone's,
+    beats it. With ``step_s``, also ``x_staging_bound`` = step_s / the bound."""
+    window = (max(0.0, window_read_bytes - staging_room_bytes) / disk.read_bytes_per_s
+              + max(0.0, window_write_bytes - staging_room_bytes) / disk.write_bytes_per_s)
+    bound = max(roofline_s, backward_s + max(forward_s + optimizer_s, window))
+    line = {"window_disk_s": window, "staging_room_bytes": float(staging_room_bytes),
+            "staging_bound_s": bound}
+    if step_s is not None:
+        line["x_staging_bound"] = step_s / max(bound, 1e-9)
+    return line
+
+
 RNG_PROBE_NUMEL = 1 << 25
 """Elements of the random-fill probe (128 MiB of fp32): long enough to time, short to run."""
 

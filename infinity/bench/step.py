@@ -39,6 +39,10 @@ max(cpu_s, disk_s), ``bound`` (which side is larger) and ``x_roofline`` = step_s
 mode without NVMe traffic has disk_s 0, so its ratio is against cpu_s alone. ``io_threads_cpu_s``
 is the CPU seconds per step of the engine's own threads (the swapper's I/O threads, the store's
 copy threads; :mod:`infinity.bench.thread_cpu`): on few cores they compete with the compute.
+Where the optimizer is on NVMe, ``staging_bound_s`` and ``x_staging_bound`` add what the host
+budget allows ([Note: the staging bound] in infinity/bench/roofline.py: the updates' NVMe traffic
+beyond the budget's room must cross the disk between a backward's end and the next forward's end),
+from plain PyTorch's forward, backward and optimizer seconds, timed apart in its worker.
 """
 
 from __future__ import annotations
@@ -385,7 +389,7 @@ def _roofline_columns(r: dict[str, Any], plain: dict[str, Any] | None,
     """The row's roofline (issue #16): its NVMe bytes per step, disk_s at the probed bandwidths,
     cpu_s, roofline_s = max(cpu_s, disk_s), the bound and x_roofline = step_s / roofline_s, by
     :func:`infinity.bench.roofline.roofline` (the formula ``infinity train`` uses)."""
-    from infinity.bench.roofline import roofline  # deferred: imports torch
+    from infinity.bench.roofline import roofline, staging_bound  # deferred: imports torch
 
     moved = _nvme_bytes(r)
     if moved is None:
@@ -403,8 +407,18 @@ def _roofline_columns(r: dict[str, Any], plain: dict[str, Any] | None,
     # plain computes on the GPU, so there "cpu_s" is the compute side of the roofline all the same.
     line = roofline(cpu_s=plain["step_s"], read_bytes=read, write_bytes=write, disk=disk,
                     step_s=r["step_s"])
-    return cols | {k: line[k] for k in ("disk_s", "cpu_s", "roofline_s", "bound", "x_roofline")
-                   } | threads
+    cols |= {k: line[k] for k in ("disk_s", "cpu_s", "roofline_s", "bound", "x_roofline")}
+    staging, phases = r.get("staging"), plain.get("phase_s")
+    if staging and phases and disk is not None and staging["window_read_bytes"]:
+        # The optimizer on NVMe: what the host budget lets the disk do outside the update window.
+        bound = staging_bound(forward_s=phases["forward"], backward_s=phases["backward"],
+                              optimizer_s=phases["optimizer"], disk=disk,
+                              roofline_s=line["roofline_s"], step_s=r["step_s"],
+                              window_read_bytes=staging["window_read_bytes"],
+                              window_write_bytes=staging["window_write_bytes"],
+                              staging_room_bytes=staging["staging_room_bytes"])
+        cols |= {k: bound[k] for k in ("staging_bound_s", "x_staging_bound")}
+    return cols | threads
 
 
 def _disk_record(disk: DiskBandwidth | None, error: str | None) -> dict[str, Any] | None:
@@ -423,6 +437,13 @@ def _roofline_notes(disk: DiskBandwidth | None, error: str | None, plain: dict[s
             "PyTorch's median step (everything in memory); disk_s: NVMe bytes read / read "
             f"bandwidth + bytes written / write bandwidth per step ({probed})"
             + ("" if plain else "; no roofline without the plain mode: add plain to --modes"),
+            "x_staging_bound: step_s / staging_bound_s (optimizer on NVMe): with exact clipping "
+            "every update falls between the end of a backward and the end of the next forward, "
+            "and the host budget stages only so much of the optimizer's NVMe traffic outside that "
+            "window; staging_bound_s = max(roofline_s, plain backward + max(plain forward + "
+            "optimizer, (R - H) / read bw + (W - H) / write bw)), R, W the optimizer's NVMe bytes "
+            "per step, H the host budget less its homed bytes ([Note: the staging bound] in "
+            "infinity/bench/roofline.py)",
             "io_threads_cpu_s: CPU seconds per step of the engine's own threads (swapper I/O, "
             "store copies), CPU the compute does not get"]
 

@@ -83,7 +83,9 @@ of a never-written NVME shard moves nothing); ``fetch_hits``, ``fetch_late``, ``
 ``evictions_host`` (copies dropped by policy or ``evict``); ``writebacks`` (write-backs issued);
 ``device_used_bytes``/``host_used_bytes`` (now), ``device_peak_bytes``/``host_peak_bytes``
 (high-water marks since start or ``reset_peaks``), ``device_budget_bytes``/``host_budget_bytes``,
-``host_largest_free_bytes`` (the largest arena hole), ``num_shards``.
+``host_largest_free_bytes`` (the largest arena hole), ``host_homed_bytes`` (arena bytes of the
+shards homed on HOST, which are never evicted: the budget less these is the room for copies that
+come and go), ``num_shards``.
 """
 
 from infinity.tiers._arena import Extent, HostArena

@@ -169,7 +169,7 @@ STATS_KEYS = (
     "evictions_device", "evictions_host", "writebacks",
     "device_used_bytes", "device_peak_bytes", "device_budget_bytes",
     "host_used_bytes", "host_peak_bytes", "host_budget_bytes", "host_largest_free_bytes",
-    "num_shards",
+    "host_homed_bytes", "num_shards",
 )
 
 

@@ -678,6 +678,8 @@ class TieredStore:
                 out[f"{tier.label}_peak_bytes"] = self.budgets.peak[tier]
                 out[f"{tier.label}_budget_bytes"] = self.budgets.budget[tier]
             out["num_shards"] = len(self._shards)
+            out["host_homed_bytes"] = sum(s.copies[Tier.HOST].charged_bytes
+                                          for s in self._shards.values() if s.home is Tier.HOST)
         out["host_largest_free_bytes"] = self.arena.largest_free_bytes()
         return out
 

@@ -309,8 +309,44 @@ def test_step_roofline_columns_tie_to_the_recorded_numbers(tmp_path, capsys):
     nvme = rows["stage3-nvme"]
     assert nvme["nvme_write_mib_per_step"] > 0 and nvme["disk_s"] > 0  # the step writes its state
     assert "infinity-io" in raw["stage3-nvme"]["io_threads_cpu_s_by_group"]
+    # [Note: the staging bound]: plain's phases are its step, split; the NVMe optimizer's bytes
+    # are the step's (the tiny model's parameters stay in the device tier); its room is the host
+    # budget less the gradient accumulators and host-resident sub-groups homed there.
+    phases = raw["plain"]["phase_s"]
+    assert 0 < sum(phases.values()) <= plain["step_s"] * 1.5
+    staging, stats = raw["stage3-nvme"]["staging"], raw["stage3-nvme"]["stats"]
+    assert staging["window_read_bytes"] + staging["window_write_bytes"] > 0
+    assert staging["window_write_bytes"] <= raw["stage3-nvme"]["nvme_per_step"]["write_bytes"]
+    homed = stats["store"]["host_homed_bytes"]
+    assert homed >= stats["optimizer_host_resident_bytes"]
+    assert staging["staging_room_bytes"] == stats["store"]["host_budget_bytes"] - homed
+    for mode in ("plain", "stage3-cpu"):
+        assert "x_staging_bound" not in rows[mode]  # no optimizer traffic on NVMe
+    if staging["window_read_bytes"]:
+        assert nvme["roofline_s"] <= nvme["staging_bound_s"]
+        assert nvme["x_staging_bound"] == pytest.approx(nvme["step_s"] / nvme["staging_bound_s"])
     # the probe's file is gone, and the folder with it where the run created it
     assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())
+
+
+def test_staging_bound_by_hand():
+    """[Note: the staging bound] on figures worked out by hand: 1 GB read and written by the
+    optimizer per step at 1 GB/s each way, 0.25 GB of host room: 0.75 s + 0.75 s of disk inside
+    the window, which outlasts forward + optimizer (0.5 + 0.2): 1.0 (backward) + 1.5 = 2.5 s. With
+    room for everything the window's disk time is 0 and the bound is the roofline."""
+    from infinity.bench.roofline import DiskBandwidth, staging_bound
+
+    disk = DiskBandwidth(read_bytes_per_s=1e9, write_bytes_per_s=1e9, direct=True)
+    line = staging_bound(forward_s=0.5, backward_s=1.0, optimizer_s=0.2, disk=disk,
+                         window_read_bytes=1e9, window_write_bytes=1e9,
+                         staging_room_bytes=0.25e9, roofline_s=2.0, step_s=3.0)
+    assert line["window_disk_s"] == pytest.approx(1.5)
+    assert line["staging_bound_s"] == pytest.approx(2.5)
+    assert line["x_staging_bound"] == pytest.approx(1.2)
+    roomy = staging_bound(forward_s=0.5, backward_s=1.0, optimizer_s=0.2, disk=disk,
+                          window_read_bytes=1e9, window_write_bytes=1e9,
+                          staging_room_bytes=2e9, roofline_s=2.0)
+    assert roomy["window_disk_s"] == 0.0 and roomy["staging_bound_s"] == 2.0
 
 
 def test_bench_step_x_plain_pairs_rounds():

@@ -490,6 +490,9 @@ def test_counters_follow_the_bytes_moved(tmp_path):
         assert stats["device_peak_bytes"] == nbytes and stats["device_used_bytes"] == 0
         assert stats["host_peak_bytes"] == 3 * KB4 and stats["host_used_bytes"] == 3 * KB4
         assert stats["evictions_device"] == 1 and stats["writebacks"] == 2
+        assert stats["host_homed_bytes"] == 0  # an NVMe-homed shard's HOST copy is not homed
+        store.register("h", 1500, torch.float32, Tier.HOST)  # 6000 B: two 4 KiB extents
+        assert store.stats()["host_homed_bytes"] == 2 * KB4
         from infinity.tiers import STATS_KEYS
         assert sorted(stats) == sorted(STATS_KEYS)
 
