@@ -159,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
 def _draw(plt, rows: list[dict[str, Any]], ram_bytes: int):
     """Two panels against model size: peak RSS with the issue's bound (25% of RAM), and the
     median step over its roofline and NVMe bytes over their minimum, beside the 1.25x bound."""
-    ok = [r for r in rows if "error" not in r and "x roofline" in r]
+    # The sweep's rows: the 7B LoRA row (a record of another benchmark, with a roofline since
+    # the script probes the disk) has no model size on this axis.
+    ok = [r for r in rows if "error" not in r and "x roofline" in r and "record" not in r]
     x = [float(r["params"].rstrip("B")) for r in ok]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(x, [r["peak RSS GB"] for r in ok], marker="o", label="peak RSS")

@@ -45,7 +45,9 @@ def test_plot_draws_the_rows_against_their_bounds():
     plt = pytest.importorskip("matplotlib.pyplot")
     rows = [{"params": "0.10B", "peak RSS GB": 3.1, "x roofline": 1.1, "NVMe x min": 0.95},
             {"params": "1.00B", "peak RSS GB": 3.4, "x roofline": 1.2, "NVMe x min": 1.0},
-            {"params": "3.3e+09", "error": "killed"}]
+            {"params": "3.3e+09", "error": "killed"},
+            {"params": "7B LoRA (7b)", "peak RSS GB": 5.2, "x roofline": 1.12,
+             "record": "lora7b-20261204-235425.json"}]  # not on the size axis
     fig = scale._draw(plt, rows, ram_bytes=24 * 2**30)
     try:
         rss, speed = fig.axes
