@@ -162,7 +162,7 @@ class GradientReducer:
         if staging is None:
             staging, staged = self._new_staging(g), set()
         pos = 0
-        for s in sorted(g.slots, key=lambda s: s.offset):
+        for s in g.slots:  # in offset order (layout_group places them one after another)
             if id(s) in staged:
                 if s.offset > pos:
                     staging[pos:s.offset].zero_()
@@ -197,7 +197,7 @@ class GradientReducer:
             if not g.requires_grad:
                 continue
             staging = self._completed_staging(g)
-            g.grad_staging, g.grad_staged = None, set()
+            g.grad_staging = None  # the next stage() makes a buffer and its staged set anew
             if self.data_parallel_size > 1:
                 staging.div_(self.data_parallel_size)
             # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
