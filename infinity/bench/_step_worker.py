@@ -242,7 +242,7 @@ def _param_reads(after: dict[str, Any], before: dict[str, Any], steps: int,
         return out
     sw = Swapper(os.path.abspath(spec["dir"]))
     try:
-        buf = aligned_empty(param_bytes, dtype=torch.uint8)
+        buf = aligned_empty(param_bytes, dtype=torch.uint8, direct_io=True)  # as the arena
         buf.fill_(1)
         sw.swap_out("read-probe", buf).wait()
         seconds = []

@@ -315,9 +315,11 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.dir, exist_ok=True)
     notes: list[str] = []
     refs = [_fio(args, args.size_bytes), _deepspeed(args, args.size_bytes)]  # DeepSpeed warms up first
-    src = aligned_empty(args.size_bytes, torch.uint8)
+    # The memory the engine's arena moves: huge pages where the kernel has them ([Note: direct
+    # I/O wants huge pages] in infinity/io/_huge_pages.py).
+    src = aligned_empty(args.size_bytes, torch.uint8, direct_io=True)
     src.random_(0, 256)
-    dst = aligned_empty(args.size_bytes, torch.uint8)
+    dst = aligned_empty(args.size_bytes, torch.uint8, direct_io=True)
     dst.zero_()  # touch once: fresh pages fault at 1-4 GB/s here and would be timed otherwise
     with Swapper(args.dir, config) as sw:
         engines = _ours_and_raw(args, config, sw, src, dst) + [e for e, _ in refs if e is not None]

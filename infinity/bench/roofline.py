@@ -52,7 +52,7 @@ def probe_disk(directory: str, *, nbytes: int = PROBE_BYTES) -> DiskBandwidth:
     """Raw aligned write then read bandwidth of ``directory``'s disk (the probe file is removed)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f".infinity-roofline-probe-{os.getpid()}")
-    buf = aligned_empty(nbytes, torch.uint8)
+    buf = aligned_empty(nbytes, torch.uint8, direct_io=True)  # as the engine's arena
     buf.fill_(7)  # touched once: the write reads resident pages, not zero-fill faults
     direct = True
     try:

@@ -23,7 +23,7 @@ def probe_disk_bandwidth(directory: str, nbytes: int = 256 * MiB) -> tuple[float
     Uses :class:`infinity.io.Swapper` (the engine's own I/O path). One large transfer: a rough
     figure, not a benchmark (``infinity bench io`` is that).
     """
-    buf = aligned_empty(nbytes, torch.uint8)
+    buf = aligned_empty(nbytes, torch.uint8, direct_io=True)  # as the engine's arena
     buf.fill_(7)
     with Swapper(directory) as swapper:
         start = time.perf_counter()

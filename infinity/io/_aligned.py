@@ -18,7 +18,7 @@ import torch
 
 from infinity._async_copy import StagingRing
 from infinity._common import align_up, format_bytes
-from infinity.io._huge_pages import huge_pages_pay_off
+from infinity.io._huge_pages import huge_pages_for_direct_io, huge_pages_pay_off
 
 DEFAULT_ALIGNMENT_BYTES = 4096
 """Direct-I/O alignment assumed when the file system does not say (and the page size we map)."""
@@ -60,16 +60,20 @@ def pin_device_for(device: torch.device | str) -> torch.device | None:
     return device
 
 
-def aligned_empty(numel: int, dtype: torch.dtype, *,
-                  pin_device: torch.device | None = None) -> torch.Tensor:
+def aligned_empty(numel: int, dtype: torch.dtype, *, pin_device: torch.device | None = None,
+                  direct_io: bool = False) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements on fresh page-aligned memory (an anonymous ``mmap``).
 
     Page alignment (4096) satisfies every file system's direct-I/O alignment we know of.
     ``pin_device``: a CUDA device whose copies read or write this memory (see
     :func:`pin_device_for`): the pages are then pinned in place (``cudaHostRegister``, under that
     device so that no other device gets a context), at exactly this size: no allocator rounding.
-    None (the default): not pinned ([Note: pin only what a GPU copy touches]). The memory lives
-    as long as the tensor or any view of it.
+    None (the default): not pinned ([Note: pin only what a GPU copy touches]). ``direct_io``: the
+    disk will read into and write from this memory for as long as it lives (the store's arena
+    with a swapper, a disk probe): from 4 MiB up it is advised to use huge pages wherever the
+    kernel has them ([Note: direct I/O wants huge pages] in infinity/io/_huge_pages.py);
+    otherwise only where huge pages pay off for the CPU. The memory lives as long as the tensor
+    or any view of it.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"aligned_empty: numel must be an integer >= 0, got {numel!r}")
@@ -82,11 +86,13 @@ def aligned_empty(numel: int, dtype: torch.dtype, *,
         return torch.empty(0, dtype=dtype)
     size = align_up(nbytes, mmap.PAGESIZE)
     buf = _RegisteredMmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if size >= _HUGEPAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE") and huge_pages_pay_off():
-        # The host arena holds optimizer state that Adam streams through: on 4 KiB pages that
-        # stream is TLB-bound (see [Note: state memory layout] in infinity/optim/cpu_adam.py),
-        # where huge pages are cheap to fault in ([Note: when huge pages cost more than they
-        # save] in infinity/io/_huge_pages.py).
+    advise = huge_pages_for_direct_io() if direct_io else huge_pages_pay_off()
+    if size >= _HUGEPAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE") and advise:
+        # Direct I/O: a disk request holds ~1 MiB of 4 KiB pages, 4 MiB of huge pages ([Note:
+        # direct I/O wants huge pages]). Otherwise the host arena holds optimizer state that Adam
+        # streams through: on 4 KiB pages that stream is TLB-bound (see [Note: state memory
+        # layout] in infinity/optim/cpu_adam.py), where huge pages are cheap to fault in ([Note:
+        # when huge pages cost more than they save] in infinity/io/_huge_pages.py).
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # transparent huge pages disabled: still correct on 4 KiB pages

@@ -366,7 +366,7 @@ class Swapper:
         buf = getattr(self._local, "staging", None)
         if buf is None or len(buf) < nbytes:
             size = max(nbytes, self.config.block_size_bytes, self.header_bytes)
-            self._local.staging_tensor = aligned_empty(size, torch.uint8)
+            self._local.staging_tensor = aligned_empty(size, torch.uint8, direct_io=True)
             buf = self._local.staging = memory_at(self._local.staging_tensor.data_ptr(), size)
         return buf
 

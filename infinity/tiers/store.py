@@ -57,9 +57,12 @@ class TieredStore:
         alignment = max(4096, getattr(swapper, "alignment_bytes", 4096))
         # Pinned for a CUDA device only, on that device ([Note: pin only what a GPU copy
         # touches] in infinity/io/_aligned.py): host <-> device copies read and write the arena.
+        # With a swapper the disk reads into it and writes from it: huge pages ([Note: direct
+        # I/O wants huge pages] in infinity/io/_huge_pages.py).
         self.arena = HostArena(config.host_budget_bytes, alignment_bytes=alignment,
                                allocate_fn=functools.partial(
-                                   aligned_empty, pin_device=pin_device_for(self.device)))
+                                   aligned_empty, pin_device=pin_device_for(self.device),
+                                   direct_io=swapper is not None))
         self._shards: dict[str, _Shard] = {}
         self._lock = threading.Lock()  # [Note: store locking]
         self._cond = threading.Condition(self._lock)
