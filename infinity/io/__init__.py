@@ -6,9 +6,10 @@ and safetensors read and written by byte range.
   return a :class:`SwapHandle` whose ``wait()`` re-raises the first error.
 - :mod:`._swap_format`: the swap file's header, names and states ([Note: swap file layout]).
 - :func:`aligned_empty` / :func:`aligned_view` (:mod:`._aligned`): page-aligned host memory that
-  direct I/O reads into without staging.
-- :func:`huge_pages_pay_off` (:mod:`._huge_pages`): whether large host buffers are advised to
-  use transparent huge pages on this machine (probed once per process).
+  direct I/O reads into without staging; :func:`advise_direct_io_range`: huge pages for a range
+  the disk will move ([Note: direct I/O wants huge pages] in ``_huge_pages.py``).
+- :func:`huge_pages_pay_off` (:mod:`._huge_pages`): whether large host buffers the CPU works in
+  are advised to use transparent huge pages on this machine (decided once per process).
 - :func:`manage_mmap_threshold`, :func:`activations_in_heap`, :func:`engine_buffers`
   (:mod:`._host_malloc`): glibc's mmap threshold, so that the engine's buffers leave the process
   when freed while the model's activations reuse heap memory.
@@ -20,8 +21,8 @@ and safetensors read and written by byte range.
 Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from above the floor.
 """
 
-from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, advise_huge_pages,
-                                  aligned_empty, aligned_view, memory_at, pin_device_for, pinned_staging_ring)
+from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, advise_direct_io_range,
+                                  advise_huge_pages, aligned_empty, aligned_view, memory_at, pin_device_for, pinned_staging_ring)
 from infinity.io._disk import free_disk_bytes
 from infinity.io._host_malloc import activations_in_heap, engine_buffers, manage_mmap_threshold
 from infinity.io._huge_pages import huge_pages_pay_off
@@ -33,7 +34,8 @@ from infinity.io._swapper import SwapHandle, Swapper
 
 __all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
            "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
-           "activations_in_heap", "address_of", "advise_huge_pages", "aligned_empty",
+           "activations_in_heap", "address_of", "advise_direct_io_range", "advise_huge_pages",
+           "aligned_empty",
            "aligned_view", "engine_buffers", "free_disk_bytes", "fsync_dir", "huge_pages_pay_off",
            "iter_tensors", "manage_mmap_threshold", "memory_at", "pin_device_for",
            "pinned_staging_ring", "write_safetensors"]

@@ -127,13 +127,24 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     where huge pages are slow to fault in ([Note: when huge pages cost more than they save] in
     infinity/io/_huge_pages.py: on that same VM, once the freed memory had gone back to the
     hypervisor, the advised write ran at 0.15 GB/s)."""
-    global _madvise, _madvise_looked_up
     if tensor.device.type != "cpu":
         return False
     storage = tensor.untyped_storage()
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     if nbytes < _HUGEPAGE_MIN_BYTES or not huge_pages_pay_off():
         return False
+    return _advise_range(ptr, nbytes)
+
+
+def advise_direct_io_range(ptr: int, nbytes: int) -> bool:
+    """Advise huge pages for ``[ptr, ptr + nbytes)`` (its 2 MiB-aligned interior), memory the
+    disk will read into and write from ([Note: direct I/O wants huge pages] in
+    infinity/io/_huge_pages.py); True if advised. Only pages faulted in afterwards change."""
+    return huge_pages_for_direct_io() and _advise_range(ptr, nbytes)
+
+
+def _advise_range(ptr: int, nbytes: int) -> bool:
+    global _madvise, _madvise_looked_up
     if not _madvise_looked_up:
         _madvise_looked_up = True
         try:

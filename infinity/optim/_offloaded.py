@@ -233,8 +233,11 @@ class OffloadedShardOptimizer:
             if i < resident:
                 self.host_resident_bytes += SUB_GROUP_BYTES_PER_NUMEL * n
             sg = SubGroup(key=key, lo=lo, hi=hi, store_key=f"opt/{key}/{i}", home=home)
+            # Dropped once written ([Note: set-up copies are dropped once written] in
+            # infinity/tiers/store.py): drop_setup_copies would evict it before the first step.
             self.store.register(sg.store_key, 3 * n, torch.float32, home,
-                                fill=functools.partial(_fill_sub_group, master[lo:hi]))
+                                fill=functools.partial(_fill_sub_group, master[lo:hi]),
+                                keep_host_copy=False)
             self._state_bytes += 8 * n
             records.append(sg)
         self._sub_groups[key] = records

@@ -104,6 +104,10 @@ class _Shard:
         """Why the last write-back failed (the dirty copy is kept; eviction re-raises this)."""
         self.next_use: float | None = None
         """Caller's next-use distance for Belady eviction (None: unknown, LRU decides)."""
+        self.drop_host_when_written = False
+        """Registered with ``keep_host_copy=False``: the HOST copy the first write-back wrote from
+        is dropped once that write completes ([Note: set-up copies are dropped once written] in
+        store.py)."""
 
     def set_state(self, tier: Tier, new: Residency) -> None:
         copy = self.copies[tier]

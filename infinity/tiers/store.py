@@ -57,12 +57,12 @@ class TieredStore:
         alignment = max(4096, getattr(swapper, "alignment_bytes", 4096))
         # Pinned for a CUDA device only, on that device ([Note: pin only what a GPU copy
         # touches] in infinity/io/_aligned.py): host <-> device copies read and write the arena.
-        # With a swapper the disk reads into it and writes from it: huge pages ([Note: direct
-        # I/O wants huge pages] in infinity/io/_huge_pages.py).
+        # With a swapper the disk reads into its transient extents and writes from them: huge
+        # pages there ([Note: huge pages where the disk moves the arena] in _arena.py).
         self.arena = HostArena(config.host_budget_bytes, alignment_bytes=alignment,
                                allocate_fn=functools.partial(
-                                   aligned_empty, pin_device=pin_device_for(self.device),
-                                   direct_io=swapper is not None))
+                                   aligned_empty, pin_device=pin_device_for(self.device)),
+                               direct_io=swapper is not None)
         self._shards: dict[str, _Shard] = {}
         self._lock = threading.Lock()  # [Note: store locking]
         self._cond = threading.Condition(self._lock)
@@ -85,14 +85,28 @@ class TieredStore:
 
     def register(self, key: str, numel: int, dtype: torch.dtype, home: Tier,
                  initial: torch.Tensor | None = None, *,
-                 fill: Callable[[torch.Tensor], None] | None = None) -> None:
+                 fill: Callable[[torch.Tensor], None] | None = None,
+                 keep_host_copy: bool = True) -> None:
         """Add a shard. Its home copy is allocated now (DEVICE/HOST) and filled from ``initial``
         (zeros when None). NVME home: ``initial`` is copied into a HOST extent and written back
         asynchronously (the HOST copy stays as a cache); None means zeros, read as zeros, no file.
         ``fill`` instead of ``initial``: called with that copy (``numel`` elements of ``dtype``,
         its bytes undefined) to write every element in place, so that a caller assembling the
         values from parts needs no buffer of its own (set-up: an optimizer sub-group's master
-        beside its zero moments, [Note: set-up writes in place] in infinity/optim/_offloaded.py)."""
+        beside its zero moments, [Note: set-up writes in place] in infinity/optim/_offloaded.py).
+        ``keep_host_copy=False`` (NVME home): that HOST copy is dropped once written instead of
+        staying as a cache ([Note: set-up copies are dropped once written]).
+
+        [Note: set-up copies are dropped once written] A model's set-up registers every shard once,
+        in order, and writes it to NVMe. Kept as a cache, those copies fill the whole arena before
+        the first step, and the arena's pages are faulted in during set-up: on huge pages ([Note:
+        direct I/O wants huge pages] in infinity/io/_huge_pages.py) that costs ~5 s per GB on a
+        VM that reports free pages to its hypervisor, 20 s of a 1B GPT's 22 s set-up at a 4 GiB
+        budget. Dropped once written, the copies reuse the extents at the bottom of the arena
+        (best fit from the bottom, [Note: long-lived extents from the top] in _arena.py), so
+        set-up touches what is in flight; the rest of the arena is faulted in by the reads that
+        first use it. The set-up of a model larger than the arena evicted those copies before
+        the first step anyway."""
         self._check_new(key, numel, dtype, home, initial)
         if fill is not None and initial is not None:
             raise ValueError(f"register({key!r}): pass initial or fill, not both")
@@ -124,6 +138,7 @@ class TieredStore:
             self._shards[key] = shard
             if home is Tier.NVME:
                 shard.dirty = Tier.HOST
+                shard.drop_host_when_written = not keep_host_copy
                 self._start_writeback(shard)
 
     def _check_new(self, key, numel, dtype, home, initial) -> None:
@@ -580,6 +595,7 @@ class TieredStore:
                 shard.dirty = None
                 if home is Tier.NVME:
                     shard.nvme_zeros = False
+                    self._drop_written_setup_copy(shard)
                 future.set_result(None)
             else:
                 # The dirty copy is kept; an NVMe home that failed mid-write has no valid file.
@@ -588,6 +604,16 @@ class TieredStore:
                 logger.warning("write-back of %r to %s failed: %s", shard.key, home.name, error)
                 future.set_exception(error)
             self._cond.notify_all()
+
+    def _drop_written_setup_copy(self, shard: _Shard) -> None:
+        """[Note: set-up copies are dropped once written] (lock held; the write-back succeeded)."""
+        if not shard.drop_host_when_written:
+            return
+        shard.drop_host_when_written = False
+        host = shard.copies[Tier.HOST]
+        if host.state is _R and not host.pins and not host.busy:  # else someone uses it: keep it
+            self.budgets.drop(shard, Tier.HOST)
+            self.counters.evictions[Tier.HOST] += 1
 
     def _wait_writeback(self, shard: _Shard) -> None:
         """Write ``shard`` back and wait (lock held; released while waiting). Re-raises its error."""

@@ -219,8 +219,10 @@ class UnitBuilder:
         if s.param_home is not Tier.DEVICE and not always:
             group.store_key = f"param/{key}"
             initial = shard.cpu()
+            # Dropped once written ([Note: set-up copies are dropped once written] in
+            # infinity/tiers/store.py): set-up then touches only the arena's bottom.
             self.store.register(group.store_key, shard_numel, dtype, s.param_home,
-                                initial=initial)
+                                initial=initial, keep_host_copy=False)
             group.shard = None
             if master is part:  # fp32: the master starts as a copy, the shard lives in the store
                 group.master = initial if s.optimizer_offloaded else shard

@@ -154,21 +154,63 @@ def _vm_flags(ptr: int) -> set[str]:
     raise AssertionError(f"no mapping holds {ptr:#x}")
 
 
-@pytest.mark.skipif(not _huge_pages._available(), reason="no transparent huge pages on this kernel")
-def test_the_store_arena_is_advised_when_the_disk_moves_it(monkeypatch, tmp_path):
-    """The kernel's own record of the advice ('hg' in smaps) on the arena of a store with a
-    swapper, none on one without, where CPU memory is not advised."""
-    from infinity.io import Swapper
-    from infinity.tiers import StoreConfig, TieredStore
+_THP = pytest.mark.skipif(not _huge_pages._available(),
+                          reason="no transparent huge pages on this kernel")
+
+
+@pytest.fixture
+def cpu_memory_not_advised(monkeypatch):
+    """This VM's policy: CPU memory not advised, direct-I/O memory advised."""
     monkeypatch.setattr(_huge_pages, "_decision", False)
     monkeypatch.delenv(_huge_pages.MODE_ENV, raising=False)
-    config = StoreConfig(host_budget_bytes=16 * 2**20, device_budget_bytes=16 * 2**20)
+
+
+@_THP
+def test_the_arena_advises_where_transient_extents_reach_not_its_home_copies(cpu_memory_not_advised):
+    """[Note: huge pages where the disk moves the arena], read back from the kernel ('hg' in
+    smaps VmFlags): the range transient extents reach from the bottom is advised before they are
+    written, the long-lived extents at the top are not, nor is an arena the disk does not move."""
+    from infinity.tiers._arena import HostArena
+    mib = 2**20
+    arena = HostArena(32 * mib, alignment_bytes=4096, allocate_fn=aligned_empty, direct_io=True)
+    base = arena.buffer.data_ptr()
+    first_huge = -(-base // (2 * mib)) * (2 * mib)  # the first 2 MiB boundary inside the arena
+    assert "hg" not in _vm_flags(first_huge)  # nothing allocated: nothing advised yet
+    home = arena.allocate(8 * mib, long_lived=True)
+    transient = arena.allocate(6 * mib)
+    assert transient.offset_bytes == 0 and home.end_bytes == arena.capacity_bytes
+    assert "hg" in _vm_flags(first_huge)
+    assert "hg" in _vm_flags(first_huge + 2 * mib)
+    assert "hg" not in _vm_flags(base + home.offset_bytes + home.size_bytes // 2)
+    later = arena.allocate(6 * mib)  # the advised range grows with the transient extents
+    assert "hg" in _vm_flags(base + later.offset_bytes + later.size_bytes // 2)
+    arena.free(transient)
+    arena.free(later)
+
+    cpu_only = HostArena(32 * mib, alignment_bytes=4096, allocate_fn=aligned_empty)
+    e = cpu_only.allocate(16 * mib)
+    assert "hg" not in _vm_flags(cpu_only.buffer.data_ptr() + e.size_bytes // 2)
+
+
+@_THP
+def test_a_store_with_a_swapper_advises_its_staging_extents(cpu_memory_not_advised, tmp_path):
+    """The store hands the arena its swapper's use: an NVMe shard's HOST copy (a transient
+    extent, written to disk) lands in advised memory; in a store without a swapper it does not."""
+    from infinity.io import Swapper
+    from infinity.tiers import StoreConfig, Tier, TieredStore
+    mib = 2**20
+    config = StoreConfig(host_budget_bytes=32 * mib, device_budget_bytes=32 * mib)
+    initial = torch.ones(6 * mib)
     with Swapper(tmp_path) as swapper:
-        with_disk = TieredStore("cpu", config, swapper=swapper)
-        host_only = TieredStore("cpu", config)
-        try:
-            assert "hg" in _vm_flags(with_disk.arena.buffer.data_ptr())
-            assert "hg" not in _vm_flags(host_only.arena.buffer.data_ptr())
-        finally:
-            with_disk.close()
-            host_only.close()
+        for with_disk in (True, False):
+            store = TieredStore("cpu", config, swapper=swapper if with_disk else None)
+            try:
+                store.register("w", initial.numel(), initial.dtype,
+                               Tier.NVME if with_disk else Tier.HOST, initial=initial)
+                copy = store.acquire("w", Tier.HOST).wait()
+                middle = copy.data_ptr() + copy.numel() * copy.element_size() // 2
+                assert ("hg" in _vm_flags(middle)) is with_disk
+                assert torch.equal(copy, initial)
+                store.release("w", Tier.HOST)
+            finally:
+                store.close()

@@ -356,6 +356,31 @@ def test_a_prefetch_never_evicts_a_copy_used_sooner(tmp_path):
         store.release("s2", Tier.HOST)
 
 
+def test_a_set_up_copy_is_dropped_once_written_and_the_next_reuses_its_extent(tmp_path):
+    """[Note: set-up copies are dropped once written]: registered with keep_host_copy=False, an
+    NVMe shard's HOST copy is gone once its write completed (the bytes on disk are the initial
+    values), the next such registration reuses the same extent at the arena's bottom, and the
+    default keeps the copy as a cache."""
+    with make_store(tmp_path, host_bytes=8 * KB4) as (store, swapper):
+        offsets = []
+        for i in range(3):
+            store.register(f"s{i}", KB4, torch.uint8, Tier.NVME,
+                           initial=torch.full((KB4,), i + 1, dtype=torch.uint8),
+                           keep_host_copy=False)
+            offsets.append(store.arena.extents()[0].offset_bytes if store.arena.extents() else 0)
+            store.write_back(f"s{i}").wait()  # its write has completed: the copy is dropped
+            assert store.state(f"s{i}", Tier.HOST) is Residency.ABSENT
+            assert store.arena.extents() == []
+            on_disk = read_swap_file(swapper, f"s{i}", KB4, swapper.alignment_bytes)
+            assert torch.all(on_disk == i + 1)
+        assert offsets == [0, 0, 0]
+        store.register("kept", KB4, torch.uint8, Tier.NVME,
+                       initial=torch.full((KB4,), 9, dtype=torch.uint8))
+        store.write_back("kept").wait()
+        assert store.state("kept", Tier.HOST) is Residency.RESIDENT
+        assert torch.all(store.fetch("s1", Tier.HOST).wait() == 2)  # read back from NVMe
+
+
 def test_store_config_validation():
     with pytest.raises(ValueError, match="auto"):
         StoreConfig.from_memory(MemoryConfig())
