@@ -44,6 +44,12 @@ _A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Resid
 # is read by the CPU (the optimizer, a swap-out), so its copy completes before the future does.
 
 
+SETUP_WRITES_IN_FLIGHT_BYTES = 512 * 1024 * 1024
+"""Bytes of set-up writes (``register(..., keep_host_copy=False)``) in flight at once; a larger
+registration goes alone. Enough for the disk's queue: one 16 MiB block per I/O thread many
+times over."""
+
+
 class TieredStore:
     """Keyed shards over DEVICE / HOST / NVME with byte budgets. Thread-safe. See :mod:`infinity.tiers`."""
 
@@ -67,6 +73,9 @@ class TieredStore:
         self._lock = threading.Lock()  # [Note: store locking]
         self._cond = threading.Condition(self._lock)
         self._clock = 0  # LRU clock, bumped by every touch
+        self._setup_writes_bytes = 0
+        """Bytes of ``keep_host_copy=False`` registrations being written ([Note: set-up copies
+        are dropped once written])."""
         self.counters = Counters()
         self.budgets = TierBudgets(device=self.device, device_budget_bytes=config.device_budget_bytes,
                                    arena=self.arena, shards=self._shards, cond=self._cond,
@@ -106,7 +115,9 @@ class TieredStore:
         (best fit from the bottom, [Note: long-lived extents from the top] in _arena.py), so
         set-up touches what is in flight; the rest of the arena is faulted in by the reads that
         first use it. The set-up of a model larger than the arena evicted those copies before
-        the first step anyway."""
+        the first step anyway. Set-up draws values faster than the disk writes them, so such
+        registrations also wait while SETUP_WRITES_IN_FLIGHT_BYTES of them are being written: the
+        copies waiting for the disk would otherwise spread up the arena all the same."""
         self._check_new(key, numel, dtype, home, initial)
         if fill is not None and initial is not None:
             raise ValueError(f"register({key!r}): pass initial or fill, not both")
@@ -121,6 +132,10 @@ class TieredStore:
                 self._shards[key] = shard
                 return
             tier = Tier.HOST if home is Tier.NVME else home
+            dropped = home is Tier.NVME and not keep_host_copy
+            while dropped and self._setup_writes_bytes and \
+                    self._setup_writes_bytes + shard.nbytes > SETUP_WRITES_IN_FLIGHT_BYTES:
+                self._cond.wait()  # [Note: set-up copies are dropped once written]
             alloc = self.budgets.reserve(tier, shard, for_key=key)
             if key in self._shards:  # registered by another thread while we waited for memory
                 self.budgets.free(alloc)
@@ -138,7 +153,8 @@ class TieredStore:
             self._shards[key] = shard
             if home is Tier.NVME:
                 shard.dirty = Tier.HOST
-                shard.drop_host_when_written = not keep_host_copy
+                shard.drop_host_when_written = dropped
+                self._setup_writes_bytes += shard.nbytes if dropped else 0
                 self._start_writeback(shard)
 
     def _check_new(self, key, numel, dtype, home, initial) -> None:
@@ -595,23 +611,26 @@ class TieredStore:
                 shard.dirty = None
                 if home is Tier.NVME:
                     shard.nvme_zeros = False
-                    self._drop_written_setup_copy(shard)
+                self._end_setup_write(shard, written=True)
                 future.set_result(None)
             else:
                 # The dirty copy is kept; an NVMe home that failed mid-write has no valid file.
                 shard.set_state(home, _A if home is Tier.NVME else _R)
                 shard.writeback_error = error
+                self._end_setup_write(shard, written=False)
                 logger.warning("write-back of %r to %s failed: %s", shard.key, home.name, error)
                 future.set_exception(error)
             self._cond.notify_all()
 
-    def _drop_written_setup_copy(self, shard: _Shard) -> None:
-        """[Note: set-up copies are dropped once written] (lock held; the write-back succeeded)."""
+    def _end_setup_write(self, shard: _Shard, *, written: bool) -> None:
+        """[Note: set-up copies are dropped once written] (lock held). A failed write keeps the
+        copy: it is the only one with the bytes."""
         if not shard.drop_host_when_written:
             return
         shard.drop_host_when_written = False
+        self._setup_writes_bytes -= shard.nbytes
         host = shard.copies[Tier.HOST]
-        if host.state is _R and not host.pins and not host.busy:  # else someone uses it: keep it
+        if written and host.state is _R and not host.pins and not host.busy:  # else in use: keep
             self.budgets.drop(shard, Tier.HOST)
             self.counters.evictions[Tier.HOST] += 1
 

@@ -240,6 +240,9 @@ class InfinityEngine:
             self.store, self._swapper = build_store(self.device, self.offload,
                                                     swapper_config=config.swapper,
                                                     rank=self.collectives.rank)
+            # Set-up's writes go through a small window at the arena's bottom: not on huge pages
+            # ([Note: huge pages where the disk moves the arena] in infinity/tiers/_arena.py).
+            self.store.arena.advise_direct_io = False
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None:
@@ -301,6 +304,8 @@ class InfinityEngine:
         self.defer_optimizer_step = True
         """NVMe optimizer: the updates of a step run in the next forward, each just before its
         parameter shard is read ([Note: deferred optimizer step]); False runs them in step()."""
+        if self.store is not None:
+            self.store.arena.advise_direct_io = True  # set-up is over: the steps' reads from here
         logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
                     config.precision.dtype, self.device, world)
 

@@ -191,6 +191,17 @@ def test_the_arena_advises_where_transient_extents_reach_not_its_home_copies(cpu
     e = cpu_only.allocate(16 * mib)
     assert "hg" not in _vm_flags(cpu_only.buffer.data_ptr() + e.size_bytes // 2)
 
+    paused = HostArena(32 * mib, alignment_bytes=4096, allocate_fn=aligned_empty, direct_io=True)
+    paused.advise_direct_io = False  # the engine's set-up: its window is never advised
+    setup = paused.allocate(8 * mib)
+    paused.free(setup)
+    paused.advise_direct_io = True
+    again = paused.allocate(4 * mib)  # within set-up's window: still not advised
+    above = paused.allocate(12 * mib)  # past it: advised
+    base = paused.buffer.data_ptr()
+    assert "hg" not in _vm_flags(base + again.offset_bytes + again.size_bytes // 2)
+    assert "hg" in _vm_flags(base + above.offset_bytes + above.size_bytes - 3 * mib)
+
 
 @_THP
 def test_a_store_with_a_swapper_advises_its_staging_extents(cpu_memory_not_advised, tmp_path):
