@@ -106,6 +106,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin_device: torch.device | 
 _HUGE_PAGE_BYTES = 2 * 1024 * 1024
 """The transparent huge page size on x86-64 and most arm64 kernels: madvise ranges are cut to it."""
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 _madvise = None  # libc's madvise, resolved on first use (None after a failed lookup: never retried)
 _madvise_looked_up = False
 
@@ -143,7 +144,15 @@ def advise_direct_io_range(ptr: int, nbytes: int) -> bool:
     return huge_pages_for_direct_io() and _advise_range(ptr, nbytes)
 
 
-def _advise_range(ptr: int, nbytes: int) -> bool:
+def release_pages(ptr: int, nbytes: int) -> bool:
+    """``MADV_DONTNEED`` the whole pages of ``[ptr, ptr + nbytes)`` (2 MiB-aligned interior) of a
+    private anonymous mapping: their bytes are dropped, the next touch faults in zeroed pages
+    under the mapping's current advice. True if released. Never on memory anything still holds:
+    the caller owns that range and keeps nothing in it."""
+    return _advise_range(ptr, nbytes, _MADV_DONTNEED)
+
+
+def _advise_range(ptr: int, nbytes: int, advice: int | None = None) -> bool:
     global _madvise, _madvise_looked_up
     if not _madvise_looked_up:
         _madvise_looked_up = True
@@ -160,7 +169,7 @@ def _advise_range(ptr: int, nbytes: int) -> bool:
     hi = (ptr + nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
     if hi <= lo:
         return False
-    return _madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+    return _madvise(lo, hi - lo, _MADV_HUGEPAGE if advice is None else advice) == 0
 
 
 def _register(buf: _RegisteredMmap, ptr: int, size: int, device: torch.device) -> None:

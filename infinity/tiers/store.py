@@ -65,10 +65,13 @@ class TieredStore:
         # touches] in infinity/io/_aligned.py): host <-> device copies read and write the arena.
         # With a swapper the disk reads into its transient extents and writes from them: huge
         # pages there ([Note: huge pages where the disk moves the arena] in _arena.py).
+        # A pinned arena is faulted in whole when it is registered: advised up front instead.
+        pin = pin_device_for(self.device)
         self.arena = HostArena(config.host_budget_bytes, alignment_bytes=alignment,
                                allocate_fn=functools.partial(
-                                   aligned_empty, pin_device=pin_device_for(self.device)),
-                               direct_io=swapper is not None)
+                                   aligned_empty, pin_device=pin,
+                                   direct_io=swapper is not None and pin is not None),
+                               direct_io=swapper is not None and pin is None)
         self._shards: dict[str, _Shard] = {}
         self._lock = threading.Lock()  # [Note: store locking]
         self._cond = threading.Condition(self._lock)

@@ -242,7 +242,7 @@ class InfinityEngine:
                                                     rank=self.collectives.rank)
             # Set-up's writes go through a small window at the arena's bottom: not on huge pages
             # ([Note: huge pages where the disk moves the arena] in infinity/tiers/_arena.py).
-            self.store.arena.advise_direct_io = False
+            self.store.arena.pause_direct_io_advice()
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None:
@@ -305,7 +305,7 @@ class InfinityEngine:
         """NVMe optimizer: the updates of a step run in the next forward, each just before its
         parameter shard is read ([Note: deferred optimizer step]); False runs them in step()."""
         if self.store is not None:
-            self.store.arena.advise_direct_io = True  # set-up is over: the steps' reads from here
+            self.store.arena.resume_direct_io_advice()  # set-up is over: the steps' reads next
         logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
                     config.precision.dtype, self.device, world)
 

@@ -191,16 +191,26 @@ def test_the_arena_advises_where_transient_extents_reach_not_its_home_copies(cpu
     e = cpu_only.allocate(16 * mib)
     assert "hg" not in _vm_flags(cpu_only.buffer.data_ptr() + e.size_bytes // 2)
 
+    # The engine's set-up: not advised while paused; on resume the free pages set-up reached
+    # are dropped (read back as zeros), advised anew, and live extents keep their bytes.
     paused = HostArena(32 * mib, alignment_bytes=4096, allocate_fn=aligned_empty, direct_io=True)
-    paused.advise_direct_io = False  # the engine's set-up: its window is never advised
-    setup = paused.allocate(8 * mib)
-    paused.free(setup)
-    paused.advise_direct_io = True
-    again = paused.allocate(4 * mib)  # within set-up's window: still not advised
-    above = paused.allocate(12 * mib)  # past it: advised
     base = paused.buffer.data_ptr()
-    assert "hg" not in _vm_flags(base + again.offset_bytes + again.size_bytes // 2)
-    assert "hg" in _vm_flags(base + above.offset_bytes + above.size_bytes - 3 * mib)
+    paused.pause_direct_io_advice()
+    setup = paused.allocate(8 * mib)
+    live = paused.allocate(2 * mib)
+    paused.raw(setup).fill_(7)
+    paused.raw(live).fill_(5)
+    assert "hg" not in _vm_flags(base + setup.offset_bytes + 4 * mib)
+    paused.free(setup)
+    paused.resume_direct_io_advice()
+    again = paused.allocate(8 * mib)
+    assert again.offset_bytes == setup.offset_bytes
+    assert "hg" in _vm_flags(-(-base // (2 * mib)) * (2 * mib))
+    lo = -(-base // (2 * mib)) * (2 * mib) - base  # the whole 2 MiB pages of the freed range
+    hi = (base + setup.end_bytes) // (2 * mib) * (2 * mib) - base
+    assert hi > lo and torch.all(paused.raw(again)[lo:hi] == 0)
+    assert torch.all(paused.raw(again)[:lo] == 7)  # a partial page is kept as it was
+    assert torch.all(paused.raw(live) == 5)
 
 
 @_THP
