@@ -8,7 +8,8 @@ and safetensors read and written by byte range.
 - :func:`aligned_empty` / :func:`aligned_view` (:mod:`._aligned`): page-aligned host memory that
   direct I/O reads into without staging; :func:`advise_direct_io_range`: huge pages for a range
   the disk will move ([Note: direct I/O wants huge pages] in ``_huge_pages.py``);
-  :func:`release_pages`: give a range's pages back to the kernel.
+  :func:`release_pages` / :func:`populate_pages`: give a range's pages back to the kernel, fault
+  them in without writing.
 - :func:`huge_pages_pay_off` (:mod:`._huge_pages`): whether large host buffers the CPU works in
   are advised to use transparent huge pages on this machine (decided once per process).
 - :func:`manage_mmap_threshold`, :func:`activations_in_heap`, :func:`engine_buffers`
@@ -24,7 +25,8 @@ Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from 
 
 from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, advise_direct_io_range,
                                   advise_huge_pages, aligned_empty, aligned_view, memory_at,
-                                  pin_device_for, pinned_staging_ring, release_pages)
+                                  pin_device_for, pinned_staging_ring, populate_pages,
+                                  release_pages)
 from infinity.io._disk import free_disk_bytes
 from infinity.io._host_malloc import activations_in_heap, engine_buffers, manage_mmap_threshold
 from infinity.io._huge_pages import huge_pages_pay_off
@@ -40,4 +42,4 @@ __all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsChe
            "aligned_empty",
            "aligned_view", "engine_buffers", "free_disk_bytes", "fsync_dir", "huge_pages_pay_off",
            "iter_tensors", "manage_mmap_threshold", "memory_at", "pin_device_for",
-           "pinned_staging_ring", "release_pages", "write_safetensors"]
+           "pinned_staging_ring", "populate_pages", "release_pages", "write_safetensors"]

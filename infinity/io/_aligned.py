@@ -107,6 +107,7 @@ _HUGE_PAGE_BYTES = 2 * 1024 * 1024
 """The transparent huge page size on x86-64 and most arm64 kernels: madvise ranges are cut to it."""
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _madvise = None  # libc's madvise, resolved on first use (None after a failed lookup: never retried)
 _madvise_looked_up = False
 
@@ -150,6 +151,14 @@ def release_pages(ptr: int, nbytes: int) -> bool:
     under the mapping's current advice. True if released. Never on memory anything still holds:
     the caller owns that range and keeps nothing in it."""
     return _advise_range(ptr, nbytes, _MADV_DONTNEED)
+
+
+def populate_pages(ptr: int, nbytes: int) -> bool:
+    """Fault in the whole pages of ``[ptr, ptr + nbytes)`` (2 MiB-aligned interior) as a write
+    would, without writing (``MADV_POPULATE_WRITE``, Linux 5.14): the bytes stay as they are, so
+    it is safe beside threads using the range. True if populated; False where the kernel has no
+    such advice."""
+    return _advise_range(ptr, nbytes, _MADV_POPULATE_WRITE)
 
 
 def _advise_range(ptr: int, nbytes: int, advice: int | None = None) -> bool:

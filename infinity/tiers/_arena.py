@@ -30,15 +30,19 @@ far), before anything is written there; the home copies at the top keep the defa
 The engine's set-up writes each shard once through a bounded window at the bottom ([Note:
 set-up copies are dropped once written] in store.py): faulted in on huge pages, that window cost
 2.5-4 s of a 1B GPT's 22 s set-up, for writes that do not need it. So set-up pauses the advice
-(``pause_direct_io_advice``), and ``resume_direct_io_advice`` gives the free part of the window
-back to the kernel (``MADV_DONTNEED``: the next touch faults fresh pages in, now advised): left on
-4 KiB pages, that part of the cache read slower for the whole run (7B LoRA: 1.09x plain's step
-against 0.98x). The fault-in then happens where the steps' reads first land, once.
+(``pause_direct_io_advice``), and ``resume_direct_io_advice`` prepares every hole for the steps:
+its whole pages go back to the kernel (``MADV_DONTNEED``; left on 4 KiB pages, set-up's window
+made the 7B LoRA step 1.09x plain's instead of 0.98x), are advised, and a low-priority thread
+faults them in (``MADV_POPULATE_WRITE``, which never changes bytes, so the steps may use the
+range meanwhile). Faulted in lazily instead, by the reads that first land there, the I/O
+threads stalled on it in the first steps (135M GPT at half its state: prefetch reads at 0.1-0.6
+GB/s in the warm-up and the first timed steps).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import dataclasses
 import logging
 import threading
@@ -47,7 +51,7 @@ from typing import Callable
 import torch
 
 from infinity._common import align_up
-from infinity.io import advise_direct_io_range, release_pages
+from infinity.io import advise_direct_io_range, populate_pages, release_pages
 
 _HUGE_PAGE_BYTES = 2 * 1024 * 1024
 
@@ -98,8 +102,6 @@ class HostArena:
         pages where the disk moves the arena])."""
         self._paused = False
         """Set-up: the range transient extents reach is not advised (see the note)."""
-        self._paused_reach_bytes = 0
-        """The highest end of a transient extent carved while paused."""
         self._advised_bytes = 0
         """The arena's bytes from the bottom up to which huge pages are advised."""
 
@@ -141,11 +143,9 @@ class HostArena:
                 self._free_sizes[best + size] = hole - size
                 start = best
             self._live[start] = size
-            if self._direct_io and not long_lived and start + size > self._advised_bytes:
-                if self._paused:
-                    self._paused_reach_bytes = max(self._paused_reach_bytes, start + size)
-                else:
-                    self._advise_up_to(start + size)
+            if self._direct_io and not long_lived and not self._paused \
+                    and start + size > self._advised_bytes:
+                self._advise_up_to(start + size)
             return Extent(start, size)
 
     def pause_direct_io_advice(self) -> None:
@@ -153,24 +153,24 @@ class HostArena:
         self._paused = True
 
     def resume_direct_io_advice(self) -> None:
-        """Set-up is over: the free pages below the highest transient extent set-up reached go
-        back to the kernel, to be advised anew as transient extents reach them (see the note).
-        Live extents keep their pages and bytes."""
+        """Set-up is over: every hole's whole pages are released, advised and faulted in again in
+        the background, live extents keep their pages and bytes (see the note)."""
         with self._lock:
             self._paused = False
-            if self._direct_io and self._paused_reach_bytes:
-                self._release_free_pages(self._paused_reach_bytes)
-            self._paused_reach_bytes = 0
-
-    def _release_free_pages(self, below_bytes: int) -> None:
-        """MADV_DONTNEED the whole 2 MiB pages of every hole under ``below_bytes`` (lock held)."""
-        base = self.buffer.data_ptr()
-        for off in self._free_offsets:
-            lo = align_up(base + off, _HUGE_PAGE_BYTES)
-            hi = (base + min(off + self._free_sizes[off], below_bytes)) \
-                // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
-            if hi > lo:
-                release_pages(lo, hi - lo)
+            if not self._direct_io:
+                return
+            base, ranges = self.buffer.data_ptr(), []
+            for off in self._free_offsets:  # what the steps' transient extents will take
+                lo = align_up(base + off, _HUGE_PAGE_BYTES)
+                hi = (base + off + self._free_sizes[off]) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+                if hi > lo:
+                    release_pages(lo, hi - lo)
+                    advise_direct_io_range(lo, hi - lo)
+                    ranges.append((lo, hi - lo))
+            self._advised_bytes = self.capacity_bytes  # no lazy advice from here on
+        if ranges:
+            threading.Thread(target=_populate, args=(self.buffer, ranges), daemon=True,
+                             name="infinity-arena-populate").start()
 
     def _advise_up_to(self, end_bytes: int) -> None:
         """[Note: huge pages where the disk moves the arena] (lock held)."""
@@ -226,3 +226,19 @@ class HostArena:
     def holes(self) -> list[Extent]:
         with self._lock:
             return [Extent(o, self._free_sizes[o]) for o in self._free_offsets]
+
+
+_POPULATE_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def _populate(buffer: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+    """Fault ``ranges`` of ``buffer``'s memory in, a chunk at a time, at the lowest CPU priority
+    (the thread holds ``buffer``: the mapping outlives it)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: the default priority
+        pass
+    for lo, nbytes in ranges:
+        for start in range(lo, lo + nbytes, _POPULATE_CHUNK_BYTES):
+            if not populate_pages(start, min(_POPULATE_CHUNK_BYTES, lo + nbytes - start)):
+                return  # a kernel without MADV_POPULATE_WRITE: the reads fault them in

@@ -5,6 +5,7 @@ save] in infinity/io/_huge_pages.py): never where the kernel reports free pages 
 from __future__ import annotations
 
 import mmap
+import time
 import types
 
 import pytest
@@ -140,6 +141,20 @@ def test_only_direct_io_memory_is_advised_where_cpu_memory_is_not(monkeypatch):
     assert len(calls) == 1
 
 
+def _anon_huge_bytes(ptr: int, nbytes: int) -> int:
+    """AnonHugePages of the mappings overlapping [ptr, ptr + nbytes) (smaps, bytes)."""
+    import pathlib
+    inside, total = False, 0
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line.strip() else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < ptr + nbytes and ptr < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
 def _vm_flags(ptr: int) -> set[str]:
     """The kernel's VmFlags of the mapping that holds ``ptr`` (/proc/self/smaps)."""
     import pathlib
@@ -203,12 +218,17 @@ def test_the_arena_advises_where_transient_extents_reach_not_its_home_copies(cpu
     assert "hg" not in _vm_flags(base + setup.offset_bytes + 4 * mib)
     paused.free(setup)
     paused.resume_direct_io_advice()
+    lo = -(-base // (2 * mib)) * (2 * mib)  # the whole 2 MiB pages of the freed range ...
+    hi = (base + setup.end_bytes) // (2 * mib) * (2 * mib)
+    deadline = time.monotonic() + 10  # ... are faulted in on huge pages by the populate thread
+    while _anon_huge_bytes(lo, hi - lo) < (hi - lo) // 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _anon_huge_bytes(lo, hi - lo) >= (hi - lo) // 2
     again = paused.allocate(8 * mib)
     assert again.offset_bytes == setup.offset_bytes
     assert "hg" in _vm_flags(-(-base // (2 * mib)) * (2 * mib))
-    lo = -(-base // (2 * mib)) * (2 * mib) - base  # the whole 2 MiB pages of the freed range
-    hi = (base + setup.end_bytes) // (2 * mib) * (2 * mib) - base
-    assert hi > lo and torch.all(paused.raw(again)[lo:hi] == 0)
+    lo, hi = lo - base, hi - base
+    assert hi > lo and torch.all(paused.raw(again)[lo:hi] == 0)  # released: their 7s are gone
     assert torch.all(paused.raw(again)[:lo] == 7)  # a partial page is kept as it was
     assert torch.all(paused.raw(live) == 5)
 
