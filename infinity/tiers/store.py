@@ -113,12 +113,12 @@ class TieredStore:
         in order, and writes it to NVMe. Kept as a cache, those copies fill the whole arena before
         the first step, and the arena's pages are faulted in during set-up: on huge pages ([Note:
         direct I/O wants huge pages] in infinity/io/_huge_pages.py) that costs ~5 s per GB on a
-        VM that reports free pages to its hypervisor, 20 s of a 1B GPT's 22 s set-up at a 4 GiB
-        budget. Dropped once written, the copies reuse the extents at the bottom of the arena
-        (best fit from the bottom, [Note: long-lived extents from the top] in _arena.py), so
-        set-up touches what is in flight; the rest of the arena is faulted in by the reads that
-        first use it. The set-up of a model larger than the arena evicted those copies before
-        the first step anyway. Set-up draws values faster than the disk writes them, so such
+        VM that reports free pages to its hypervisor (a 1B GPT at a 4 GiB budget: set-up 42.7 s
+        against 22.3 s). Dropped once written, the copies reuse the extents at the bottom of the
+        arena (best fit from the bottom, [Note: long-lived extents from the top] in _arena.py),
+        so set-up touches what is in flight; the rest is made ready for the steps when set-up
+        ends ([Note: huge pages where the disk moves the arena] in _arena.py). The set-up of a
+        model larger than the arena evicted those copies before the first step anyway. Set-up draws values faster than the disk writes them, so such
         registrations also wait while SETUP_WRITES_IN_FLIGHT_BYTES of them are being written: the
         copies waiting for the disk would otherwise spread up the arena all the same."""
         self._check_new(key, numel, dtype, home, initial)
