@@ -13,6 +13,7 @@ import torch
 
 from infinity.io import _huge_pages, advise_huge_pages, aligned_empty
 from infinity.optim import cpu_adam
+from tests._support.smaps import anon_huge_bytes, vm_flags
 
 
 def _virtio(root, name: str, *, device: int, features: str, bound: bool = True):
@@ -41,16 +42,24 @@ def test_free_page_reporting_is_read_from_the_balloon_device(tmp_path):
 
 
 @pytest.fixture
-def decide(monkeypatch):
-    """Re-decide under a given mode and reporting state."""
-    def run(mode: str | None, *, reporting: bool) -> bool:
+def policy(monkeypatch):
+    """Set the mode and the machine (reporting, THP available) the policies decide on."""
+    def set_to(mode: str | None, *, reporting: bool, available: bool = True) -> None:
         monkeypatch.setattr(_huge_pages, "_decision", None)
         monkeypatch.setattr(_huge_pages, "free_page_reporting", lambda: reporting)
-        monkeypatch.setattr(_huge_pages, "_available", lambda: True)
+        monkeypatch.setattr(_huge_pages, "_available", lambda: available)
         if mode is None:
             monkeypatch.delenv(_huge_pages.MODE_ENV, raising=False)
         else:
             monkeypatch.setenv(_huge_pages.MODE_ENV, mode)
+    return set_to
+
+
+@pytest.fixture
+def decide(policy):
+    """Re-decide the CPU memory policy under a given mode and reporting state."""
+    def run(mode: str | None, *, reporting: bool) -> bool:
+        policy(mode, reporting=reporting)
         return _huge_pages.huge_pages_pay_off()
     return run
 
@@ -68,17 +77,30 @@ def test_an_unknown_mode_is_named(decide):
         decide("sometimes", reporting=False)
 
 
-def test_no_advice_reaches_the_kernel_when_it_does_not_pay_off(monkeypatch):
+class _Recording(mmap.mmap):
+    """An anonymous mapping whose madvise calls are recorded in ``calls`` instead of made."""
+
+    calls: list[tuple] = []
+
+    def madvise(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def madvise_calls(monkeypatch):
+    """The madvise calls aligned_empty's mappings make (recorded, not made)."""
     from infinity.io import _aligned
-    calls = []
+    calls: list[tuple] = []
+    monkeypatch.setattr(_Recording, "calls", calls)
+    monkeypatch.setattr(_aligned, "_RegisteredMmap", _Recording)
+    return calls
 
-    class Recording(mmap.mmap):
-        def madvise(self, *args):
-            calls.append(args)
 
-    monkeypatch.setattr(_aligned, "_RegisteredMmap", Recording)  # aligned_empty's mapping
+def test_no_advice_reaches_the_kernel_when_it_does_not_pay_off(monkeypatch, madvise_calls):
+    from infinity.io import _aligned
+    calls = madvise_calls
     monkeypatch.setattr(cpu_adam, "mmap", types.SimpleNamespace(  # zeros_host's
-        **{k: getattr(mmap, k) for k in dir(mmap) if k.isupper()}, mmap=Recording))
+        **{k: getattr(mmap, k) for k in dir(mmap) if k.isupper()}, mmap=_Recording))
     monkeypatch.setattr(_aligned, "_madvise_looked_up", True)  # advise_huge_pages' libc call
     monkeypatch.setattr(_aligned, "_madvise", lambda *args: calls.append(args) or 0)
     big = 8 * 2**20
@@ -92,15 +114,10 @@ def test_no_advice_reaches_the_kernel_when_it_does_not_pay_off(monkeypatch):
 
 
 @pytest.fixture
-def direct(monkeypatch):
+def direct(policy):
     """The direct-I/O policy under a given mode and reporting state."""
     def run(mode: str | None, *, reporting: bool, available: bool = True) -> bool:
-        monkeypatch.setattr(_huge_pages, "free_page_reporting", lambda: reporting)
-        monkeypatch.setattr(_huge_pages, "_available", lambda: available)
-        if mode is None:
-            monkeypatch.delenv(_huge_pages.MODE_ENV, raising=False)
-        else:
-            monkeypatch.setenv(_huge_pages.MODE_ENV, mode)
+        policy(mode, reporting=reporting, available=available)
         return _huge_pages.huge_pages_for_direct_io()
     return run
 
@@ -117,18 +134,10 @@ def test_direct_io_buffers_are_advised_even_where_free_pages_go_to_a_hypervisor(
         direct("sometimes", reporting=False)
 
 
-def test_only_direct_io_memory_is_advised_where_cpu_memory_is_not(monkeypatch):
-    from infinity.io import _aligned
-    calls = []
-
-    class Recording(mmap.mmap):
-        def madvise(self, *args):
-            calls.append(args)
-
-    monkeypatch.setattr(_aligned, "_RegisteredMmap", Recording)
-    monkeypatch.setattr(_huge_pages, "_decision", False)  # CPU memory: not advised (this VM)
-    monkeypatch.setattr(_huge_pages, "_available", lambda: True)
-    monkeypatch.delenv(_huge_pages.MODE_ENV, raising=False)
+def test_only_direct_io_memory_is_advised_where_cpu_memory_is_not(monkeypatch, policy,
+                                                                 madvise_calls):
+    calls = madvise_calls
+    policy(None, reporting=True)  # this VM: CPU memory not advised, direct-I/O memory advised
     big = 8 * 2**20
     aligned_empty(big, torch.uint8)
     assert calls == []
@@ -141,43 +150,14 @@ def test_only_direct_io_memory_is_advised_where_cpu_memory_is_not(monkeypatch):
     assert len(calls) == 1
 
 
-def _anon_huge_bytes(ptr: int, nbytes: int) -> int:
-    """AnonHugePages of the mappings overlapping [ptr, ptr + nbytes) (smaps, bytes)."""
-    import pathlib
-    inside, total = False, 0
-    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0] if line.strip() else ""
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo < ptr + nbytes and ptr < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1]) * 1024
-    return total
-
-
-def _vm_flags(ptr: int) -> set[str]:
-    """The kernel's VmFlags of the mapping that holds ``ptr`` (/proc/self/smaps)."""
-    import pathlib
-    inside = False
-    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0] if line.strip() else ""
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= ptr < hi
-        elif inside and line.startswith("VmFlags:"):
-            return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds {ptr:#x}")
-
-
 _THP = pytest.mark.skipif(not _huge_pages._available(),
                           reason="no transparent huge pages on this kernel")
 
 
 @pytest.fixture
-def cpu_memory_not_advised(monkeypatch):
+def cpu_memory_not_advised(policy):
     """This VM's policy: CPU memory not advised, direct-I/O memory advised."""
-    monkeypatch.setattr(_huge_pages, "_decision", False)
-    monkeypatch.delenv(_huge_pages.MODE_ENV, raising=False)
+    policy(None, reporting=True)
 
 
 @_THP
@@ -190,21 +170,21 @@ def test_the_arena_advises_where_transient_extents_reach_not_its_home_copies(cpu
     arena = HostArena(32 * mib, alignment_bytes=4096, allocate_fn=aligned_empty, direct_io=True)
     base = arena.buffer.data_ptr()
     first_huge = -(-base // (2 * mib)) * (2 * mib)  # the first 2 MiB boundary inside the arena
-    assert "hg" not in _vm_flags(first_huge)  # nothing allocated: nothing advised yet
+    assert "hg" not in vm_flags(first_huge)  # nothing allocated: nothing advised yet
     home = arena.allocate(8 * mib, long_lived=True)
     transient = arena.allocate(6 * mib)
     assert transient.offset_bytes == 0 and home.end_bytes == arena.capacity_bytes
-    assert "hg" in _vm_flags(first_huge)
-    assert "hg" in _vm_flags(first_huge + 2 * mib)
-    assert "hg" not in _vm_flags(base + home.offset_bytes + home.size_bytes // 2)
+    assert "hg" in vm_flags(first_huge)
+    assert "hg" in vm_flags(first_huge + 2 * mib)
+    assert "hg" not in vm_flags(base + home.offset_bytes + home.size_bytes // 2)
     later = arena.allocate(6 * mib)  # the advised range grows with the transient extents
-    assert "hg" in _vm_flags(base + later.offset_bytes + later.size_bytes // 2)
+    assert "hg" in vm_flags(base + later.offset_bytes + later.size_bytes // 2)
     arena.free(transient)
     arena.free(later)
 
     cpu_only = HostArena(32 * mib, alignment_bytes=4096, allocate_fn=aligned_empty)
     e = cpu_only.allocate(16 * mib)
-    assert "hg" not in _vm_flags(cpu_only.buffer.data_ptr() + e.size_bytes // 2)
+    assert "hg" not in vm_flags(cpu_only.buffer.data_ptr() + e.size_bytes // 2)
 
     # The engine's set-up: not advised while paused; on resume the free pages set-up reached
     # are dropped (read back as zeros), advised anew, and live extents keep their bytes.
@@ -215,18 +195,18 @@ def test_the_arena_advises_where_transient_extents_reach_not_its_home_copies(cpu
     live = paused.allocate(2 * mib)
     paused.raw(setup).fill_(7)
     paused.raw(live).fill_(5)
-    assert "hg" not in _vm_flags(base + setup.offset_bytes + 4 * mib)
+    assert "hg" not in vm_flags(base + setup.offset_bytes + 4 * mib)
     paused.free(setup)
     paused.resume_direct_io_advice()
     lo = -(-base // (2 * mib)) * (2 * mib)  # the whole 2 MiB pages of the freed range ...
     hi = (base + setup.end_bytes) // (2 * mib) * (2 * mib)
     deadline = time.monotonic() + 10  # ... are faulted in on huge pages by the populate thread
-    while _anon_huge_bytes(lo, hi - lo) < (hi - lo) // 2 and time.monotonic() < deadline:
+    while anon_huge_bytes(lo, hi - lo) < (hi - lo) // 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _anon_huge_bytes(lo, hi - lo) >= (hi - lo) // 2
+    assert anon_huge_bytes(lo, hi - lo) >= (hi - lo) // 2
     again = paused.allocate(8 * mib)
     assert again.offset_bytes == setup.offset_bytes
-    assert "hg" in _vm_flags(-(-base // (2 * mib)) * (2 * mib))
+    assert "hg" in vm_flags(-(-base // (2 * mib)) * (2 * mib))
     lo, hi = lo - base, hi - base
     assert hi > lo and torch.all(paused.raw(again)[lo:hi] == 0)  # released: their 7s are gone
     assert torch.all(paused.raw(again)[:lo] == 7)  # a partial page is kept as it was
@@ -250,7 +230,7 @@ def test_a_store_with_a_swapper_advises_its_staging_extents(cpu_memory_not_advis
                                Tier.NVME if with_disk else Tier.HOST, initial=initial)
                 copy = store.acquire("w", Tier.HOST).wait()
                 middle = copy.data_ptr() + copy.numel() * copy.element_size() // 2
-                assert ("hg" in _vm_flags(middle)) is with_disk
+                assert ("hg" in vm_flags(middle)) is with_disk
                 assert torch.equal(copy, initial)
                 store.release("w", Tier.HOST)
             finally:

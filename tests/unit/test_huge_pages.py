@@ -9,22 +9,9 @@ import pytest
 import torch
 
 from infinity.io import advise_huge_pages
+from tests._support.smaps import anon_huge_bytes
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _anon_huge_bytes(ptr: int, nbytes: int) -> int:
-    """AnonHugePages of the mappings overlapping [ptr, ptr + nbytes) (smaps, in bytes): the advice
-    splits the buffer's mapping at the 2 MiB boundaries, so there are several."""
-    inside, total = False, 0
-    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0] if line.strip() else ""
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo < ptr + nbytes and ptr < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1]) * 1024
-    return total
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +37,8 @@ def test_advised_buffer_is_backed_by_huge_pages_once_touched():
     # At least half of the 2 MiB-aligned interior: the kernel may fall back to 4 KiB pages for
     # some ranges when it cannot find free huge pages at once (defrag "madvise" compacts, but
     # not always in time).
-    assert _anon_huge_bytes(advised.data_ptr(), nbytes) >= nbytes // 2
+    assert anon_huge_bytes(advised.data_ptr(), nbytes) >= nbytes // 2
     if "[madvise]" in THP.read_text():  # only the advice turns them on: the control has none
         plain = torch.empty(nbytes, dtype=torch.uint8)
         plain.fill_(1)
-        assert _anon_huge_bytes(plain.data_ptr(), nbytes) == 0
+        assert anon_huge_bytes(plain.data_ptr(), nbytes) == 0
