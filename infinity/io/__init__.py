@@ -23,10 +23,10 @@ and safetensors read and written by byte range.
 Knows nothing of tiers, units or the engine; only ``config.SwapperConfig`` from above the floor.
 """
 
-from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, address_of, advise_direct_io_range,
-                                  advise_huge_pages, aligned_empty, aligned_view, memory_at,
-                                  pin_device_for, pinned_staging_ring, populate_pages,
-                                  release_pages)
+from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, HUGE_PAGE_BYTES, address_of,
+                                  advise_direct_io_range, advise_huge_pages, aligned_empty,
+                                  aligned_view, memory_at, pin_device_for, pinned_staging_ring,
+                                  populate_pages, release_pages)
 from infinity.io._disk import free_disk_bytes
 from infinity.io._host_malloc import activations_in_heap, engine_buffers, manage_mmap_threshold
 from infinity.io._huge_pages import huge_pages_pay_off
@@ -36,10 +36,10 @@ from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, Safeten
 from infinity.io._swap_format import FileState
 from infinity.io._swapper import SwapHandle, Swapper
 
-__all__ = ["DEFAULT_ALIGNMENT_BYTES", "INDEX_NAME", "FileState", "SafetensorsCheckpoint",
-           "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper", "TensorEntry",
-           "activations_in_heap", "address_of", "advise_direct_io_range", "advise_huge_pages",
-           "aligned_empty",
-           "aligned_view", "engine_buffers", "free_disk_bytes", "fsync_dir", "huge_pages_pay_off",
-           "iter_tensors", "manage_mmap_threshold", "memory_at", "pin_device_for",
-           "pinned_staging_ring", "populate_pages", "release_pages", "write_safetensors"]
+__all__ = ["DEFAULT_ALIGNMENT_BYTES", "HUGE_PAGE_BYTES", "INDEX_NAME", "FileState",
+           "SafetensorsCheckpoint", "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper",
+           "TensorEntry", "activations_in_heap", "address_of", "advise_direct_io_range",
+           "advise_huge_pages", "aligned_empty", "aligned_view", "engine_buffers",
+           "free_disk_bytes", "fsync_dir", "huge_pages_pay_off", "iter_tensors",
+           "manage_mmap_threshold", "memory_at", "pin_device_for", "pinned_staging_ring",
+           "populate_pages", "release_pages", "write_safetensors"]

@@ -103,7 +103,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin_device: torch.device | 
     return flat.view(dtype)
 
 
-_HUGE_PAGE_BYTES = 2 * 1024 * 1024
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
 """The transparent huge page size on x86-64 and most arm64 kernels: madvise ranges are cut to it."""
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
@@ -161,7 +161,7 @@ def populate_pages(ptr: int, nbytes: int) -> bool:
     return _advise_range(ptr, nbytes, _MADV_POPULATE_WRITE)
 
 
-def _advise_range(ptr: int, nbytes: int, advice: int | None = None) -> bool:
+def _advise_range(ptr: int, nbytes: int, advice: int = _MADV_HUGEPAGE) -> bool:
     global _madvise, _madvise_looked_up
     if not _madvise_looked_up:
         _madvise_looked_up = True
@@ -174,11 +174,11 @@ def _advise_range(ptr: int, nbytes: int, advice: int | None = None) -> bool:
             _madvise = None
     if _madvise is None:
         return False
-    lo = align_up(ptr, _HUGE_PAGE_BYTES)
-    hi = (ptr + nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+    lo = align_up(ptr, HUGE_PAGE_BYTES)
+    hi = (ptr + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if hi <= lo:
         return False
-    return _madvise(lo, hi - lo, _MADV_HUGEPAGE if advice is None else advice) == 0
+    return _madvise(lo, hi - lo, advice) == 0
 
 
 def _register(buf: _RegisteredMmap, ptr: int, size: int, device: torch.device) -> None:

@@ -52,9 +52,7 @@ from typing import Callable
 import torch
 
 from infinity._common import align_up
-from infinity.io import advise_direct_io_range, populate_pages, release_pages
-
-_HUGE_PAGE_BYTES = 2 * 1024 * 1024
+from infinity.io import HUGE_PAGE_BYTES, advise_direct_io_range, populate_pages, release_pages
 
 logger = logging.getLogger(__name__)
 
@@ -160,14 +158,13 @@ class HostArena:
             self._paused = False
             if not self._direct_io:
                 return
-            base, ranges = self.buffer.data_ptr(), []
-            for off in self._free_offsets:  # what the steps' transient extents will take
-                lo = align_up(base + off, _HUGE_PAGE_BYTES)
-                hi = (base + off + self._free_sizes[off]) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
-                if hi > lo:
-                    release_pages(lo, hi - lo)
-                    advise_direct_io_range(lo, hi - lo)
-                    ranges.append((lo, hi - lo))
+            # The holes: what the steps' transient extents will take (each call acts on a hole's
+            # whole 2 MiB pages only, so a live extent's bytes are never touched).
+            base = self.buffer.data_ptr()
+            ranges = [(base + off, self._free_sizes[off]) for off in self._free_offsets]
+            for lo, nbytes in ranges:
+                release_pages(lo, nbytes)
+                advise_direct_io_range(lo, nbytes)
             self._advised_bytes = self.capacity_bytes  # no lazy advice from here on
         if ranges:
             threading.Thread(target=_populate, args=(self.buffer, ranges), daemon=True,
@@ -176,7 +173,7 @@ class HostArena:
     def _advise_up_to(self, end_bytes: int) -> None:
         """[Note: huge pages where the disk moves the arena] (lock held)."""
         base = self.buffer.data_ptr()
-        hi = min(align_up(base + end_bytes, _HUGE_PAGE_BYTES), base + self.capacity_bytes)
+        hi = min(align_up(base + end_bytes, HUGE_PAGE_BYTES), base + self.capacity_bytes)
         lo = base + self._advised_bytes
         if hi > lo:
             advise_direct_io_range(lo, hi - lo)  # only the 2 MiB-aligned interior is advised
@@ -239,7 +236,9 @@ def _populate(buffer: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux: the default priority
         pass
-    for lo, nbytes in ranges:
-        for start in range(lo, lo + nbytes, _POPULATE_CHUNK_BYTES):
-            if not populate_pages(start, min(_POPULATE_CHUNK_BYTES, lo + nbytes - start)):
+    for lo, nbytes in ranges:  # whole 2 MiB pages, in chunks of whole pages
+        start = align_up(lo, HUGE_PAGE_BYTES)
+        end = (lo + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        for chunk in range(start, end, _POPULATE_CHUNK_BYTES):
+            if not populate_pages(chunk, min(_POPULATE_CHUNK_BYTES, end - chunk)):
                 return  # a kernel without MADV_POPULATE_WRITE: the reads fault them in
