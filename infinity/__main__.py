@@ -1,3 +1,3 @@
-from infinity.cli import main
+from infinity.cli import console_main
 
-raise SystemExit(main())
+console_main()

@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any
 
+from infinity._process_exit import exit_after_distributed
+
 
 def mode_config(mode: str, world_size: int, dtype: str) -> dict[str, Any]:
     """The engine config of a mode: flat ZeRO-3, HSDP (2 replicas), hpZ (partition 2), qwZ + qgZ."""
@@ -105,8 +107,12 @@ def main(spec_path: str, rank: int) -> None:
             with open(path + ".tmp", "w", encoding="utf-8") as f:
                 json.dump(result, f)
             os.replace(path + ".tmp", path)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # The result is written: leave without finalization ([Note: gloo teardown at exit] in
+    # infinity/_process_exit.py). An error above still raises and exits 1.
+    exit_after_distributed(0)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,6 @@ state dict) and ``bench`` (the benchmarks of :mod:`infinity.bench`).
   :mod:`._hardware`), :mod:`._consolidate`: one command each (``add_arguments`` / ``run``).
 """
 
-from infinity.cli._main import build_parser, main
+from infinity.cli._main import build_parser, console_main, main
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "console_main", "main"]

@@ -13,7 +13,9 @@ import io
 import json
 import logging
 import sys
+from typing import NoReturn
 
+from infinity._process_exit import exit_after_distributed
 from infinity.bench import adam as bench_adam
 from infinity.bench import comm as bench_comm
 from infinity.bench import io as bench_io
@@ -108,6 +110,15 @@ def _run_all(available, args) -> int:
         print(json.dumps({"benchmark": "all", "quick": args.quick, "returncode": rc,
                           "results": records}, indent=2, default=str))
     return rc
+
+
+def console_main() -> NoReturn:
+    """The ``infinity`` program (its console script and ``python -m infinity``): :func:`main` on
+    ``sys.argv``; a process group left initialized (``torchrun``) is destroyed and the process
+    leaves without finalization ([Note: gloo teardown at exit] in infinity/_process_exit.py)."""
+    code = main()
+    exit_after_distributed(code)
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,8 @@ def _main(spec_path: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from infinity._process_exit import exit_after_distributed
+
     with open(spec_path) as f:
         spec = json.load(f)
     torch.set_num_threads(1)
@@ -89,17 +91,13 @@ def _main(spec_path: str, rank: int) -> None:
         result = getattr(module, spec["fn"])(rank, spec["world_size"], spec["out_dir"],
                                              **spec["args"])
         torch.save(result, os.path.join(spec["out_dir"], f"result{rank}.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # The result is saved: leave without finalization ([Note: gloo teardown at exit] in
+    # infinity/_process_exit.py). A failure above still raises and exits 1.
+    exit_after_distributed(0)
 
 
 if __name__ == "__main__":
     _main(sys.argv[1], int(sys.argv[2]))
-    # The worker's result is saved and the process group destroyed: skip the interpreter's
-    # finalization, where torch 2.13's gloo teardown aborts now and then ("terminate called
-    # without an active exception", no Python frame, exit -6) when the machine is busy (2 of 5
-    # pytest runs of test_stage3_resident_model_state_halves_with_two_ranks on 2026-12-04, with
-    # the code of 2026-12-03 as with today's). A failure inside _main still raises and exits 1.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
