@@ -411,7 +411,12 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
         _add_unit_buffers(buffers, stage=stage, world_size=n, terms=terms,
                           unit_numel=unit_numel, unit_trainable_numel=unit_trainable_numel,
                           prefetch_units=prefetch_units,
-                          param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE)
+                          param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE,
+                          # [Note: staging in the accumulator's dtype] in
+                          # infinity/zero/_grad_reducer.py: host accumulators in the compute
+                          # dtype are staged in it
+                          grad_staging_bytes=terms.grad_bytes if opt_tier is Tier.DEVICE else
+                          min(terms.grad_bytes, terms.optimizer_grad_bytes))
     if hpz_partition_size > 1:  # [Note: the hpZ term]
         buffers.setdefault(Tier.DEVICE, {})["hpz_secondary"] = ceil_bytes(
             numel * terms.param_bytes / hpz_partition_size)
@@ -436,17 +441,19 @@ def _check_hpz(partition_size: Any, stage: int, world_size: int, param_home: Tie
 
 def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_size: int,
                       terms: StateTerms, unit_numel: int, unit_trainable_numel: int,
-                      prefetch_units: int, param_home: Tier, grads_leave: bool) -> None:
+                      prefetch_units: int, param_home: Tier, grads_leave: bool,
+                      grad_staging_bytes: float) -> None:
     """Working buffers that scale with the largest unit (one current + the prefetched ones).
 
     ``grads_leave``: each unit's full gradient is reduced into a smaller or off-device accumulator
-    (stages 2-3, or an offloaded optimizer), so it exists beside the accumulator until then."""
+    (stages 2-3, or an offloaded optimizer), so it exists beside the accumulator until then, in
+    ``grad_staging_bytes`` per element."""
     device = buffers.setdefault(Tier.DEVICE, {})
     if stage == 3:
         device["gathered_units"] = ceil_bytes((1 + prefetch_units) * unit_numel * terms.param_bytes)
     if grads_leave and unit_trainable_numel:
         # [Note: gradient placement]: a unit's full gradient lives until it is reduced and moved.
-        device["unit_gradient"] = ceil_bytes(unit_trainable_numel * terms.grad_bytes)
+        device["unit_gradient"] = ceil_bytes(unit_trainable_numel * grad_staging_bytes)
     if stage == 3 and param_home is not Tier.DEVICE:
         unit_shard = ceil_bytes(unit_numel / world_size)
         # Shards on their way up: the device copies the gathers read from (the store's DEVICE

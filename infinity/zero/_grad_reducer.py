@@ -6,7 +6,9 @@ what happens to a gradient from ``param.grad`` to the optimizer's fp32 partition
 
 [Note: gradient ledger]
 Autograd writes ``param.grad`` (compute dtype); the post-accumulate-grad hook adds it into the
-unit's fp32 staging buffer (full padded size, alive only during backward) and drops ``param.grad``.
+unit's staging buffer (full padded size, alive only during backward; fp32, or the compute dtype
+where nothing is summed in fp32: [Note: staging in the accumulator's dtype]) and drops
+``param.grad``.
 When every trainable parameter of the unit has its gradient, the staging buffer is averaged over
 ranks (reduce-scatter for stages 2-3, all-reduce for 0-1, on the shard group; over a mesh the
 partition is then summed across the replicas, and the average is over all R * S data-parallel
@@ -179,12 +181,31 @@ class GradientReducer:
                 and g.grad_host.device == self.config.device
                 and g.grad_host.numel() == g.padded_numel)
 
+    @property
+    def staging_dtype(self) -> torch.dtype:
+        """[Note: staging in the accumulator's dtype]
+        A unit's gradient is staged in fp32 where fp32 sums are kept: device accumulators, host
+        ones in fp32 (several micro-batches, or ranks summing in fp32). Where the host
+        accumulator holds the compute dtype (``ledger.host_grad_dtype_of``: one micro-batch, and
+        one rank or a wire in the compute dtype), every element the staging holds is a gradient
+        autograd made in that dtype, copied in exactly, so an fp32 buffer keeps nothing more and
+        the value that reaches the accumulator is the same: a parameter used twice is summed
+        once either way (one rounding), a division by the ranks rounds once either way. Half
+        the bytes, and they count: at world 1 the staged units (the current one and the root
+        unit, whose embedding's gradient comes last) were 0.97 GB of fp32 beside a 4 GiB host
+        budget on the 3.3B GPT, the whole growth of its peak RSS over the 1B run's."""
+        host = self.config.host_dtype
+        if self.offloaded and host != torch.float32 and self.config.grad_quant is None:
+            return host
+        return torch.float32
+
     def _new_staging(self, g: FlatGroup) -> torch.Tensor:
         """An unzeroed staging buffer ([Note: staging writes each gradient once])."""
         if self._stages_in_host(g):
             return g.grad_host
         with engine_buffers():  # [Note: freed buffers leave the process] in infinity/io
-            staging = torch.empty(g.padded_numel, dtype=torch.float32, device=self.config.device)
+            staging = torch.empty(g.padded_numel, dtype=self.staging_dtype,
+                                  device=self.config.device)
         advise_huge_pages(staging)  # [Note: first touch of large host buffers] in infinity/io
         return staging
 
@@ -201,7 +222,8 @@ class GradientReducer:
             if self.data_parallel_size > 1:
                 staging.div_(self.data_parallel_size)
             # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
-            # bytes with bf16/fp16); the sum lands back in fp32 for the accumulator.
+            # bytes with bf16/fp16); the sum lands back in the staging's dtype (fp32 unless
+            # [Note: staging in the accumulator's dtype]) for the accumulator.
             wire = staging if (self.data_parallel_size == 1
                                or self.config.reduce_dtype == torch.float32
                                or self.config.grad_quant is not None) \
@@ -209,10 +231,11 @@ class GradientReducer:
             if stage >= 2 and self.world_size == 1:
                 part = wire  # the shard is the whole buffer: no reduce-scatter, no copy
                 self.coll.all_reduce_replicas(part, context=context)
-                if part is not staging:  # the replicas' wire dtype: back to fp32
-                    part = part.float()
-                # else fp32 already, or the host accumulator itself (_stages_in_host: in place;
-                # converting it to fp32 and back cost 0.14 s of the 135M GPT's bf16 step)
+                if part is not staging:  # the replicas' wire dtype: back to the staging's
+                    part = part.to(staging.dtype)
+                # else the staging's dtype already, or the host accumulator itself
+                # (_stages_in_host: in place; converting it to fp32 and back cost 0.14 s of the
+                # 135M GPT's bf16 step)
             elif stage >= 2 and self.config.grad_quant is not None:
                 # qgZ inside the shard group; the replicas then sum the fp32 shard exactly.
                 part = torch.empty(g.shard_numel, dtype=torch.float32, device=device)
@@ -224,7 +247,7 @@ class GradientReducer:
                 self.coll.reduce_scatter_sum(part, wire, context=context,
                                              phase=Phase.REDUCE_GRAD)
                 self.coll.all_reduce_replicas(part, context=context)
-                part = part.float()  # no copy when the wire is fp32
+                part = part.to(staging.dtype)  # no copy when the wire is that already
             else:
                 self.coll.all_reduce_sum(wire, context=context, phase=Phase.REDUCE_GRAD)
                 # Stage 1 uses only this rank's shard of the sum: only it crosses replicas.

@@ -94,15 +94,19 @@ def host_needs_of(module: nn.Module, config: InfinityConfig, sub_group_numel: in
 
 
 def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
-                       world_size: int) -> DeviceWorkingSet:
+                       world_size: int, data_parallel_size: int | None = None) -> DeviceWorkingSet:
     """What the engine allocates on the device beside the store's shard copies, at its peak, for
     the units of ``choice`` ([Note: the 'auto' device budget] in infinity/tiers/_offload_budgets.py).
     The same terms as the ledger's device working buffers (``prefetch_units`` gathered beyond the
-    current unit, a unit's full gradient), counted on the real, padded groups."""
+    current unit, a unit's full gradient), counted on the real, padded groups. ``world_size``
+    and ``data_parallel_size`` as in :func:`resolve_offload`."""
     stage, item = config.zero.stage, config.precision.param_bytes
     fp32 = DTYPE_BYTES["fp32"]
     gathered, resident, grad_staging, device_state = [], 0, [0], 0
     opt_on_device = config.offload_optimizer.home_tier is Tier.DEVICE
+    staged = fp32  # [Note: staging in the accumulator's dtype] in infinity/zero/_grad_reducer.py
+    if not opt_on_device and not config.zero.quantized_gradients:
+        staged = DTYPE_BYTES[host_grad_dtype(config, data_parallel_size or world_size)]
     for unit in choice.units:
         for trainable in (True, False):
             numels = [p.numel() for _, p in unit.params if p.requires_grad == trainable]
@@ -116,8 +120,8 @@ def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
                 gathered.append(full)
             if not trainable:
                 continue
-            # [Note: gradient ledger]: fp32 staging of the whole unit, and its reduced shard.
-            grad_staging.append(lay.padded_numel * fp32 + lay.shard_numel * fp32)
+            # [Note: gradient ledger]: staging of the whole unit, and its reduced shard.
+            grad_staging.append((lay.padded_numel + lay.shard_numel) * staged)
             if opt_on_device:  # accumulator, master and moments of the partition (fp32)
                 part = lay.shard_numel if stage > 0 else lay.padded_numel
                 device_state += part * (fp32 + SUB_GROUP_BYTES_PER_NUMEL)
@@ -140,8 +144,9 @@ def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: i
     if borrows_host_copies(config, device, data_parallel_size or world_size):
         request = dataclasses.replace(request, gathered_units_on_host=DEFAULT_LIVE_UNITS)
     return resolve_offload_budgets(sizes, request, device=device,
-                                   device_working=device_working_set(choice, config,
-                                                                     world_size=world_size))
+                                   device_working=device_working_set(
+                                       choice, config, world_size=world_size,
+                                       data_parallel_size=data_parallel_size))
 
 
 def borrows_host_copies(config: InfinityConfig, device: torch.device,
