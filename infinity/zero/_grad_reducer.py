@@ -189,11 +189,15 @@ class GradientReducer:
         accumulator holds the compute dtype (``ledger.host_grad_dtype_of``: one micro-batch, and
         one rank or a wire in the compute dtype), every element the staging holds is a gradient
         autograd made in that dtype, copied in exactly, so an fp32 buffer keeps nothing more and
-        the value that reaches the accumulator is the same: a parameter used twice is summed
-        once either way (one rounding), a division by the ranks rounds once either way. Half
-        the bytes, and they count: at world 1 the staged units (the current one and the root
-        unit, whose embedding's gradient comes last) were 0.97 GB of fp32 beside a 4 GiB host
-        budget on the 3.3B GPT, the whole growth of its peak RSS over the 1B run's."""
+        the value that reaches the accumulator is the same: the division by the ranks rounds
+        once either way, and so does a parameter used twice in one backward (a tied weight; a
+        third use would round once more here than in fp32). Half the bytes, and they count: at
+        one rank, stored gradient slices are staged this way, and the root unit's staging
+        (whose embedding gradient comes last) lives through the whole backward beside the
+        current unit's: the 3.3B GPT at a 4 GiB host budget peaked at 5.80 GB RSS with fp32
+        staging, 5.48 GB with this (the 1B run, whose accumulators are staged in place: 4.95).
+        Not with qgZ, whose quantizer reads fp32 (the ledger, which does not know qgZ, counts
+        the compute dtype there: an underestimate of that one case)."""
         host = self.config.host_dtype
         if self.offloaded and host != torch.float32 and self.config.grad_quant is None:
             return host
