@@ -235,11 +235,9 @@ class OffloadedShardOptimizer:
             sg = SubGroup(key=key, lo=lo, hi=hi, store_key=f"opt/{key}/{i}", home=home)
             # Dropped once written ([Note: set-up copies are dropped once written] in
             # infinity/tiers/store.py): drop_setup_copies would evict it before the first step.
-            # The zero moments are not written to a new swap file: [Note: zero tails of new
-            # files are not written] in infinity/io/_swapper.py.
             self.store.register(sg.store_key, 3 * n, torch.float32, home,
                                 fill=functools.partial(_fill_sub_group, master[lo:hi]),
-                                keep_host_copy=False, zero_tail_numel=2 * n)
+                                keep_host_copy=False)
             self._state_bytes += 8 * n
             records.append(sg)
         self._sub_groups[key] = records

@@ -95,9 +95,9 @@ class _Shard:
         Every other existing non-home copy then holds the same newest bytes; the home copy is stale
         until a write-back completes. Evicting the dirty copy writes it back first."""
         self.nvme_zeros = False
-        """NVME home registered without data: the home copy is all zeros and has no file yet."""
         self.has_swap_file = False
         """A swap-out was issued for this key (the swapper holds a record to remove)."""
+        """NVME home registered without data: the home copy is all zeros and has no file yet."""
         self.writeback: Future | None = None
         """The write-back in flight (one at a time per shard)."""
         self.writeback_error: BaseException | None = None
@@ -108,10 +108,6 @@ class _Shard:
         """Registered with ``keep_host_copy=False``: the HOST copy the first write-back wrote from
         is dropped once that write completes ([Note: set-up copies are dropped once written] in
         store.py)."""
-        self.zero_tail_bytes = 0
-        """Registered with ``zero_tail_numel``: the last bytes of the first write-back are zeros,
-        which a new swap file does not get written ([Note: zero tails of new files are not
-        written] in infinity/io/_swapper.py); 0 once that write-back is issued."""
 
     def set_state(self, tier: Tier, new: Residency) -> None:
         copy = self.copies[tier]

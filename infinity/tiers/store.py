@@ -98,7 +98,7 @@ class TieredStore:
     def register(self, key: str, numel: int, dtype: torch.dtype, home: Tier,
                  initial: torch.Tensor | None = None, *,
                  fill: Callable[[torch.Tensor], None] | None = None,
-                 keep_host_copy: bool = True, zero_tail_numel: int = 0) -> None:
+                 keep_host_copy: bool = True) -> None:
         """Add a shard. Its home copy is allocated now (DEVICE/HOST) and filled from ``initial``
         (zeros when None). NVME home: ``initial`` is copied into a HOST extent and written back
         asynchronously (the HOST copy stays as a cache); None means zeros, read as zeros, no file.
@@ -108,9 +108,6 @@ class TieredStore:
         beside its zero moments, [Note: set-up writes in place] in infinity/optim/_offloaded.py).
         ``keep_host_copy=False`` (NVME home): that HOST copy is dropped once written instead of
         staying as a cache ([Note: set-up copies are dropped once written]).
-        ``zero_tail_numel`` (NVME home): the caller's word that the last elements ``fill`` or
-        ``initial`` give are zeros; the first write does not move them to the new swap file
-        ([Note: zero tails of new files are not written] in infinity/io/_swapper.py).
 
         [Note: set-up copies are dropped once written] A model's set-up registers every shard once,
         in order, and writes it to NVMe. Kept as a cache, those copies fill the whole arena before
@@ -125,10 +122,6 @@ class TieredStore:
         registrations also wait while SETUP_WRITES_IN_FLIGHT_BYTES of them are being written: the
         copies waiting for the disk would otherwise spread up the arena all the same."""
         self._check_new(key, numel, dtype, home, initial)
-        if isinstance(zero_tail_numel, bool) or not isinstance(zero_tail_numel, int) \
-                or not 0 <= zero_tail_numel <= numel:
-            raise ValueError(f"register({key!r}): zero_tail_numel must be an integer in "
-                             f"[0, {numel}], got {zero_tail_numel!r}")
         if fill is not None and initial is not None:
             raise ValueError(f"register({key!r}): pass initial or fill, not both")
         with self._lock:
@@ -164,7 +157,6 @@ class TieredStore:
             if home is Tier.NVME:
                 shard.dirty = Tier.HOST
                 shard.drop_host_when_written = dropped
-                shard.zero_tail_bytes = zero_tail_numel * shard.dtype.itemsize
                 self._setup_writes_bytes += shard.nbytes if dropped else 0
                 self._start_writeback(shard)
 
@@ -593,13 +585,7 @@ class TieredStore:
             if home is Tier.NVME:
                 extent = shard.copies[Tier.HOST].extent
                 shard.has_swap_file = True
-                raw = self.arena.raw(extent)
-                # The zero tail of set-up's write, and the extent's padding past the shard, whose
-                # bytes nothing reads ([Note: zero tails of new files are not written]).
-                tail, shard.zero_tail_bytes = shard.zero_tail_bytes, 0
-                if tail:
-                    tail += raw.numel() * raw.element_size() - shard.nbytes
-                self.swapper.swap_out(shard.key, raw, zero_tail_bytes=tail).wait()
+                self.swapper.swap_out(shard.key, self.arena.raw(extent)).wait()
                 self.counters.add_moved(Tier.HOST, Tier.NVME, shard.nbytes, shard.key)
             else:
                 self._copy(shard.copies[home].tensor, shard.copies[src].tensor, ready)

@@ -260,10 +260,10 @@ def nvme_writes(monkeypatch):
     lock = threading.Lock()
     swap_out = Swapper.swap_out
 
-    def recording_swap_out(self, key, tensor, **kwargs):
+    def recording_swap_out(self, key, tensor):
         with lock:
             keys.append(key)
-        return swap_out(self, key, tensor, **kwargs)
+        return swap_out(self, key, tensor)
 
     monkeypatch.setattr(Swapper, "swap_out", recording_swap_out)
     return keys
