@@ -10,9 +10,10 @@ with both cores loaded on 2026-12-05, once in CI (rank 0 of ``bench comm``, its 
 written). Work done is not at risk, only the exit status, which launchers (``torchrun``, our
 benchmark's parent) read as a failed rank. So a process of ours whose work is done, with a process
 group still initialized, destroys the group, flushes what it printed and logged, and leaves with
-``os._exit``: nothing of ours needs finalization (files are written inside ``with`` blocks, swap
-files are deleted by ``engine.close`` or the store's finalizer, which ran when the engine closed).
-Library code never does this: a user's own script decides how it exits.
+``os._exit``. Our callers need no finalization: their files are written inside ``with`` blocks,
+and ``infinity train`` closes its engine (deleting its swap files) before it returns; a caller that
+left an engine open would keep its swap directory, whose removal is the finalizer's job. Library
+code never does this: a user's own script decides how it exits.
 """
 
 from __future__ import annotations

@@ -95,9 +95,9 @@ class _Shard:
         Every other existing non-home copy then holds the same newest bytes; the home copy is stale
         until a write-back completes. Evicting the dirty copy writes it back first."""
         self.nvme_zeros = False
+        """NVME home registered without data: the home copy is all zeros and has no file yet."""
         self.has_swap_file = False
         """A swap-out was issued for this key (the swapper holds a record to remove)."""
-        """NVME home registered without data: the home copy is all zeros and has no file yet."""
         self.writeback: Future | None = None
         """The write-back in flight (one at a time per shard)."""
         self.writeback_error: BaseException | None = None

@@ -118,9 +118,10 @@ class TieredStore:
         arena (best fit from the bottom, [Note: long-lived extents from the top] in _arena.py),
         so set-up touches what is in flight; the rest is made ready for the steps when set-up
         ends ([Note: huge pages where the disk moves the arena] in _arena.py). The set-up of a
-        model larger than the arena evicted those copies before the first step anyway. Set-up draws values faster than the disk writes them, so such
-        registrations also wait while SETUP_WRITES_IN_FLIGHT_BYTES of them are being written: the
-        copies waiting for the disk would otherwise spread up the arena all the same."""
+        model larger than the arena evicted those copies before the first step anyway. Set-up
+        draws values faster than the disk writes them, so such registrations also wait while
+        SETUP_WRITES_IN_FLIGHT_BYTES of them are being written: the copies waiting for the disk
+        would otherwise spread up the arena all the same."""
         self._check_new(key, numel, dtype, home, initial)
         if fill is not None and initial is not None:
             raise ValueError(f"register({key!r}): pass initial or fill, not both")
