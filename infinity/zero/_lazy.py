@@ -20,11 +20,14 @@ come out identical to building eagerly on the CPU:
 * The program. A tensor's value is the result of the operations that created and wrote its
   storage, and, transitively, of those that wrote the storages they read, each as of its position
   in the recorded order. ``Recording.value`` replays exactly that slice, in recorded order, on the
-  CPU: a parameter initialised twice (in ``__init__`` and again by ``_init_weights``) replays both,
-  a parameter computed from another (``torch.randn(n) * 0.02``) replays its source first.
+  CPU: a parameter initialised twice (in ``__init__`` and again by ``_init_weights``) replays
+  only the second when it overwrote the whole storage unread ([Note: a whole overwrite ends a
+  storage's history]), both when it wrote a part; a parameter computed from another
+  (``torch.randn(n) * 0.02``) replays its source first.
 
-Replaying costs about one more eager initialisation in compute; memory is one parameter (plus the
-tensors its slice reads) at a time. Tensors are matched by storage, so views, tied parameters
+Replaying costs at most one more eager initialisation in compute (less where construction drew
+a tensor's values twice); memory is one parameter (plus the tensors its slice reads) at a time.
+Tensors are matched by storage, so views, tied parameters
 (one object in two modules) and parameters that alias one buffer all resolve. Multi-rank: every
 rank records and replays its own; the engine broadcasts rank 0's unit values, as it does for an
 eagerly built model.
@@ -107,6 +110,9 @@ class _Op:
     rng_state: torch.Tensor | None
     generator: torch.Generator | None
     """Random operations: the generator and its state just before the operation ran."""
+    overwrites: int | None = None
+    """Storage key this operation writes whole without reading what it held ([Note: a whole
+    overwrite ends a storage's history]); None for any other operation."""
 
 
 def _name(func: Any) -> str:
@@ -115,6 +121,42 @@ def _name(func: Any) -> str:
 
 def _is_random(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
+
+
+_OVERWRITING = frozenset(
+    getattr(torch.ops.aten, name) for name in (
+        "normal_", "uniform_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_",
+        "bernoulli_", "zero_", "fill_", "copy_"))
+"""In-place operations whose result does not depend on what ``self`` held: the distributions
+(their draws depend only on the generator and the other arguments), fills and ``copy_``."""
+
+
+def _overwritten_key(func: Any, written: list[Any], leaves: list[Any], whole: bool) -> int | None:
+    """[Note: a whole overwrite ends a storage's history]
+    The storage key a recorded operation overwrites whole, or None. Replaying a parameter's value
+    needs only the writes after its storage's last whole overwrite, plus the operation that
+    allocated it: an ``nn.Linear`` initialised by ``reset_parameters`` (``kaiming_uniform_``) and
+    again by a model's ``_init_weights`` (``normal_``) replays the ``normal_`` alone, from the
+    generator state recorded for it, so the values are the same. That halves the random values a
+    GPT's set-up replays (its weights are drawn twice while recording, as eager construction
+    draws them). ``whole``: the operation is one that writes its target without reading it
+    (:data:`_OVERWRITING`, or a recorded init function). Overwritten means: exactly one written
+    tensor, it spans its storage (contiguous, offset 0, every byte), and no other argument
+    shares that storage (``x.bernoulli_(x)`` reads what it overwrites)."""
+    if not whole and getattr(func, "overloadpacket", None) not in _OVERWRITING:
+        return None
+    targets = [t for t in written if isinstance(t, torch.Tensor)]
+    if len(targets) != 1 or targets[0].device != _META:
+        return None
+    t = targets[0]
+    if not (t.is_contiguous() and t.storage_offset() == 0
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes()):
+        return None
+    key = _storage_key(t)
+    if any(isinstance(x, torch.Tensor) and x is not t and x.device == _META
+           and _storage_key(x) == key for x in leaves):
+        return None
+    return key
 
 
 def _written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
@@ -142,9 +184,9 @@ class Recording:
         """Storage key -> indices of the ops that created or wrote it, in order."""
         self.num_random = 0
         self.random_numel = 0
-        """Elements the recorded random operations fill: what eager construction draws, and what
-        replaying them at ``initialize`` draws again (each also ran once here, on scratch memory,
-        to move the generator as eager construction moves it)."""
+        """Elements the recorded random operations fill: what eager construction draws (each also
+        ran once here, on scratch memory, to move the generator as eager construction moves it).
+        Replaying at ``initialize`` draws those that still show in a value: at most as many."""
         self._scratch = _Scratch()
 
     # ------------------------------------------------------------------ recording
@@ -158,16 +200,16 @@ class Recording:
                 (device is None or torch.device(device) != _META):
             return func(*args, **kwargs)  # real tensors only: it runs exactly as it would eagerly
         return self._record(func, args, kwargs, written=_written_args(func, args, kwargs),
-                            random=_is_random(func), run=func)
+                            random=_is_random(func), run=func, whole=False)
 
     def record_call(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Record a Python init function that does nothing on meta tensors (``trunc_normal_``
         returns early there) as one operation writing its first argument."""
         return self._record(func, args, kwargs, written=[args[0]], random=True,
-                            run=lambda *a, **k: args[0])
+                            run=lambda *a, **k: args[0], whole=True)
 
     def _record(self, func: Any, args: tuple, kwargs: dict, *, written: list[Any], random: bool,
-                run: Callable[..., Any]) -> Any:
+                run: Callable[..., Any], whole: bool) -> Any:
         for target in written:
             if isinstance(target, torch.Tensor) and target.device != _META:
                 raise LazyInitError(
@@ -175,13 +217,14 @@ class Recording:
                     f"infinity.init into a real {tuple(target.shape)} tensor; those values do "
                     f"not exist until infinity.initialize. Create that tensor under "
                     f"infinity.init too, or build this part of the model outside the block")
+        leaves, _ = tree_flatten((args, kwargs))
+        overwrites = _overwritten_key(func, written, leaves, whole)
         rng_state, generator = None, None
         if random:
             generator = kwargs.get("generator") or torch.default_generator
             rng_state = generator.get_state()
             # The generator moves exactly as eager construction moves it.
-            _advance_rng(func, args, kwargs, self._scratch)
-        leaves, _ = tree_flatten((args, kwargs))
+            _advance_rng(func, args, kwargs, self._scratch, overwritten=overwrites)
         before = {_storage_key(t) for t in leaves
                   if isinstance(t, torch.Tensor) and t.device == _META}
         out = run(*args, **kwargs)
@@ -200,7 +243,7 @@ class Recording:
             self.writers.setdefault(key, []).append(index)
         self.ops.append(_Op(func, *_freeze(args, kwargs, func, out_leaves, creates),
                             reads=frozenset(before), creates=creates, created=created,
-                            rng_state=rng_state, generator=generator))
+                            rng_state=rng_state, generator=generator, overwrites=overwrites))
         if rng_state is not None:
             self.num_random += 1
             filled = [t for t in written if isinstance(t, torch.Tensor)] or created
@@ -220,23 +263,42 @@ class Recording:
             raise LazyInitError(f"a meta tensor of shape {ref.size} was not created under this "
                                 f"infinity.init block; build the whole model inside the block")
         storages = self._replay(self._slice(ref.key))
-        return _view(storages[ref.key], ref).clone(memory_format=torch.contiguous_format)
+        value = _view(storages[ref.key], ref)
+        if value.is_contiguous() and value.numel() * value.element_size() == \
+                storages[ref.key].nbytes():
+            return value  # the replay's own storage, which nothing else holds: no copy
+        return value.clone(memory_format=torch.contiguous_format)
 
     def _slice(self, key: int) -> list[int]:
-        """Indices of the ops ``key``'s final value depends on, in recorded order."""
+        """Indices of the ops ``key``'s final value depends on, in recorded order: a storage's
+        writes back to its last whole overwrite and the op that allocated it ([Note: a whole
+        overwrite ends a storage's history]), and, transitively, those of what they read."""
         needed: set[int] = set()
         todo = [(key, len(self.ops))]
         seen: set[tuple[int, int]] = set()
+
+        def need(i: int, k: int) -> None:
+            if i in needed:
+                return
+            needed.add(i)
+            op = self.ops[i]
+            todo.extend((r, i) for r in op.reads if not (r == k and op.overwrites == k))
+
         while todo:
             k, upto = todo.pop()
             if (k, upto) in seen:
                 continue
             seen.add((k, upto))
-            for i in self.writers.get(k, ()):
-                if i >= upto or i in needed:
+            writers = self.writers.get(k, ())
+            for i in reversed(writers):
+                if i >= upto:
                     continue
-                needed.add(i)
-                todo.extend((r, i) for r in self.ops[i].reads)
+                need(i, k)
+                if self.ops[i].overwrites == k:  # nothing earlier shows; its storage must exist
+                    creator = next((j for j in writers if k in self.ops[j].creates), None)
+                    if creator is not None:  # None: made before the block (``_thaw`` says so)
+                        need(creator, k)
+                    break
         return sorted(needed)
 
     def _replay(self, indices: list[int]) -> dict[int, torch.UntypedStorage]:
@@ -308,24 +370,28 @@ class _Scratch:
     def __init__(self):
         self._storage = torch.UntypedStorage(0)
 
-    def like(self, t: torch.Tensor) -> torch.Tensor:
+    def like(self, t: torch.Tensor, *, zero: bool = True) -> torch.Tensor:
         extent = 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride())) if t.numel() else 0
         nbytes = extent * t.element_size()
         if self._storage.nbytes() < nbytes:
             self._storage = torch.UntypedStorage(nbytes, device=_CPU)
         view = torch.empty(0, dtype=t.dtype, device=_CPU).set_(self._storage, 0, t.size(),
                                                                t.stride())
-        return view.zero_()
+        # What an operation overwrites unread need not be defined (a memset of every random
+        # value's bytes otherwise); what it reads is zeros, as defined as anything.
+        return view.zero_() if zero else view
 
     def release(self) -> None:
         self._storage = torch.UntypedStorage(0)
 
 
-def _advance_rng(func: Any, args: tuple, kwargs: dict, scratch: _Scratch) -> None:
-    """Run a random operation once on throw-away CPU tensors of the same geometry."""
+def _advance_rng(func: Any, args: tuple, kwargs: dict, scratch: _Scratch, *,
+                 overwritten: int | None) -> None:
+    """Run a random operation once on throw-away CPU tensors of the same geometry
+    (``overwritten``: the storage key the operation overwrites unread, left unzeroed)."""
     def swap(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device == _META:
-            return scratch.like(x)
+            return scratch.like(x, zero=_storage_key(x) != overwritten)
         if isinstance(x, torch.device) and x.type == "meta":
             return _CPU
         return x

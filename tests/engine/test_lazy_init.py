@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 import infinity
 from infinity.models.gpt import GPT
@@ -312,3 +313,58 @@ def test_random_numel_counts_what_eager_construction_draws():
         build()
     assert CountDraws.numel == 30 * 20 * 2 + 20 + 50 * 8
     assert recording.random_numel == CountDraws.numel
+
+
+class Overwrites(nn.Module):
+    """[Note: a whole overwrite ends a storage's history]: which earlier writes a replay may skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.twice = nn.Linear(12, 10)  # kaiming_uniform_, then normal_ over the whole weight
+        nn.init.normal_(self.twice.weight, std=0.02)
+        self.part_after = nn.Parameter(torch.empty(6, 4))
+        nn.init.normal_(self.part_after)
+        nn.init.uniform_(self.part_after[:2])  # a view: the first draw still shows in rows 2-5
+        self.part_before = nn.Parameter(torch.empty(6, 4))
+        nn.init.uniform_(self.part_before[3:])
+        nn.init.normal_(self.part_before)  # whole, after a partial write: only this shows
+        self.self_read = nn.Parameter(torch.empty(32).uniform_())
+        self.self_read.data.bernoulli_(self.self_read.data)  # overwrites what it reads
+        src = torch.randn(5, 3)
+        self.copied = nn.Parameter(torch.empty(5, 3).uniform_())
+        with torch.no_grad():
+            self.copied.copy_(src * 2)  # whole, from another recorded tensor
+        self.scaled = nn.Parameter(torch.empty(7).normal_())
+        with torch.no_grad():
+            self.scaled.mul_(0.5)  # reads what it writes: the normal_ stays
+
+
+def test_whole_overwrites_skip_earlier_draws_and_keep_eager_values():
+    """Values bitwise equal to eager construction, and the replay draws only what shows: per
+    parameter, the elements of the random ops after its last whole overwrite (and of the
+    tensors it was computed from), counted with torch's own random-op tag."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    eager, lazy, after_eager, after_lazy = _build_both(Overwrites)
+    assert torch.equal(after_eager, after_lazy)
+    recording = recording_of(lazy)
+
+    class CountDraws(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                CountDraws.numel += sum(t.numel() for t in tree_flatten(out)[0]
+                                        if isinstance(t, torch.Tensor))
+            return out
+
+    shown = {"twice.weight": 120, "twice.bias": 10, "part_after": 24 + 8, "part_before": 24,
+             "self_read": 32 + 32, "copied": 15, "scaled": 7}
+    for name, ref in _tensors(eager).items():
+        CountDraws.numel = 0
+        with CountDraws():
+            got = recording.value(_tensors(lazy)[name])
+        assert torch.equal(got, ref.detach()), name
+        assert CountDraws.numel == shown[name], name
+    assert recording.random_numel == 120 * 2 + 10 + 24 + 8 + 12 + 24 + 64 + 15 + 15 + 7
