@@ -431,8 +431,7 @@ def _optimizer_host_room(sizes: StateSizes, request: OffloadRequest, sub: int, h
     unless parameters stream from NVMe every step (the device cannot hold them all), which need
     that room to cache their shards. The optimizer takes them in add order, which is unit order:
     the embedding first, whose update opens the forward with no compute to hide it. Three slots
-    are the pipeline's own (the one stepped, the next one read, the last one written; [Note: the
-    room host-resident sub-groups leave] sizes what stays free). Measured
+    are the pipeline's own (the one stepped, the next one read, the last one written). Measured
     on the 2-core VM (135M GPT, bf16, host budget half the training state, the device holding
     every parameter shard; seconds over 3 deferred steps, deferred updates / waiting for reads):
     window 2: 0.60 / 0.27, 3: 0.68 / 0.30, 4: 0.70-0.72 / 0.17-0.29, 6: 1.13 / 0.69,
@@ -456,31 +455,8 @@ def _optimizer_host_room(sizes: StateSizes, request: OffloadRequest, sub: int, h
     spare = request.host_budget_bytes != "auto" and not param_staged and not grads_on_nvme
     resident = 0
     if slots > OPTIMIZER_WINDOW_SLOTS and spare:
-        resident = host - homed - _pipeline_room(sizes, request, sub, slot)
-        slots = OPTIMIZER_WINDOW_SLOTS
+        resident, slots = (slots - OPTIMIZER_WINDOW_SLOTS) * slot, OPTIMIZER_WINDOW_SLOTS
     return max(2, slots), resident
-
-
-def _pipeline_room(sizes: StateSizes, request: OffloadRequest, sub: int, slot: int) -> int:
-    """[Note: the room host-resident sub-groups leave] What stays free of an explicit host budget
-    beside its host-resident sub-groups, when no parameter shard is staged through the host in
-    the steps: the optimizer's own OPTIMIZER_WINDOW_SLOTS, each one sub-group's extent, or the
-    first forward's two parameter shards in flight (read from NVMe once, before any optimizer
-    read: the device keeps them after), whichever is more, and one spare extent of the largest
-    (``slot``), so that arena holes always fit. Counting the window in slots of the largest
-    extent instead (a parameter shard: the 135M GPT's embedding, 78 MB, against 50 MB
-    sub-groups) left 180 MB of a 1 GB budget unused, and each step read and wrote those bytes on
-    NVMe. Measured on the 2-core VM (135M GPT, bf16, budget half the training state, `infinity
-    bench step`, old and new code alternately): NVMe traffic 972 instead of 1065 MiB a step each
-    way, the optimizer's read waits 0.02-0.05 s a step instead of 0.2-0.23; the step time did not
-    change (1.146x and 1.168x plain against 1.162x and 1.174x): the update window is bound by the
-    disk (2.0-2.1 GB/s writes that day), and the forward waited for room (write-backs to finish)
-    where it had waited for reads."""
-    opt_numel = min(sub, max(sizes.optimizer_partition_numel, default=0))
-    window = OPTIMIZER_WINDOW_SLOTS * extent_bytes(SUB_GROUP_BYTES_PER_NUMEL * opt_numel)
-    cold = (2 * extent_bytes(max(sizes.param_shard_bytes, default=0))
-            if request.param_home is Tier.NVME else 0)
-    return max(window, cold) + slot
 
 
 def _auto_device_budget(device: torch.device, needed: int, working: DeviceWorkingSet) -> int:
