@@ -160,6 +160,7 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         param_home=config.offload_param.home_tier,
         optimizer_offloaded=config.offload_optimizer.device != "none",
         params_read_on_host=_params_read_on_host(config, device, offload),
+        device_holds_params=offload is not None and offload.device_holds_params,
         prefetch=offload is not None and offload.overlap,
         prefetch_lookahead_bytes=number(zero.prefetch_lookahead_bytes),
         max_live_bytes=number(zero.max_live_bytes),

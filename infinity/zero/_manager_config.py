@@ -48,6 +48,9 @@ class ManagerConfig:
     params_read_on_host: bool = False
     """[Note: a CPU engine reads parameter shards from HOST] Gathers read offloaded shards from
     their HOST copy instead of a DEVICE copy, and prefetches stop at HOST."""
+    device_holds_params: bool = False
+    """Every offloaded parameter shard stays on the DEVICE tier once read
+    (``OffloadBudgets.device_holds_params``)."""
     prefetch: bool = True
     """Read the next units' offloaded shards ahead of use (the host budget has room for it)."""
     prefetch_lookahead_bytes: int | None = None

@@ -118,3 +118,36 @@ def test_a_failed_write_into_a_borrowed_copy_is_dropped_when_the_unit_gives_it_b
         assert torch.equal(m.read_shard(g), stored)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_gathers_borrow_the_device_copy_of_a_device_that_holds_every_shard(tmp_path, frozen):
+    """A CPU engine whose DEVICE tier holds every parameter shard (an explicit device budget,
+    the tests' stand-in for a GPU with room for them all) gathers by pointing each unit at its
+    pinned DEVICE copy: no copy, training as plain PyTorch's, nothing pinned between steps."""
+    data = batches(STEPS, 1)
+    ref_losses, ref_state = reference_train(_model(frozen), data, clip=0.05)
+    model = _model(frozen)
+    engine = infinity.initialize(model, engine_config(
+        stage=3, dtype="fp32", clip=0.05,
+        offload_param={"device": "nvme", "nvme_path": str(tmp_path / "swap")},
+        memory={"host_budget_bytes": 60000, "device_budget_bytes": 2**22}))
+    try:
+        assert engine.offload.device_holds_params and engine.manager._read_tier is Tier.DEVICE
+        seen, handles = _block_param_addresses(engine, model)
+        losses = engine_train(engine, data)
+        for h in handles:
+            h.remove()
+        assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+        copies = {s.key: s.copies[Tier.DEVICE].tensor for s in engine.store._shards.values()
+                  if s.copies[Tier.DEVICE].tensor is not None}
+        borrowed = [addr for addr, _ in seen if any(_within(addr, t) for t in copies.values())]
+        assert len(borrowed) == len(seen) > 0  # every block's gather is its DEVICE copy
+        assert engine.stats()["num_borrowed_gathers"] >= len(seen)
+        assert engine.manager._borrowed == {}
+        assert all(not s.copies[Tier.DEVICE].pins for s in engine.store._shards.values())
+        for u in engine.manager.units:
+            if not u.always_gathered:
+                assert all(g.full.untyped_storage().nbytes() == 0 for g in u.groups)
+    finally:
+        engine.close()
