@@ -49,6 +49,15 @@ def _within(address, buffer):
     return start <= address < start + buffer.numel() * buffer.element_size()
 
 
+def _assert_all_given_back(engine, tier):
+    """Between steps every unit is released: no ``tier`` copy stays pinned, every unit is empty."""
+    assert engine.manager._borrowed == {}
+    assert all(not s.copies[tier].pins for s in engine.store._shards.values())
+    for u in engine.manager.units:
+        if not u.always_gathered:
+            assert all(g.full.untyped_storage().nbytes() == 0 for g in u.groups)
+
+
 def _model(frozen: bool):
     """TINY at 6 layers; ``frozen``: the blocks' weight matrices frozen (``lora_like``'s rule)."""
     model = tiny_gpt(config=DEEP)
@@ -83,12 +92,7 @@ def test_gathers_borrow_the_host_copy_and_train_like_pytorch(tmp_path, monkeypat
             assert engine.stats()["num_borrowed_gathers"] > 0 and len(borrowed) > len(seen) // 2
         else:
             assert len(borrowed) < len(seen) // 2
-        # Between steps every unit is released: nothing stays pinned, every unit is empty again.
-        assert engine.manager._borrowed == {}
-        assert all(not s.copies[Tier.HOST].pins for s in engine.store._shards.values())
-        for u in engine.manager.units:
-            if not u.always_gathered:
-                assert all(g.full.untyped_storage().nbytes() == 0 for g in u.groups)
+        _assert_all_given_back(engine, Tier.HOST)
     finally:
         engine.close()
 
@@ -144,10 +148,6 @@ def test_gathers_borrow_the_device_copy_of_a_device_that_holds_every_shard(tmp_p
         borrowed = [addr for addr, _ in seen if any(_within(addr, t) for t in copies.values())]
         assert len(borrowed) == len(seen) > 0  # every block's gather is its DEVICE copy
         assert engine.stats()["num_borrowed_gathers"] >= len(seen)
-        assert engine.manager._borrowed == {}
-        assert all(not s.copies[Tier.DEVICE].pins for s in engine.store._shards.values())
-        for u in engine.manager.units:
-            if not u.always_gathered:
-                assert all(g.full.untyped_storage().nbytes() == 0 for g in u.groups)
+        _assert_all_given_back(engine, Tier.DEVICE)
     finally:
         engine.close()
