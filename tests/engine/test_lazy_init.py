@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import infinity
@@ -57,6 +58,22 @@ class Zoo(nn.Module):
         if isinstance(module, nn.Conv1d):
             nn.init.xavier_uniform_(module.weight)
             module.weight.data.mul_(0.5)  # the old-style in-place edit through .data
+
+
+class CountDraws(TorchDispatchMode):
+    """The reference for what construction draws: the elements that seeded-random aten ops
+    (torch's own tag for ops that draw from a generator) fill while the mode is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.numel += sum(t.numel() for t in tree_flatten(out)[0]
+                              if isinstance(t, torch.Tensor))
+        return out
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -291,28 +308,18 @@ def test_meta_tensor_from_before_the_block_is_refused():
 def test_random_numel_counts_what_eager_construction_draws():
     """The reference: every seeded-random aten op eager construction runs, and the elements it
     fills (torch's own tag for ops that draw from a generator)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountDraws(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if torch.Tag.nondeterministic_seeded in func.tags:
-                CountDraws.numel += out.numel()
-            return out
-
     def build():
         m = nn.Sequential(nn.Linear(30, 20), nn.Embedding(50, 8), nn.LayerNorm(8))
         nn.init.normal_(m[0].weight, std=0.02)  # drawn twice, as GPT's scaled projections are
         return m
 
-    with CountDraws():
+    draws = CountDraws()
+    with draws:
         build()
     with infinity.init() as recording:
         build()
-    assert CountDraws.numel == 30 * 20 * 2 + 20 + 50 * 8
-    assert recording.random_numel == CountDraws.numel
+    assert draws.numel == 30 * 20 * 2 + 20 + 50 * 8
+    assert recording.random_numel == draws.numel
 
 
 class Overwrites(nn.Module):
@@ -343,28 +350,15 @@ def test_whole_overwrites_skip_earlier_draws_and_keep_eager_values():
     """Values bitwise equal to eager construction, and the replay draws only what shows: per
     parameter, the elements of the random ops after its last whole overwrite (and of the
     tensors it was computed from), counted with torch's own random-op tag."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     eager, lazy, after_eager, after_lazy = _build_both(Overwrites)
     assert torch.equal(after_eager, after_lazy)
     recording = recording_of(lazy)
-
-    class CountDraws(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if torch.Tag.nondeterministic_seeded in func.tags:
-                CountDraws.numel += sum(t.numel() for t in tree_flatten(out)[0]
-                                        if isinstance(t, torch.Tensor))
-            return out
-
     shown = {"twice.weight": 120, "twice.bias": 10, "part_after": 24 + 8, "part_before": 24,
              "self_read": 32 + 32, "copied": 15, "scaled": 7}
     for name, ref in _tensors(eager).items():
-        CountDraws.numel = 0
-        with CountDraws():
+        draws = CountDraws()
+        with draws:
             got = recording.value(_tensors(lazy)[name])
         assert torch.equal(got, ref.detach()), name
-        assert CountDraws.numel == shown[name], name
+        assert draws.numel == shown[name], name
     assert recording.random_numel == 120 * 2 + 10 + 24 + 8 + 12 + 24 + 64 + 15 + 15 + 7
