@@ -1,7 +1,8 @@
 """infinity: a tiered offload engine for PyTorch training in the ZeRO-Infinity style.
 
 The public surface: ``infinity.initialize(model, config)`` (the engine), ``infinity.init(config)``
-(build a model larger than memory), ``InfinityConfig`` / ``load_config`` and the error types. The
+(build a model larger than memory), ``InfinityConfig`` / ``load_config``, the error types and
+``LinkModel`` (a modeled link under the collectives: ``initialize(..., comm_link=...)``). The
 package's tree shows its architecture; each subpackage's docstring says its one job:
 ``config`` (typed configuration, the DeepSpeed mapping), ``io`` (bytes between memory and files),
 ``tiers`` (the tiered store and its budgets), ``prefetch`` (trace-driven prefetch, knows no tiers),
@@ -10,10 +11,11 @@ parameter manager, gradient reduction), ``checkpoint`` (save, load, consolidate,
 ``ledger`` (the memory ledger and pricing: pure arithmetic), ``cli`` and ``bench``.
 """
 
+from infinity._modeled_link import LinkModel
 from infinity.config import InfinityConfig, load_config
 from infinity.errors import IllegalTransitionError, InfinityError, SwapIOError, TierCapacityError
 
-__all__ = ["IllegalTransitionError", "InfinityConfig", "InfinityError", "SwapIOError",
+__all__ = ["IllegalTransitionError", "InfinityConfig", "InfinityError", "LinkModel", "SwapIOError",
            "TierCapacityError", "init", "initialize", "load_config"]
 __version__ = "0.1.0"
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity._modeled_link import LinkModel
+from infinity._process_exit import exit_after_distributed
 from infinity.bench._step_model import StepModel, step_model
 from infinity.bench.report import peak_rss_bytes
 from infinity.bench.roofline import nvme_moved_bytes, nvme_per_step
@@ -27,6 +29,8 @@ PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
 NVME_MODES = ("stage3-nvme", "stage3-nvme-params")
 USER_MODE = "user-config"
 """The engine under the user's ``--ds-config`` file, as written (see step.py)."""
+HPZ_PARTITION = 2
+"""stage3-hpz: the secondary partition (the ranks of one modeled node)."""
 
 
 def _device() -> torch.device:
@@ -166,10 +170,14 @@ def _params_config(model: nn.Module, spec: dict[str, Any], config: dict[str, Any
 
 def _ours(model: nn.Module, spec: dict[str, Any]):
     mode, bench_model = spec["mode"], step_model(spec["model"])
+    # [Note: the modeled link] in infinity/_modeled_link.py: --link-gbps (overlap.py)
+    link = LinkModel(**spec["link"]) if spec.get("link") else None
     if mode == USER_MODE:  # the user's file as written: units, budgets, offload are its own
-        return _engine_runner(initialize(model, spec["ds_config"]), bench_model)
+        return _engine_runner(initialize(model, spec["ds_config"], comm_link=link), bench_model)
     config: dict[str, Any] = {  # tuned: the model's blocks are the units
-        "zero": {"stage": 3, "unit_class_names": [bench_model.block_class_name]},
+        "zero": {"stage": 2 if mode == "stage2" else 3,
+                 "unit_class_names": [bench_model.block_class_name],
+                 **({"hpz_partition_size": HPZ_PARTITION} if mode == "stage3-hpz" else {})},
         "precision": {"dtype": spec["dtype"]},
         "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
         "gradient_clipping": 1.0,
@@ -178,6 +186,10 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
     if mode == "stage3-cpu":
         config["offload_param"] = {"device": "cpu"}
         config["offload_optimizer"] = {"device": "cpu"}
+        if link is not None and not torch.cuda.is_available():
+            # The link models a GPU's host<->device copies: a device of its own (the bounded
+            # DEVICE tier, as the NVMe mode's) in the read path, parameters homed on HOST.
+            config["memory"] = {"device_budget_bytes": _cpu_device_budget(model, spec)}
     elif mode == "stage3-nvme":
         path = os.path.abspath(spec["dir"])
         os.makedirs(path, exist_ok=True)
@@ -197,7 +209,9 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
                                                     least_host_budget_bytes(model, load_config(config)))
     elif mode in PARAMS_MODES:
         spec["host_param_room_bytes"] = _params_config(model, spec, config)
-    return _engine_runner(initialize(model, config), bench_model)
+    copy_link = link if config.get("offload_param") else None  # the copies' own link
+    return _engine_runner(initialize(model, config, comm_link=link, copy_link=copy_link),
+                          bench_model)
 
 
 def _engine_runner(engine, bench_model: StepModel):
@@ -283,8 +297,39 @@ def _io_thread_cpu(per_step: list[dict[str, float]]) -> dict[str, Any]:
                                           for n in names}}
 
 
+def _join(spec: dict[str, Any]) -> int:
+    """Several ranks (overlap.py): join the gloo group (file rendezvous) and share the cores;
+    returns this rank."""
+    world = spec.get("world_size", 1)
+    if world == 1:
+        return 0
+    import datetime
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{spec['init_file']}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    return rank
+
+
+def _lanes_per_step(after: dict[str, Any], before: dict[str, Any], steps: int
+                    ) -> dict[str, Any]:
+    """The collectives' and the host<->device copies' figures per timed step ([Note: the
+    modeled link]): seconds the training thread waited on them, seconds and bytes on the link."""
+    out: dict[str, Any] = {}
+    for lane in ("comm", "copy"):
+        a, b = after.get(lane) or {}, before.get(lane) or {}
+        out.update({f"{lane}_{k}_per_step": (a[k] - (b.get(k) or 0)) / max(1, steps)
+                    for k in ("exposed_s", "issued", "link_busy_s", "link_bytes")
+                    if a.get(k) is not None})
+    return out
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    rank = _join(spec)
     torch.manual_seed(0)
     bench_model = step_model(spec["model"])
     if spec["mode"] == "plain":
@@ -306,7 +351,8 @@ def main() -> None:
         if i == spec["warmup"]:
             warm = before
         gas = spec.get("gradient_accumulation_steps", 1)
-        micro = [bench_model.batch(spec["batch_size"], spec["seq_len"], seed=i * gas + m)
+        micro = [bench_model.batch(spec["batch_size"], spec["seq_len"],
+                                   seed=i * gas + m + 100_003 * rank)
                  for m in range(gas)]  # gas 1: seed i, as before accumulation was measured
         threads_before = thread_cpu_s()
         _sync()
@@ -354,10 +400,13 @@ def main() -> None:
            # among them): plain PyTorch keeps everything in memory and moves nothing.
            "nvme_per_step": nvme_per_step(step_moved, s, cold_steps=0) if s else {
                "read_bytes": 0, "write_bytes": 0},
-           **_io_thread_cpu(io_thread_cpu), **extra,
+           **_io_thread_cpu(io_thread_cpu), **_lanes_per_step(s, warm, len(times)), **extra,
            "stats": s}
-    print(json.dumps(out, default=str), flush=True)
+    if rank == 0:
+        print(json.dumps(out, default=str), flush=True)
     close()  # prefetches may be in flight: stop the store's threads before the interpreter does
+    if spec.get("world_size", 1) > 1:
+        exit_after_distributed(0)  # [Note: gloo teardown at exit] in infinity/_process_exit.py
     if spec["mode"] in NVME_MODES:
         shutil.rmtree(os.path.abspath(spec["dir"]), ignore_errors=True)
 

@@ -13,6 +13,9 @@ The prefetcher alone (issue #5): ``--modes stage3-mem-params,stage3-nvme-params`
 on NVMe against the same configuration with the parameters in memory (see PARAMS_MODES), and
 reports the time to read the parameters from NVMe next to the reference's compute time.
 
+Overlap over a modeled link (issue #30): ``--world-size 2 --link-gbps auto`` runs the engine's
+modes on 2 gloo ranks with and without a link under the collectives (infinity/bench/overlap.py).
+
 A user's config (issue #15): ``--ds-config ds_config.json`` runs the ``user-config`` mode, the
 engine under that very file (DeepSpeed-style or native, units as it chooses them), beside plain
 PyTorch in the same run (``--modes`` defaults to ``plain,user-config`` then). The file's
@@ -117,6 +120,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode-timeout-s", type=float, default=None,
                         help="stop a mode's worker after this many seconds and report it as an "
                         "error (the other modes still run; default: no limit)")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="ranks (gloo processes on this machine) for the --link-gbps "
+                        "comparison; default 1")
+    parser.add_argument("--link-gbps", default=None, metavar="GB/s|auto",
+                        help="a modeled link of this bandwidth under every collective; each mode "
+                        "runs with a free link (T0) and with this one, and reports the step "
+                        "against max(T0, link time) (infinity/bench/overlap.py); auto: the "
+                        "bandwidth at which the link time equals T0")
+    parser.add_argument("--link-latency-us", type=float, default=0.0,
+                        help="--link-gbps: latency added to every transfer; default 0")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="draw a per-step timeline (compute, I/O, stall) per mode "
@@ -211,6 +224,13 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.link_gbps is not None or args.world_size > 1:
+        from infinity.bench import overlap
+
+        args.dtype = args.dtype or DEFAULT_DTYPE
+        args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+        args.gradient_accumulation_steps = 1
+        return overlap.run(args, _worker_args(args))
     modes = resolve_modes(args)
     rounds = max(1, args.rounds)
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}

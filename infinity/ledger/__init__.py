@@ -31,7 +31,8 @@ from infinity.ledger._comm_time import (Cluster, Traffic, hierarchical_all_to_al
                                         ring_reduce_scatter)
 from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP_NUMEL,
                                        ENGINE_GRAD_DTYPE, GB, OPTIMIZER_STAGING_SUBGROUPS,
-                                       OPTIMIZERS, TERMS, Ledger, StateTerms, ceil_bytes,
+                                       OPTIMIZERS, REDUCE_INFLIGHT_UNITS, TERMS, Ledger,
+                                       StateTerms, ceil_bytes,
                                        estimate_from_config, estimate_model_states, host_grad_dtype,
                                        host_grad_dtype_of, paper_bytes_per_device)
 from infinity.ledger._flat_layout import (FLAT_ALIGN_BYTES, FlatLayout, flat_layout,
@@ -48,7 +49,7 @@ from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE
                                       MICRO_BATCHES, Candidate, Hardware, Plan, PlanRequest,
                                       candidates, make_plan, price)
 
-__all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "Cluster", "DEFAULT_MFU", "DEFAULT_PREFETCH_UNITS",
+__all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "Cluster", "DEFAULT_MFU", "DEFAULT_PREFETCH_UNITS", "REDUCE_INFLIGHT_UNITS",
            "DEFAULT_QUANTIZATION_BLOCK_NUMEL", "MIN_GAIN_FRACTION", "MeshCandidate", "MeshLayout",
            "MeshPlan", "MeshRequest", "Traffic", "hierarchical_all_to_all", "make_mesh_plan",
            "mesh_config_dict", "mesh_layouts", "plan_quantized_bytes", "price_mesh",

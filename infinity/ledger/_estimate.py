@@ -107,6 +107,10 @@ estimate of a default config must stage what the engine stages (it assumed this 
 2026-12-04: 3.6 GB of optimizer staging where the engine held 0.15 GB)."""
 
 DEFAULT_PREFETCH_UNITS = 2
+REDUCE_INFLIGHT_UNITS = 1
+"""Gradient reductions left in flight (issued, not waited) while the next unit's backward
+computes, with several data-parallel ranks ([Note: issue and wait] in
+infinity/zero/_collectives.py): each holds its unit's staging and its shard of the result."""
 """Units gathered ahead of compute the ledger assumes when the lookahead is 'auto'."""
 
 ENGINE_GRAD_DTYPE = "fp32"
@@ -454,6 +458,10 @@ def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_
     if grads_leave and unit_trainable_numel:
         # [Note: gradient placement]: a unit's full gradient lives until it is reduced and moved.
         device["unit_gradient"] = ceil_bytes(unit_trainable_numel * grad_staging_bytes)
+        if world_size > 1:  # the reductions in flight beside it: staging and result shard
+            device["gradients_in_flight"] = ceil_bytes(
+                REDUCE_INFLIGHT_UNITS * unit_trainable_numel * grad_staging_bytes
+                * (1 + 1 / world_size))
     if stage == 3 and param_home is not Tier.DEVICE:
         unit_shard = ceil_bytes(unit_numel / world_size)
         # Shards on their way up: the device copies the gathers read from (the store's DEVICE

@@ -21,9 +21,11 @@ from typing import Callable
 import torch
 
 from infinity._async_copy import blocking_event, record_on_current_stream
+from infinity._modeled_link import ModeledLink
 from infinity.io import Swapper, aligned_empty, pin_device_for
 from infinity.tiers._arena import HostArena
 from infinity.tiers._budgets import NextUse, TierBudgets
+from infinity.tiers._copy_lane import CopyLane
 from infinity.tiers._records import (Counters, StoreConfig, TierHandle, _Shard, done_future,
                                      host_copy)
 from infinity.tiers.residency import Residency, Tier
@@ -87,6 +89,12 @@ class TieredStore:
         """Bytes per tier and eviction ([Note: eviction policy] in ``_budgets.py``)."""
         self._pool = ThreadPoolExecutor(config.num_copy_threads, thread_name_prefix="infinity-tiers")
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._lane = CopyLane()
+        """Completes host<->device copies in issue order ([Note: device copies complete on the
+        copy lane] in ``_copy_lane.py``)."""
+        self.copy_link: ModeledLink | None = None
+        """A modeled link under the host<->device copies of a CPU engine ([Note: the modeled
+        link] in infinity/_modeled_link.py); None: copies take the time they take."""
         self._closed = False
         self.before_read: Callable[[str], None] | None = None
         """Called with the key, in the caller's thread and without the lock, before every fetch
@@ -374,23 +382,43 @@ class TieredStore:
             self._submit(self._copy_then_finish, shard, src, dst, ready, None)
 
     def _copy_then_finish(self, shard, src: Tier, dst: Tier, ready, error) -> None:
+        if error is None and self.copy_link is not None and not self._cuda:
+            self._modeled_copy(shard, src, dst)
+            return
         done = None
         if error is None:
             try:
                 done = self._issue_copy(shard.copies[dst].tensor, shard.copies[src].tensor, ready)
             except BaseException as e:  # noqa: BLE001 - delivered through the handle
                 error = e
+        # [Note: device copies complete on the copy lane]: a blocking event, waited there
         if done is not None and dst is Tier.DEVICE:
             # [Note: device copies complete on the stream]
             self._finish_move(shard, src, dst, None, ready_event=done, release_source=False)
-            try:
-                done.synchronize()  # a blocking event: this copy thread sleeps, no core spins
-            finally:
-                self._release_source(shard, src)
+            self._lane.submit(done.synchronize, lambda: self._release_source(shard, src))
             return
-        if done is not None:
-            done.synchronize()  # HOST destination: the CPU reads it next
+        if done is not None:  # HOST destination: the CPU reads it once the copy has landed
+            self._lane.submit(done.synchronize, lambda: self._finish_move(shard, src, dst, None))
+            return
         self._finish_move(shard, src, dst, error)
+
+    def _modeled_copy(self, shard, src: Tier, dst: Tier) -> None:
+        """A CPU engine's copy under ``copy_link``: queued on the link, its bytes land at its
+        modeled end on the copy lane (NaN until then where the link asks for it)."""
+        link = self.copy_link
+        dst_t, src_t = shard.copies[dst].tensor, shard.copies[src].tensor
+        done_at = link.reserve(shard.nbytes)
+        if link.model.poison_until_wait and dst_t.is_floating_point():
+            dst_t.fill_(float("nan"))
+
+        def land() -> None:
+            error = None
+            try:
+                host_copy(dst_t, src_t)
+            except BaseException as e:  # noqa: BLE001 - delivered through the handle
+                error = e
+            self._finish_move(shard, src, dst, error)
+        self._lane.submit(lambda: link.wait_until(done_at), land)
 
     def _release_source(self, shard: _Shard, src: Tier) -> None:
         """The copy out of ``src`` has run: the source copy may be evicted or changed again."""
@@ -758,6 +786,7 @@ class TieredStore:
             self._shards.clear()
             self.budgets.used = {Tier.DEVICE: 0, Tier.HOST: 0}
         self._pool.shutdown(wait=True)
+        self._lane.close()
         for key in keys:
             try:
                 self.swapper.remove(key)

@@ -16,10 +16,13 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from infinity._modeled_link import ModeledLink
 from infinity.errors import InfinityError
 
 logger = logging.getLogger(__name__)
@@ -131,6 +134,94 @@ def barrier(device: torch.device) -> None:
         dist.barrier()
 
 
+class CommLane:
+    """What the collectives of one engine share (the mesh's groups and hpZ's sub-group alike):
+    the modeled link under them, if any ([Note: the modeled link] in infinity/_modeled_link.py),
+    and the seconds the training thread spent waiting for them."""
+
+    def __init__(self) -> None:
+        self.link: ModeledLink | None = None
+        """The modeled link every collective's wire bytes cross; None: the backend's own time."""
+        self.exposed_s = 0.0
+        """Seconds spent in :meth:`CommHandle.wait` (the training thread waiting on a
+        collective: the part of the communication that compute did not hide)."""
+        self.issued = 0
+        """Collectives issued (world size > 1)."""
+
+    def stats(self) -> dict[str, float | None]:
+        return {"exposed_s": self.exposed_s, "issued": self.issued,
+                "link_busy_s": None if self.link is None else self.link.busy_s,
+                "link_bytes": None if self.link is None else self.link.bytes}
+
+
+class CommHandle:
+    """An issued collective ([Note: issue and wait]): :meth:`wait` completes it, raising a
+    :class:`CollectiveError` that names what it was for; a second wait returns at once.
+
+    [Note: issue and wait]
+    Every collective is issued with ``async_op=True`` and returns this handle: on gloo the
+    backend's worker threads run it while the caller computes; on NCCL it runs on the process
+    group's own stream and ``wait()`` makes the current stream wait for it (the CPU does not
+    block). Tensors handed to a collective must not be read, written or freed before its wait:
+    the caller keeps them (and any store copy it read) until then. With a modeled link, ``wait()``
+    also returns no earlier than the transfer's modeled end."""
+
+    __slots__ = ("_work", "_done_at", "_lane", "_context", "_rank", "_done", "_deliver")
+
+    def __init__(self, work, done_at: float | None, lane: CommLane, context: str, rank: str,
+                 deliver=None):
+        self._work = work
+        self._done_at = done_at
+        self._lane = lane
+        self._context = context
+        self._rank = rank
+        self._done = work is None and done_at is None
+        self._deliver = deliver
+        """Copies the result into its destination at the wait (``poison_until_wait``)."""
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._done = True  # a failed wait is not retried: the error names the collective once
+        t0 = time.perf_counter()
+        try:
+            if self._work is not None:
+                self._work.wait()
+        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses; keep the cause chained
+            raise _collective_error(self._context, self._rank, e) from e
+        finally:
+            if self._done_at is not None:
+                self._lane.link.wait_until(self._done_at)
+            self._lane.exposed_s += time.perf_counter() - t0
+        if self._deliver is not None:
+            self._deliver()
+
+
+DONE = CommHandle(None, None, CommLane(), "", "")
+"""A handle with nothing to wait for (world size 1: the collective is a local copy or nothing)."""
+
+
+def _collective_error(context: str, where: str, e: BaseException) -> "CollectiveError":
+    return CollectiveError(
+        f"collective failed during {context} on rank {where}: {e}. If the ranks ran different "
+        f"units (control flow that depends on the rank or the data), make every rank run the "
+        f"same modules, or set {CHECK_ENV}=1 to find where they diverge")
+
+
+def _poisoned(dest: torch.Tensor, args: tuple) -> tuple[tuple, Callable[[], None]]:
+    """``poison_until_wait`` ([Note: the modeled link] in infinity/_modeled_link.py): the
+    collective writes a scratch tensor (its inputs copied first, since they may alias ``dest``),
+    ``dest`` holds NaN, and the returned callable delivers the result at the wait."""
+    scratch = dest.clone()  # an all-reduce's input is its output: the clone carries it
+    inputs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args[1:])
+    dest.fill_(float("nan"))
+    return (scratch, *inputs), lambda: dest.copy_(scratch)
+
+
 def _first_attr(*names: str):
     for name in names:
         fn = getattr(dist, name, None)
@@ -174,6 +265,8 @@ class Collectives:
         self.bytes_by_phase: dict[str, int] = {} if shared is None else shared.bytes_by_phase
         """Bytes this rank contributed to collectives (input sizes) by the ``phase`` each was
         issued for (Phase values), for stats()."""
+        self.lane: CommLane = CommLane() if shared is None else shared.lane
+        """The modeled link and the wait counters, shared like ``bytes_by_phase``."""
         self._all_gather = _first_attr("all_gather_single", "all_gather_into_tensor")
         self._reduce_scatter = _first_attr("reduce_scatter_single", "reduce_scatter_tensor")
 
@@ -207,34 +300,72 @@ class Collectives:
     def _count(self, phase: Phase, nbytes: int) -> None:
         self.bytes_by_phase[phase.value] = self.bytes_by_phase.get(phase.value, 0) + nbytes
 
-    def _run(self, context: str, fn, *args, **kwargs) -> None:
+    def attach_link(self, link: ModeledLink | None) -> None:
+        """Put ``link`` under every collective of this engine (the lane is shared by the mesh's
+        groups): [Note: the modeled link] in infinity/_modeled_link.py."""
+        self.lane.link = link
+
+    def _issue(self, context: str, wire_bytes: float, fn, *args, dest: torch.Tensor | None = None,
+               **kwargs) -> CommHandle:
+        """Issue ``fn`` asynchronously ([Note: issue and wait]); ``wire_bytes``: what this rank
+        puts on the link for it ([Note: wire bytes of a collective]). ``dest``: the tensor the
+        collective writes (its first argument), poisoned until the wait under a link that asks
+        for it."""
+        where = f"{self.rank}/{self.world_size}"
+        lane = self.lane
+        deliver = None
+        if (dest is not None and lane.link is not None and lane.link.model.poison_until_wait
+                and dest.is_floating_point()):
+            args, deliver = _poisoned(dest, args)
         try:
-            fn(*args, group=self.group, **kwargs)
+            work = fn(*args, group=self.group, async_op=True, **kwargs)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses; keep the cause chained
-            raise CollectiveError(
-                f"collective failed during {context} on rank {self.rank}/{self.world_size}: {e}. "
-                f"If the ranks ran different units (control flow that depends on the rank or the "
-                f"data), make every rank run the same modules, or set {CHECK_ENV}=1 to find where "
-                f"they diverge") from e
+            raise _collective_error(context, where, e) from e
+        lane.issued += 1
+        done_at = None if lane.link is None else lane.link.reserve(int(wire_bytes))
+        return CommHandle(work, done_at, lane, context, where, deliver)
+
+    def _run(self, context: str, fn, *args, wire_bytes: float = 0, **kwargs) -> None:
+        self._issue(context, wire_bytes, fn, *args, **kwargs).wait()
+
+    def _ring(self, nbytes: int) -> float:
+        """[Note: wire bytes of a collective]
+        What one rank sends for a ring collective over ``nbytes`` (the gathered output, the
+        reduced input): (W - 1) / W of it; an all-reduce sends twice that (reduce-scatter, then
+        all-gather); a broadcast, the bytes. NCCL's and gloo's ring algorithms move these
+        amounts; the modeled link charges them."""
+        return nbytes * (self.world_size - 1) / self.world_size
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, context: str,
                    phase: Phase = Phase.OTHER) -> None:
         """``out`` (numel = W * shard numel) receives every rank's ``shard``; shard may alias out."""
+        self.all_gather_async(out, shard, context=context, phase=phase).wait()
+
+    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, *, context: str,
+                         phase: Phase = Phase.OTHER) -> CommHandle:
+        """:meth:`all_gather`, issued: ``out`` holds the result after the handle's wait."""
         if self.world_size == 1:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
-            return
+            return DONE
         self._count(phase, shard.numel() * shard.element_size())
-        self._run(context, self._all_gather, out, shard)
+        return self._issue(context, self._ring(out.numel() * out.element_size()),
+                           self._all_gather, out, shard, dest=out)
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, *, context: str,
                            phase: Phase = Phase.OTHER) -> None:
         """``out`` receives this rank's slice of the sum of every rank's ``full``."""
+        self.reduce_scatter_sum_async(out, full, context=context, phase=phase).wait()
+
+    def reduce_scatter_sum_async(self, out: torch.Tensor, full: torch.Tensor, *, context: str,
+                                 phase: Phase = Phase.OTHER) -> CommHandle:
+        """:meth:`reduce_scatter_sum`, issued: ``out`` holds the result after the handle's wait."""
         if self.world_size == 1:
             out.copy_(full)
-            return
+            return DONE
         self._count(phase, full.numel() * full.element_size())
-        self._run(context, self._reduce_scatter, out, full)
+        return self._issue(context, self._ring(full.numel() * full.element_size()),
+                           self._reduce_scatter, out, full, dest=out)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, context: str,
                    phase: Phase = Phase.OTHER) -> None:
@@ -245,14 +376,21 @@ class Collectives:
             out.copy_(inp)
             return
         self._count(phase, inp.numel() * inp.element_size())
-        self._run(context, dist.all_to_all_single, out, inp)
+        self._run(context, dist.all_to_all_single, out, inp,
+                  wire_bytes=self._ring(inp.numel() * inp.element_size()))
 
     def all_reduce_sum(self, tensor: torch.Tensor, *, context: str,
                        phase: Phase = Phase.OTHER) -> None:
+        self.all_reduce_sum_async(tensor, context=context, phase=phase).wait()
+
+    def all_reduce_sum_async(self, tensor: torch.Tensor, *, context: str,
+                             phase: Phase = Phase.OTHER) -> CommHandle:
+        """:meth:`all_reduce_sum`, issued: ``tensor`` holds the sum after the handle's wait."""
         if self.world_size == 1:
-            return
-        self._count(phase, tensor.numel() * tensor.element_size())
-        self._run(context, dist.all_reduce, tensor)
+            return DONE
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count(phase, nbytes)
+        return self._issue(context, 2 * self._ring(nbytes), dist.all_reduce, tensor, dest=tensor)
 
     def all_reduce_replicas(self, tensor: torch.Tensor, *, context: str) -> None:
         """Sum ``tensor`` (a gradient shard) across the replicas ([Note: collectives over a
@@ -267,7 +405,8 @@ class Collectives:
             return
         if self.world_size == 1:
             return
-        self._run(context, dist.all_reduce, tensor, op=dist.ReduceOp.MAX)
+        self._run(context, dist.all_reduce, tensor, op=dist.ReduceOp.MAX,
+                  wire_bytes=2 * self._ring(tensor.numel() * tensor.element_size()))
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, context: str,
                   phase: Phase = Phase.OTHER) -> None:
@@ -277,8 +416,9 @@ class Collectives:
             return
         if self.world_size == 1:
             return
-        self._count(phase, tensor.numel() * tensor.element_size())
-        self._run(context, dist.broadcast, tensor, group_src=src)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count(phase, nbytes)
+        self._run(context, dist.broadcast, tensor, group_src=src, wire_bytes=nbytes)
 
     def check_agreement(self, *, step: int, phase: Phase, unit_index: int, unit_name: str,
                         device: torch.device) -> None:
@@ -297,7 +437,7 @@ class Collectives:
         everyone = torch.empty(self.world_size * 3, dtype=torch.int64, device=device)
         self._run(f"agreement check before {phase.value} of unit {unit_index} {unit_name!r} "
                   f"(step {step})",
-                  self._all_gather, everyone, mine)
+                  self._all_gather, everyone, mine, wire_bytes=self._ring(everyone.numel() * 8))
         rows = everyone.view(self.world_size, 3).tolist()
         if any(row != rows[0] for row in rows):
             what = "; ".join(f"rank {r}: step {s}, {_PHASES[p].value} of unit {u}"

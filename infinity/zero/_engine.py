@@ -50,6 +50,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from infinity._modeled_link import LinkModel, ModeledLink
 from infinity._timing import timer_for
 from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, MeshConfig, load_config
@@ -145,6 +146,20 @@ def _params_read_on_host(config: InfinityConfig, device: torch.device,
             and config.offload_param.device != "none")
 
 
+def _check_copy_link(config: InfinityConfig, store: Any, device: torch.device) -> None:
+    """A modeled host<->device link ([Note: the modeled link] in infinity/_modeled_link.py) is
+    under the store's copies between HOST and DEVICE: there must be such copies."""
+    if store is None or config.offload_param.device == "none":
+        raise ValueError("initialize(copy_link=...): a modeled host<->device link needs "
+                         "parameters offloaded (offload_param.device 'cpu' or 'nvme'): without "
+                         "them nothing is copied between host and device")
+    if device.type == "cpu" and config.memory.device_budget_bytes == AUTO:
+        raise ValueError("initialize(copy_link=...): on a CPU engine set "
+                         "memory.device_budget_bytes (the modeled device's memory): with 'auto' "
+                         "gathers read the HOST copies and nothing crosses the link ([Note: a CPU "
+                         "engine reads parameter shards from HOST])")
+
+
 def _manager_config(config: InfinityConfig, device: torch.device, world_size: int,
                     offload: OffloadBudgets | None) -> ManagerConfig:
     """The parameter manager's settings, resolved from ``config`` once."""
@@ -204,7 +219,8 @@ class InfinityEngine:
     def __init__(self, model: nn.Module, config: InfinityConfig, *,
                  model_parameters: Any = None,
                  progress: Callable[[BuildProgress], None] | None = None, mesh: Any = None,
-                 data_parallel_group: Any = None):
+                 data_parallel_group: Any = None, comm_link: LinkModel | None = None,
+                 copy_link: LinkModel | None = None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         config.check_resolved("initialize")
@@ -226,6 +242,8 @@ class InfinityEngine:
         # tensor-parallel parameters] in infinity/zero/_tensor_parallel.py
         self.tensor_parallel, self.collectives = _parallelism(model, config, mesh,
                                                               data_parallel_group)
+        if comm_link is not None:  # [Note: the modeled link] in infinity/_modeled_link.py
+            self.collectives.attach_link(ModeledLink(comm_link))
         self.module = model
         world = self.collectives.world_size  # the shard degree: what sizes divide by
         data_parallel = self.collectives.data_parallel_size
@@ -245,6 +263,9 @@ class InfinityEngine:
             # ([Note: huge pages where the disk moves the arena] in infinity/tiers/_arena.py).
             self.store.arena.pause_direct_io_advice()
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
+        if copy_link is not None:
+            _check_copy_link(config, self.store, self.device)
+            self.store.copy_link = ModeledLink(copy_link)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None:
             check_nvme_space_for(units_of(model, config.zero), config, self.offload,
@@ -268,7 +289,9 @@ class InfinityEngine:
             collectives=self.collectives, store=self.store, initial_values=initial_values,
             on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
             master_sink=None if streaming is None else _MasterStream(streaming),
-            on_build_progress=progress)
+            on_build_progress=progress,
+            # [Note: the end of backward] in infinity/zero/_param_manager.py
+            on_backward_begin=self._before_backward, on_backward_end=self._after_backward)
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
         if data_parallel > 1:
@@ -433,9 +456,7 @@ class InfinityEngine:
             raise ValueError("engine.backward: the loss does not require grad (was the forward "
                              "run under torch.no_grad(), or are all parameters frozen?)")
         scale = self.scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
-        self.shard_optimizer.drain()  # the gradients are about to change: the last step is done
-        if self._deferring:  # the state the next step updates first, read while backward runs
-            self.shard_optimizer.read_ahead(self.manager.forward_keys())
+        self._before_backward()
         self.manager.begin_backward()
         try:
             with activations_in_heap():  # [Note: activations stay in the heap] (io)
@@ -444,6 +465,17 @@ class InfinityEngine:
         except BaseException:
             self.manager.abort_backward()
             raise
+        self._after_backward()
+
+    def _before_backward(self) -> None:
+        """A backward starts (``engine.backward``, or the first hook of a ``loss.backward()``:
+        [Note: the end of backward] in infinity/zero/_param_manager.py)."""
+        self.shard_optimizer.drain()  # the gradients are about to change: the last step is done
+        if self._deferring:  # the state the next step updates first, read while backward runs
+            self.shard_optimizer.read_ahead(self.manager.forward_keys())
+
+    def _after_backward(self) -> None:
+        """A backward ended and its gradients are reduced."""
         self.manager.end_prefetch_step()  # before the optimizer step changes the parameters
         self._backward_since_step = True
 
@@ -603,6 +635,16 @@ class InfinityEngine:
                             "DEVICE<->DEVICE (collectives, sent)": self.collectives.bytes_moved},
             # Per kind (Phase values: forward-gather, backward-gather, reduce-grad, ...).
             "collective_bytes_sent": dict(self.collectives.bytes_by_phase),
+            # [Note: the modeled link]: seconds the training thread waited on collectives, and
+            # the seconds the modeled link under them was busy (None without one).
+            "comm": self.collectives.lane.stats(),
+            # The same for the host<->device copies: the seconds the training thread waited on
+            # the store (the copies', and any NVMe read's), and the copy link's busy seconds.
+            "copy": {"exposed_s": store.get("wait_s", 0.0),
+                     **({"link_busy_s": None, "link_bytes": None} if self.store is None
+                        or self.store.copy_link is None else
+                        {"link_busy_s": self.store.copy_link.busy_s,
+                         "link_bytes": self.store.copy_link.bytes})},
             "stall_s": store.get("wait_s", 0.0),
             "prefetch": self.manager.prefetch_stats(),
             "num_gathers": self.manager.num_gathers,
@@ -772,7 +814,9 @@ def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
                *, model_parameters: Any = None,
                progress: Callable[[BuildProgress], None] | None = None,
-               mesh: Any = None, data_parallel_group: Any = None) -> InfinityEngine:
+               mesh: Any = None, data_parallel_group: Any = None,
+               comm_link: LinkModel | None = None,
+               copy_link: LinkModel | None = None) -> InfinityEngine:
     """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
     DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
     it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
@@ -789,7 +833,11 @@ def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | s
     ``data_parallel_group``: the ranks to shard over instead of a mesh. A model parallelized with
     ``parallelize_module`` (DTensor parameters on a 1-D tensor mesh) is sharded over the other
     dimension of the mesh it was sliced from, or over ``data_parallel_group`` or the mesh's data
-    dimensions ([Note: tensor-parallel parameters] in infinity/zero/_tensor_parallel.py)."""
+    dimensions ([Note: tensor-parallel parameters] in infinity/zero/_tensor_parallel.py).
+    ``comm_link``: a modeled link under every collective; ``copy_link``: one under the store's
+    host<->device copies (a CPU engine with ``memory.device_budget_bytes`` standing in for a
+    GPU). Benchmarks and tests on machines without a GPU or a network: [Note: the modeled link]
+    in infinity/_modeled_link.py."""
     if config is None:
         recording = recording_of(model) if isinstance(model, nn.Module) else None
         config = recording.config if recording is not None else None
@@ -797,4 +845,5 @@ def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | s
     if is_distributed():
         logger.debug("using the default process group")
     return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress,
-                          mesh=mesh, data_parallel_group=data_parallel_group)
+                          mesh=mesh, data_parallel_group=data_parallel_group,
+                          comm_link=comm_link, copy_link=copy_link)

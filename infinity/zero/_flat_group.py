@@ -49,16 +49,24 @@ class UnitState(enum.Enum):
     """Where a unit's parameter bytes are (the device tier unless offload moves the shard).
 
     RELEASED: only this rank's shard holds bytes; the full buffer's storage is 0 bytes.
+    GATHERING: the full buffer is allocated on the device and its all-gather is in flight
+    (``Unit.pending``): its bytes are not valid until the gather is waited for.
     GATHERED: the full buffer holds every rank's shard on the device; parameters are its views.
     """
 
     RELEASED = "released"
+    GATHERING = "gathering"
     GATHERED = "gathered"
 
 
 UNIT_TRANSITIONS = TransitionTable("unit", {
-    (UnitState.RELEASED, UnitState.GATHERED): "gather: every rank's shard all-gathered into the "
-                                              "full buffer (forward, backward, or after a step)",
+    (UnitState.RELEASED, UnitState.GATHERING): "gather issued: the full buffer allocated, every "
+                                               "rank's shard on its way (ahead of use, or on "
+                                               "demand)",
+    (UnitState.GATHERED, UnitState.GATHERING): "refresh issued: the optimizer changed the shards "
+                                               "of a unit that stays gathered",
+    (UnitState.GATHERING, UnitState.GATHERED): "gather waited: the full buffer holds the unit "
+                                               "(forward, backward, or after a step)",
     (UnitState.GATHERED, UnitState.RELEASED): "release: the full buffer's storage resized to 0 "
                                               "([Note: release keeps parameter identity])",
 })
@@ -124,6 +132,9 @@ class Unit:
     """A post-backward hook on the module's inputs fired (its backward finished) in this backward."""
     grads_seen: set[int] = dataclasses.field(default_factory=set)
     """id() of the trainable parameters whose gradient arrived in this backward."""
+    pending: list = dataclasses.field(default_factory=list)
+    """While GATHERING: the issued all-gathers' handles and what to do once they landed
+    (callables: give back a store copy the gather read, keep an hpZ secondary shard)."""
 
     def transition(self, new: UnitState) -> None:
         UNIT_TRANSITIONS.check(f"{self.index} {self.name}", self.state, new)

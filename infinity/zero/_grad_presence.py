@@ -9,20 +9,14 @@ gradient in any micro-batch of the window, on any rank, are left out of the step
 ([Note: runs of a flat partition] in infinity/optim/_runs.py). Across ranks "no gradient" means
 no rank produced one, which is single-process torch on the global batch.
 
-What it costs on the common path: a unit whose every trainable parameter got its gradient is
-reduced in the backward's hooks (:meth:`ParameterManager._on_grad`); the ranks already agree on
-which units those are (they issue that unit's collective then, every rank, or the collectives
-would not match). So when every unit was reduced in hooks in every micro-batch of the window,
-every parameter has a gradient everywhere: nothing is exchanged and the step updates everything.
-Only the parameters of the other units (reduced at the end of backward, or not at all) could be
-without one; their flags (one int32 each, in unit order) are all-reduced once per step.
-
-What the ranks must agree on (as before this rule): in each backward, which units are complete
-(their collective runs in the hooks, in the same order on every rank). A unit complete on one
-rank and not on another issues its collective at different points (caught by the agreement check
-at the first micro-step, ``INFINITY_CHECK_COLLECTIVES=1`` later). Rank-dependent use is fine
-inside a unit that is incomplete on every rank: experts routed per rank belong in one unit (their
-MoE layer), which then is reduced at the end of backward everywhere, with zeros where unused.
+What it costs on the common path: at the end of each backward the manager's one all-reduce of
+flags (which it runs anyway, [Note: every rank reduces every unit in one order] in
+infinity/zero/_reduce_order.py) also says which units were partial on some rank: a unit some
+trainable parameter of which got no gradient there. When no unit was partial in any micro-batch
+of the window, every parameter has a gradient everywhere: nothing more is exchanged and the step
+updates everything. Only the parameters of the partial units could be without one; their flags
+(one int32 each, in unit order) are all-reduced once per step. The ranks agree on the partial
+units, so they agree on whether that all-reduce runs.
 """
 
 from __future__ import annotations
@@ -43,19 +37,17 @@ class GradPresence:
         self._with_grad: set[int] = set()
         """id() of the trainable parameters whose gradient arrived in this window (this rank)."""
         self._partial: set[int] = set()
-        """Indices of the units not reduced in the backward's hooks in some micro-batch of this
-        window (the same on every rank: see the note)."""
+        """Indices of the units partial on some rank in some micro-batch of this window (the
+        same on every rank: see the note)."""
 
     def note(self, param: torch.Tensor) -> None:
         """``param``'s gradient arrived (a post-accumulate-grad hook)."""
         self._with_grad.add(id(param))
 
-    def end_backward(self) -> None:
-        """Called at the end of each backward, before the units' per-backward records reset: a
-        unit is complete when every trainable parameter of it arrived in this backward."""
-        for u in self.units:
-            if u.num_trainable and len(u.grads_seen) != u.num_trainable:
-                self._partial.add(u.index)
+    def end_backward(self, partial: set[int]) -> None:
+        """Called at the end of each backward with the units some trainable parameter of which
+        got no gradient in it, on any rank (the manager's end-of-backward all-reduce)."""
+        self._partial |= partial
 
     def clear(self) -> None:
         """The window's gradients were consumed (a step) or dropped (an fp16 overflow)."""

@@ -16,9 +16,11 @@ ranks: [Note: collectives over a mesh] in infinity/zero/_collectives.py) into th
 accumulator, which holds
 the sum over micro-batches until the optimizer step. Where that accumulator lives (the device,
 or host memory when the optimizer is offloaded) is [Note: gradient placement] in
-infinity/ledger/_estimate.py. Units with parameters unused in this backward are reduced at the end
-of backward, in unit order, after the ranks agree (one small all-reduce) on which units still hold
-gradients.
+infinity/ledger/_estimate.py. With several ranks every unit is reduced in every backward, in one
+fixed order, with zeros where a rank has no gradient ([Note: every rank reduces every unit in one
+order] in infinity/zero/_reduce_order.py); a unit's reduction is issued, and waited for (and
+accumulated) while the next unit's backward runs ([Note: issue and wait] in
+infinity/zero/_collectives.py).
 
 [Note: gradients on NVMe]
 Host accumulators hold 2-4 B per parameter for the whole model until the step: 6.6-13 GB at 3.3B
@@ -49,7 +51,7 @@ from infinity._async_copy import StagingRing
 from infinity.io import advise_huge_pages, engine_buffers, pinned_staging_ring
 from infinity.optim import StoredGrad
 from infinity.tiers import Tier, TieredStore, TierHandle
-from infinity.zero._collectives import Collectives, Phase
+from infinity.zero._collectives import DONE, CommHandle, Collectives, Phase
 from infinity.zero._flat_group import FlatGroup, ParamSlot
 from infinity.zero._grad_norm import sum_of_squares
 from infinity.zero._quantize import QuantSpec
@@ -214,59 +216,76 @@ class GradientReducer:
         return staging
 
     def reduce(self, groups: Iterable[FlatGroup], *, context: str) -> None:
+        """:meth:`issue`, then wait."""
+        self.issue(groups, context=context).wait()
+
+    def issue(self, groups: Iterable[FlatGroup], *, context: str) -> "Reduction":
         """Average each trainable group's staging buffer over the ranks into its accumulator
         (``context`` names the collective in errors); a group without staging contributes zeros
-        (the ranks that have some still need this rank's part of the collective)."""
+        (the ranks that have some still need this rank's part of the collective). The
+        collectives are issued here; the accumulation runs at the returned reduction's wait
+        ([Note: issue and wait] in infinity/zero/_collectives.py)."""
+        return Reduction([self._issue_group(g, context) for g in groups if g.requires_grad])
+
+    def _issue_group(self, g: FlatGroup, context: str) -> "_GroupReduction":
         stage, device = self.config.stage, self.config.device
-        for g in groups:
-            if not g.requires_grad:
-                continue
-            staging = self._completed_staging(g)
-            g.grad_staging = None  # the next stage() makes a buffer and its staged set anew
-            if self.data_parallel_size > 1:
-                staging.div_(self.data_parallel_size)
-            # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
-            # bytes with bf16/fp16); the sum lands back in the staging's dtype (fp32 unless
-            # [Note: staging in the accumulator's dtype]) for the accumulator.
-            wire = staging if (self.data_parallel_size == 1
-                               or self.config.reduce_dtype == torch.float32
-                               or self.config.grad_quant is not None) \
-                else staging.to(self.config.reduce_dtype)
-            if stage >= 2 and self.world_size == 1:
-                part = wire  # the shard is the whole buffer: no reduce-scatter, no copy
+        staging = self._completed_staging(g)
+        g.grad_staging = None  # the next stage() makes a buffer and its staged set anew
+        if self.data_parallel_size > 1:
+            staging.div_(self.data_parallel_size)
+        # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
+        # bytes with bf16/fp16); the sum lands back in the staging's dtype (fp32 unless
+        # [Note: staging in the accumulator's dtype]) for the accumulator.
+        wire = staging if (self.data_parallel_size == 1
+                           or self.config.reduce_dtype == torch.float32
+                           or self.config.grad_quant is not None) \
+            else staging.to(self.config.reduce_dtype)
+        if stage >= 2 and self.world_size == 1:
+            part = wire  # the shard is the whole buffer: no reduce-scatter, no copy
+            self.coll.all_reduce_replicas(part, context=context)
+            if part is not staging:  # the replicas' wire dtype: back to the staging's
+                part = part.to(staging.dtype)
+            # else the staging's dtype already, or the host accumulator itself
+            # (_stages_in_host: in place; converting it to fp32 and back cost 0.14 s of the
+            # 135M GPT's bf16 step)
+            return _GroupReduction(self, g, DONE, lambda: part, (staging, wire))
+        if stage >= 2 and self.config.grad_quant is not None:
+            # qgZ inside the shard group; the replicas then sum the fp32 shard exactly.
+            # Synchronous: the quantizer's all-to-all and its sum are one call.
+            part = torch.empty(g.shard_numel, dtype=torch.float32, device=device)
+            reduce_scatter_sum_quantized(self.coll, part, staging, spec=self.config.grad_quant,
+                                         context=context, phase=Phase.REDUCE_GRAD)
+            self.coll.all_reduce_replicas(part, context=context)
+            return _GroupReduction(self, g, DONE, lambda: part, (staging, part))
+        if stage >= 2:
+            part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
+            handle = self.coll.reduce_scatter_sum_async(part, wire, context=context,
+                                                        phase=Phase.REDUCE_GRAD)
+
+            def scattered() -> torch.Tensor:
                 self.coll.all_reduce_replicas(part, context=context)
-                if part is not staging:  # the replicas' wire dtype: back to the staging's
-                    part = part.to(staging.dtype)
-                # else the staging's dtype already, or the host accumulator itself
-                # (_stages_in_host: in place; converting it to fp32 and back cost 0.14 s of the
-                # 135M GPT's bf16 step)
-            elif stage >= 2 and self.config.grad_quant is not None:
-                # qgZ inside the shard group; the replicas then sum the fp32 shard exactly.
-                part = torch.empty(g.shard_numel, dtype=torch.float32, device=device)
-                reduce_scatter_sum_quantized(self.coll, part, staging, spec=self.config.grad_quant,
-                                             context=context, phase=Phase.REDUCE_GRAD)
-                self.coll.all_reduce_replicas(part, context=context)
-            elif stage >= 2:
-                part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
-                self.coll.reduce_scatter_sum(part, wire, context=context,
-                                             phase=Phase.REDUCE_GRAD)
-                self.coll.all_reduce_replicas(part, context=context)
-                part = part.to(staging.dtype)  # no copy when the wire is that already
-            else:
-                self.coll.all_reduce_sum(wire, context=context, phase=Phase.REDUCE_GRAD)
-                # Stage 1 uses only this rank's shard of the sum: only it crosses replicas.
-                self.coll.all_reduce_replicas(
-                    wire if stage == 0 else
-                    wire[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel],
-                    context=context)
-                if wire is not staging:
-                    staging.copy_(wire)
-                part = staging
-                if stage == 1 and self.offloaded:  # only its shard leaves
-                    part = staging[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
-            self._accumulate(g, part)
-            if self.on_ready is not None:
-                self.on_ready(g.key)
+                return part.to(staging.dtype)  # no copy when the wire is that already
+            return _GroupReduction(self, g, handle, scattered, (staging, wire, part))
+        handle = self.coll.all_reduce_sum_async(wire, context=context, phase=Phase.REDUCE_GRAD)
+
+        def reduced() -> torch.Tensor:
+            # Stage 1 uses only this rank's shard of the sum: only it crosses replicas.
+            self.coll.all_reduce_replicas(
+                wire if stage == 0 else
+                wire[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel],
+                context=context)
+            if wire is not staging:
+                staging.copy_(wire)
+            if stage == 1 and self.offloaded:  # only its shard leaves
+                return staging[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
+            return staging
+        return _GroupReduction(self, g, handle, reduced, (staging, wire))
+
+    def _finish(self, g: FlatGroup, part: torch.Tensor) -> None:
+        """One group's reduced gradient is in ``part``: accumulate it, tell the optimizer."""
+        self._accumulate(g, part)
+        if self.on_ready is not None:
+            self.on_ready(g.key)
 
     def _accumulate(self, g: FlatGroup, part: torch.Tensor) -> None:
         """Add one micro-batch's reduced gradient into the accumulator: on the device, or, with an
@@ -373,3 +392,48 @@ class GradientReducer:
             g.grad_acc = None
             if g.grad_stored is not None:
                 g.grad_stored.live = False
+
+
+class _GroupReduction:
+    """One group's issued reduction: its collective's handle, what turns the collective's
+    output into the group's reduced partition (the replicas' sum, a dtype change), and the
+    buffers the collective reads and writes (kept alive, and counted, until the wait)."""
+
+    __slots__ = ("reducer", "group", "handle", "result", "buffers")
+
+    def __init__(self, reducer: GradientReducer, group: FlatGroup, handle: CommHandle,
+                 result: Callable[[], torch.Tensor], buffers: tuple[torch.Tensor, ...]):
+        self.reducer = reducer
+        self.group = group
+        self.handle = handle
+        self.result = result
+        self.buffers = buffers
+
+    def wait(self) -> None:
+        self.handle.wait()
+        self.reducer._finish(self.group, self.result())
+        self.buffers = ()
+
+
+class Reduction:
+    """A unit's gradient reduction, issued by :meth:`GradientReducer.issue`: :meth:`wait`
+    completes every group's collective and accumulates it; a second wait does nothing."""
+
+    def __init__(self, groups: list[_GroupReduction]):
+        self._groups = groups
+
+    def wait(self) -> None:
+        groups, self._groups = self._groups, []
+        for i, r in enumerate(groups):
+            try:
+                r.wait()
+            except BaseException:
+                self._groups = groups[i + 1:]
+                raise
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device buffers in flight (staging, wire, output), for the device's byte count: not
+        a host accumulator staged in place (``_stages_in_host``), which the store counts."""
+        return [t for r in self._groups for t in r.buffers
+                if r.group.grad_host is None or t.untyped_storage().data_ptr()
+                != r.group.grad_host.untyped_storage().data_ptr()]

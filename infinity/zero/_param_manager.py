@@ -47,6 +47,7 @@ called twice gathers again on its second call.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from typing import Any, Callable, Iterator
@@ -56,13 +57,15 @@ from torch import nn
 
 from infinity._common import warn_once
 from infinity.io import advise_huge_pages, engine_buffers
+from infinity.ledger import REDUCE_INFLIGHT_UNITS
 from infinity.optim import StoredGrad
 from infinity.prefetch import Level
 from infinity.tiers import Tier, TieredStore
-from infinity.zero._collectives import Collectives, Phase, check_env_enabled
+from infinity.zero._collectives import DONE, CommHandle, Collectives, Phase, check_env_enabled
 from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
+from infinity.zero._gather_ahead import GatherAhead
 from infinity.zero._grad_presence import GradPresence
-from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
+from infinity.zero._grad_reducer import GradientReducer, Reduction, ReducerConfig
 from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._managed import check_not_wrapped, mark_managed
 from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS, ManagerConfig
@@ -70,6 +73,7 @@ from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
 from infinity.zero._quantized_collectives import all_gather_quantized
+from infinity.zero._reduce_order import ReduceOrder
 from infinity.zero._tensor_parallel import full_value, local_grad
 from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
 from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
@@ -88,7 +92,9 @@ class ParameterManager:
                  initial_values: InitialValues | None = None,
                  on_grad_ready: Callable[[str], None] | None = None,
                  master_sink: MasterSink | None = None,
-                 on_build_progress: Callable[[BuildProgress], None] | None = None):
+                 on_build_progress: Callable[[BuildProgress], None] | None = None,
+                 on_backward_begin: Callable[[], None] | None = None,
+                 on_backward_end: Callable[[], None] | None = None):
         """``choice``: the units to build (:func:`~infinity.zero._unit_choice.choose_units`).
         ``store``: the tiered store when anything is offloaded (parameter shards homed on
         ``config.param_home``, the host gradient accumulators of an offloaded optimizer).
@@ -97,7 +103,10 @@ class ParameterManager:
         and accumulated ([Note: optimizer read-ahead] in infinity/optim/_offloaded.py).
         ``master_sink``: takes each trainable group's master as the group is built, with
         :meth:`param_partition` known ([Note: masters stream into the optimizer]).
-        ``on_build_progress``: called after each unit is built."""
+        ``on_build_progress``: called after each unit is built.
+        ``on_backward_begin`` / ``on_backward_end``: called when a backward that the engine did not
+        start (``loss.backward()``) begins, at its first hook, and when it has ended, from the
+        callback queued on autograd's engine ([Note: the end of backward])."""
         check_not_wrapped(module)
         self.config = config
         self.module = module
@@ -180,9 +189,25 @@ class ParameterManager:
         self.presence = GradPresence(self.units, collectives, config.device)
         """Which parameters got a gradient in this window ([Note: parameters without a
         gradient] in infinity/zero/_grad_presence.py)."""
+        self._reduce_order = (ReduceOrder([u.index for u in self.units if u.num_trainable])
+                              if collectives.data_parallel_size > 1 else None)
+        """[Note: every rank reduces every unit in one order]; None at one rank."""
+        self._reductions: collections.deque[Reduction] = collections.deque()
+        """Gradient reductions issued and not yet waited, oldest first."""
+        self._reduce_inflight = REDUCE_INFLIGHT_UNITS if collectives.data_parallel_size > 1 else 0
+        """Reductions left in flight while the next unit's backward computes (none at one rank:
+        nothing crosses ranks, and the accumulation is due at once)."""
+        self._on_backward_begin = on_backward_begin
+        self._on_backward_end = on_backward_end
         self._install_hooks(choice.hooked)
         self._fetcher = self._build_fetcher()
         """Trace-driven prefetch of offloaded parameter shards; None: demand fetches only."""
+        self._gather_ahead = (GatherAhead() if self._fetcher is None and self.stage == 3
+                              and self.world_size > 1 else None)
+        """[Note: gathers issued ahead] for units on the device; None: the prefetcher
+        leads the gathers (offloaded shards), or they are local copies (one rank)."""
+        self._ahead_on = False
+        """A training step is being recorded and predicted by ``_gather_ahead``."""
         mark_managed(module, [s.param for u in self.units for g in u.groups for s in g.slots])
         self._note_peak()
         logger.info("stage %d: %d units over %d ranks: %s", self.stage, len(self.units),
@@ -353,12 +378,14 @@ class ParameterManager:
         return post_forward
 
     def _pre_backward(self, units: list[Unit]) -> None:
+        self._enter_backward()
         for u in units:
             if not u.backward_hold:
                 u.backward_hold = True
                 self._fetch_before_compute(u)
 
     def _post_backward(self, units: list[Unit]) -> None:
+        self._enter_backward()
         for u in units:
             u.input_grads_done = True
             self._maybe_drop_hold(u)
@@ -369,15 +396,48 @@ class ParameterManager:
         unit, group, slot = self._slot_of[id(param)]
         if param.grad is None:
             return
+        self._enter_backward()
         self.reducer.stage(group, slot, local_grad(param, param.grad))
         param.grad = None
         self.presence.note(param)
+        late = len(unit.grads_seen) == unit.num_trainable  # its unit was complete already
         unit.grads_seen.add(id(param))
         if len(unit.grads_seen) == unit.num_trainable:
-            self._reduce(unit, Phase.REDUCE_GRAD)
+            order = self._reduce_order
+            if order is None:  # one rank: at once (a late gradient too: nothing to agree on)
+                self._reduce(unit, Phase.REDUCE_GRAD)
+            elif not late:  # several: in the order ([Note: every rank reduces every unit ...])
+                for index in order.complete(unit.index):
+                    self._reduce(self.units[index], Phase.REDUCE_GRAD)
+            # else a late one stays staged: the end of backward reduces it on every rank
             unit.grads_seen = {id(s.param) for g in unit.groups if g.requires_grad
                                for s in g.slots}  # stays "complete" until the backward ends
             self._maybe_drop_hold(unit)
+
+    def _enter_backward(self) -> None:
+        """[Note: the end of backward]
+        A backward started by ``loss.backward()`` (a trainer or accelerate calling it, not
+        ``engine.backward``) announces itself through the manager's hooks: the first one to fire
+        in it (a pre-backward, a gradient, a module's inputs) moves the manager to BACKWARD and
+        queues :meth:`_end_of_backward` on autograd's engine, which runs it once the whole graph
+        has run, as FSDP2's root post-backward does. ``engine.backward`` enters BACKWARD itself
+        (``begin_backward``) and ends it itself, with loss scaling and the accumulation divisor
+        applied; a plain ``loss.backward()`` gets neither (the caller scales the loss)."""
+        if self.state in (TrainingState.BACKWARD, TrainingState.FORWARD):
+            return  # started already; or a backward inside a forward (not a training backward)
+        self._to(TrainingState.BACKWARD)
+        if self._on_backward_begin is not None:
+            self._on_backward_begin()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        try:
+            self.finish_backward()
+        except BaseException:
+            self.abort_backward()
+            raise
+        if self._on_backward_end is not None:
+            self._on_backward_end()
 
     # ------------------------------------------------------------------ gather / release
 
@@ -389,6 +449,17 @@ class ParameterManager:
             Phase.FORWARD_GATHER
 
     def _gather(self, unit: Unit, phase: Phase) -> None:
+        """Gather ``unit`` now (or refresh a gathered one): issue, then wait."""
+        self._issue_gather(unit, phase, refresh=True)
+        self._wait_gather(unit)
+
+    def _issue_gather(self, unit: Unit, phase: Phase, *, refresh: bool = False) -> None:
+        """Allocate ``unit``'s full buffers and issue their all-gathers ([Note: issue and wait]
+        in infinity/zero/_collectives.py); :meth:`_wait_gather` completes them. A unit in flight
+        already is left as it is; a gathered one too, unless ``refresh`` (after a step)."""
+        if unit.state is UnitState.GATHERING or (unit.state is UnitState.GATHERED
+                                                 and not refresh):
+            return
         hpz = self.hpz
         if hpz is not None and phase is Phase.BACKWARD_GATHER and hpz.holds(unit.groups):
             phase = Phase.SECONDARY_GATHER  # gathered inside the node: see self.hpz
@@ -413,18 +484,36 @@ class ParameterManager:
                     if phase is Phase.SECONDARY_GATHER:
                         hpz.gather(g, context=context)
                     elif g.store_key is None:
-                        self._all_gather(unit, g, g.shard, context=context, phase=phase)
-                    else:
-                        with self._open_stored_shard_read(g) as shard:
-                            self._all_gather(unit, g, shard, context=context, phase=phase)
+                        unit.pending.append(
+                            self._all_gather(unit, g, g.shard, context=context, phase=phase))
+                    else:  # the store's copy stays acquired until the gather has read it
+                        key, tier = g.store_key, self._read_tier
+                        shard = self.store.acquire(key, tier).wait()
+                        unit.pending.append(lambda key=key, tier=tier:
+                                            self.store.release(key, tier))
+                        unit.pending.append(
+                            self._all_gather(unit, g, shard, context=context, phase=phase))
                     if keep:
-                        hpz.keep(g)
+                        unit.pending.append(lambda g=g: hpz.keep(g))
         finally:
             self._busy -= 1
-        if unit.state is UnitState.RELEASED:
-            unit.transition(UnitState.GATHERED)
+        unit.transition(UnitState.GATHERING)
         self.num_gathers += 1
         self._note_peak()
+
+    def _wait_gather(self, unit: Unit) -> None:
+        """Complete ``unit``'s issued gathers (a no-op unless it is GATHERING)."""
+        if unit.state is not UnitState.GATHERING:
+            return
+        pending, unit.pending = unit.pending, []
+        # The collectives first: a store copy is given back once its gather has read it.
+        for item in pending:
+            if isinstance(item, CommHandle):
+                item.wait()
+        for item in pending:
+            if not isinstance(item, CommHandle):
+                item()
+        unit.transition(UnitState.GATHERED)
 
     def _borrow(self, g: FlatGroup) -> bool:
         """[Note: a gathered unit borrows its HOST copy]
@@ -477,20 +566,22 @@ class ParameterManager:
         return True
 
     def _all_gather(self, unit: Unit, g: FlatGroup, shard: torch.Tensor, *, context: str,
-                    phase: Phase) -> None:
-        """One group's all-gather: quantized (qwZ) for the gathers around compute of units
-        gathered on demand, when configured; exact for the always-gathered units, after-step
-        and state-dict gathers (they are kept or saved, not recomputed each step)."""
+                    phase: Phase) -> CommHandle:
+        """One group's all-gather, issued: quantized (qwZ, synchronous: it decodes what it
+        receives) for the gathers around compute of units gathered on demand, when configured;
+        exact for the always-gathered units, after-step and state-dict gathers (they are kept
+        or saved, not recomputed each step)."""
         spec = self.config.weight_quant
         if (spec is not None and phase in (Phase.FORWARD_GATHER, Phase.BACKWARD_GATHER)
                 and not unit.always_gathered
                 and not (self.config.weight_quant_frozen_only and g.requires_grad)):
             all_gather_quantized(self.coll, g.full, shard, spec=spec, context=context, phase=phase)
-        else:
-            self.coll.all_gather(g.full, shard, context=context, phase=phase)
+            return DONE
+        return self.coll.all_gather_async(g.full, shard, context=context, phase=phase)
 
     def _release(self, unit: Unit) -> None:
         # [Note: release keeps parameter identity]
+        self._wait_gather(unit)  # a gather in flight still writes into the buffers
         for g in unit.groups:
             if not self._give_back(g):
                 g.full.untyped_storage().resize_(0)
@@ -528,8 +619,9 @@ class ParameterManager:
             live = DEFAULT_LIVE_UNITS * max(u.gathered_bytes for u in units)
         return ParamPrefetcher(self.store, units, config=prefetch,
                                device_tier=self._read_tier,
-                               gather=lambda i: self._gather(self.units[i], self._gather_phase()),
-                               is_gathered=lambda i: self.units[i].state is UnitState.GATHERED,
+                               gather=lambda i: self._issue_gather(self.units[i],
+                                                                   self._gather_phase()),
+                               is_gathered=lambda i: self.units[i].state is not UnitState.RELEASED,
                                gathered_budget_bytes=live)
 
     def _fetch_before_compute(self, unit: Unit) -> None:
@@ -538,17 +630,27 @@ class ParameterManager:
         if self._fetcher is not None and not unit.always_gathered:
             self._fetcher.before_compute(unit.index)
         if unit.state is UnitState.RELEASED:
-            self._gather(unit, self._gather_phase())
+            self._issue_gather(unit, self._gather_phase())
+        self._wait_gather(unit)
+        ahead = self._gather_ahead
+        if ahead is not None and self._ahead_on and not unit.always_gathered:
+            backward = self.state is TrainingState.BACKWARD
+            ahead.use(unit.index, backward)  # [Note: gathers issued ahead]
+            for index in ahead.ahead(unit.index, backward):
+                if self.units[index].state is UnitState.RELEASED:
+                    self._issue_gather(self.units[index], self._gather_phase())
 
     def _after_compute(self, unit: Unit) -> None:
         if self._fetcher is not None and not unit.always_gathered:
             self._fetcher.after_compute(unit.index)
 
     def _maybe_release(self, unit: Unit) -> None:
-        if (unit.state is UnitState.GATHERED and not unit.always_gathered and unit.refcount == 0
-                and not unit.backward_hold):
+        if (unit.state is not UnitState.RELEASED and not unit.always_gathered
+                and unit.refcount == 0 and not unit.backward_hold):
             if self._fetcher is not None and self._fetcher.should_keep(unit.index):
                 return  # the trace says it is used again soon (released at the step's end at last)
+            if self._ahead_on and self._gather_ahead.used_next(unit.index):
+                return  # used again next: [Note: gathers issued ahead]
             self._release(unit)
 
     def _maybe_drop_hold(self, unit: Unit) -> None:
@@ -567,9 +669,19 @@ class ParameterManager:
             self.coll.check_agreement(step=self.micro_step, phase=phase, unit_index=unit.index,
                                       unit_name=unit.name, device=self.device)
         context = f"{phase.value} of unit {unit.index} {unit.name!r} (micro-step {self.micro_step})"
+        # The oldest reductions land first (FSDP2 waits for the last reduce-scatter at the next
+        # one), so at most ``_reduce_inflight`` are in flight beside this unit's staging.
+        while self._reduce_inflight and len(self._reductions) >= self._reduce_inflight:
+            self._reductions.popleft().wait()
         with torch.profiler.record_function(f"infinity::reduce ({unit.name})"):
-            self.reducer.reduce(unit.groups, context=context)
+            self._reductions.append(self.reducer.issue(unit.groups, context=context))
         self._note_peak()
+        if not self._reduce_inflight:
+            self._wait_reductions()
+
+    def _wait_reductions(self) -> None:
+        while self._reductions:
+            self._reductions.popleft().wait()
 
     # ------------------------------------------------------------------ the training loop
 
@@ -600,6 +712,12 @@ class ParameterManager:
                 # infinity/prefetch/_trace.py).
                 then = None if mode else ("train" if self._fetcher.has_trace("train") else phase)
                 self._fetcher.begin_step(phase, then=then)
+            self._ahead_on = mode and self._gather_ahead is not None
+            if self._ahead_on:  # a training step: predict its gathers from the last one's
+                self._gather_ahead.begin_step()
+                first = self._gather_ahead.first()
+                if first is not None:
+                    self._issue_gather(self.units[first], Phase.FORWARD_GATHER)
             if trace:
                 with OutsideUseDetector(self._check_outside_use):
                     yield
@@ -608,6 +726,7 @@ class ParameterManager:
                 yield
             finished = True
         except BaseException:
+            self._ahead_on = False
             for unit in self.units:
                 unit.refcount = 0
                 self._maybe_release(unit)
@@ -628,16 +747,28 @@ class ParameterManager:
     def finish_backward(self) -> None:
         """End of one backward: reduce units whose gradients are incomplete (unused parameters),
         in unit order, on every rank that has any; drop backward holds; release."""
+        if self._reduce_order is not None:
+            for index in self._reduce_order.rest():  # incomplete here: zeros where no gradient
+                self._reduce(self.units[index], Phase.REDUCE_GRAD)
+        self._wait_reductions()
+        # Gradients staged again after their unit's reduction (one rank: units never complete),
+        # and units some parameter of which got no gradient here ([Note: parameters without a
+        # gradient]): one all-reduce, so that every rank reduces the same units again.
+        n = len(self.units)
         flags = [int(any(g.grad_staging is not None for g in u.groups)) for u in self.units]
+        flags += [int(u.num_trainable > 0 and len(u.grads_seen) != u.num_trainable)
+                  for u in self.units]
         if self.coll.data_parallel_size > 1:  # replicas must agree too: they reduce together
             pending = torch.tensor(flags, dtype=torch.int32, device=self.device)
             self.coll.all_reduce_max(pending,
                                      context=f"end of backward (micro-step {self.micro_step})")
             flags = pending.tolist()
-        for unit, flag in zip(self.units, flags):
+        for unit, flag in zip(self.units, flags[:n]):
             if flag:
                 self._reduce(unit, Phase.FLUSH)
-        self.presence.end_backward()  # before the holds drop: reads which units were complete
+        self._wait_reductions()
+        self.presence.end_backward({u.index for u, f in zip(self.units, flags[n:]) if f})
+        self._ahead_on = False  # nothing is kept past the step
         self._drop_holds()
         if self.hpz is not None:
             self.hpz.drop()  # every backward gather is done (see self.hpz)
@@ -808,6 +939,9 @@ class ParameterManager:
                     yield "grad", g.grad_staging
                 if g.grad_acc is not None and g.grad_acc is not g.grad_host:
                     yield "grad", g.grad_acc
+        for reduction in self._reductions:  # issued, not yet waited
+            for t in reduction.tensors():
+                yield "grad", t
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes held now, by kind, counting each storage once (views share their base's)."""

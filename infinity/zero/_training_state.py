@@ -20,8 +20,9 @@ class TrainingState(enum.Enum):
     AWAITING_BACKWARD = "awaiting-backward"
     """A forward with grad enabled ended; its graph holds the units' saved views."""
     BACKWARD = "backward"
-    """Between ``begin_backward`` and ``finish_backward``: units are gathered for their gradients
-    and released once those are reduced."""
+    """Between the backward's start (``begin_backward``, or the first hook of a
+    ``loss.backward()``) and ``finish_backward``: units are gathered for their gradients and
+    released once those are reduced."""
 
 
 _I, _F, _A, _B = (TrainingState.IDLE, TrainingState.FORWARD, TrainingState.AWAITING_BACKWARD,
@@ -31,10 +32,12 @@ TRAINING_TRANSITIONS = TransitionTable("parameter manager", {
     (_A, _F): "another forward before the backward (several losses summed into one)",
     (_F, _A): "a forward with grad enabled ended: a backward is expected",
     (_F, _I): "a forward without grad ended (evaluation), or a forward raised",
-    (_A, _B): "engine.backward(loss) starts",
+    (_A, _B): "a backward starts: engine.backward(loss), or the first hook of a "
+              "loss.backward() ([Note: the end of backward] in _param_manager.py)",
     (_I, _B): "a backward with no forward of the engine since the last one (the module called "
               "directly, hooks only; an evaluation forward in between; retain_graph)",
-    (_B, _I): "the backward ended (finish_backward) or raised (abort_backward)",
+    (_B, _I): "the backward ended (finish_backward, from engine.backward or from the callback "
+              "queued on autograd's engine) or raised (abort_backward)",
 })
 """The manager's allowed :class:`TrainingState` changes, each with why."""
 

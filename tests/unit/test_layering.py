@@ -7,8 +7,8 @@ cli ──> bench ──> integrations ──> zero ──┬──> optim ─�
  │        │                          │    └──> ledger ──> config
  │        └──> models (plain PyTorch, imports nothing of infinity)
  └──> (every package below)
-floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit (nothing above
-them)
+floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit, _modeled_link
+(nothing above them)
 ```
 ``integrations`` (the hf Trainer and accelerate, optional extras) sits above the engine: nothing
 below imports it, so ``import infinity`` never needs transformers or accelerate.
@@ -34,7 +34,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[2] / "infinity"
 
 FLOOR = frozenset({"errors", "_common", "_tier", "_transitions", "_async_copy", "_timing",
-                   "_process_exit"})
+                   "_process_exit", "_modeled_link"})
 """Top-level modules every package may import."""
 
 ALLOWED: dict[str, set[str]] = {

@@ -1,0 +1,193 @@
+"""``infinity bench step --link-gbps X``: the step time of several ranks over a modeled link,
+against the step without it and the link's own time: does communication hide behind compute?
+
+Reproduce (2 gloo ranks, the anchor GPT, the link set so that a step's link time equals its
+compute time)::
+
+    infinity bench step --model 135m --seq-len 128 --world-size 2 --link-gbps auto \\
+        --modes stage3,stage2,stage3-hpz --steps 4 --warmup 2
+
+One rank, parameters on HOST and the link under the host<->device copies::
+
+    infinity bench step --model 135m --seq-len 128 --world-size 1 --link-gbps auto \
+        --modes stage3-cpu --steps 4 --warmup 2
+
+Each mode runs twice in fresh processes (``--world-size`` ranks, gloo, file rendezvous, the cores
+shared): first with a free link (it counts the wire bytes and costs no time), giving T0, the
+step's compute time with every collective as fast as this machine does it; then with a link of
+``--link-gbps`` GB/s (``auto``: the bandwidth at which the step's wire bytes take T0) and
+``--link-latency-us``, under every collective ([Note: the modeled link] in
+infinity/_modeled_link.py). L is the seconds per step the link was busy. A design that waits for
+each collective where it is issued takes about T0 + L; one that overlaps them, max(T0, L)
+plus what cannot hide (the first gather of a step, the last reduction).
+Reported per mode: ``t0_s``, ``link_s`` (L), ``step_s``, ``x_max`` = step_s / max(T0, L) (the
+issue's figure: <= 1.25), ``x_serial`` = (T0 + L) / max(T0, L) (what waiting at every issue
+would give), and the seconds per step the training thread waited on collectives
+(``exposed_comm_s``) with the link and without (``exposed_comm_s_free``). Medians over
+``--steps`` timed steps; with ``--rounds``, the round with the median step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from infinity.bench.progress import progress
+from infinity.bench.report import Report
+
+LINK_MODES = ("stage3", "stage2", "stage3-hpz", "stage3-cpu")
+"""The engine's modes that run over ranks and links (plain PyTorch and DeepSpeed run one
+process); stage3-cpu puts a bounded DEVICE tier in the read path, so that the parameters cross
+the copy link ([Note: the modeled link])."""
+DEFAULT_LINK_MODES = "stage3,stage2"
+FREE_LINK = {"bandwidth_gbytes_per_s": 1e9, "latency_us": 0.0}
+"""Counts the wire bytes; costs no time (a microsecond per terabyte)."""
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """The modes to run; raises ``ValueError`` naming the option that cannot work."""
+    if args.world_size < 1:
+        raise ValueError(f"--world-size: expected an integer >= 1, got {args.world_size}")
+    if args.link_gbps is None:
+        raise ValueError("--world-size > 1 measures overlap over a modeled link: give "
+                         "--link-gbps X (GB/s) or --link-gbps auto")
+    if args.link_gbps != "auto":
+        try:
+            gbps = float(args.link_gbps)
+        except ValueError:
+            gbps = -1.0
+        if not gbps > 0:
+            raise ValueError(f"--link-gbps: expected a bandwidth in GB/s > 0 or 'auto', got "
+                             f"{args.link_gbps!r}")
+    if args.link_latency_us < 0:
+        raise ValueError(f"--link-latency-us: expected >= 0, got {args.link_latency_us}")
+    modes = [m.strip() for m in (args.modes or DEFAULT_LINK_MODES).split(",") if m.strip()]
+    bad = [m for m in modes if m not in LINK_MODES]
+    if bad:
+        raise ValueError(f"--link-gbps: mode {bad[0]!r} does not run over ranks; choose from "
+                         f"{', '.join(LINK_MODES)}")
+    if "stage3-hpz" in modes and args.world_size % 2:
+        raise ValueError(f"--modes stage3-hpz: the secondary partition (2 ranks) must divide "
+                         f"--world-size {args.world_size}")
+    return modes
+
+
+def _run_ranks(mode: str, args: argparse.Namespace, worker_args: dict[str, Any],
+               link: dict[str, float]) -> dict[str, Any]:
+    """One mode on ``--world-size`` fresh processes; rank 0's record."""
+    with tempfile.TemporaryDirectory(prefix="infinity-overlap-") as tmp:
+        spec = json.dumps({"mode": mode, **worker_args, "world_size": args.world_size,
+                           "init_file": os.path.join(tmp, "rendezvous"), "link": link,
+                           "dir": os.path.join(worker_args["dir"], mode)})
+        procs = []
+        for rank in range(args.world_size):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.world_size),
+                   "LOCAL_RANK": str(rank)}
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+", encoding="utf-8")
+            procs.append((subprocess.Popen(
+                [sys.executable, "-m", "infinity.bench._step_worker", spec],
+                stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True, env=env),
+                log))
+        try:
+            out, _ = procs[0][0].communicate(timeout=args.mode_timeout_s)
+            codes = [p.wait(timeout=60) for p, _ in procs]
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                p.kill()
+            return {"mode": mode, "error": f"timed out after {args.mode_timeout_s} s"}
+        for line in reversed((out or "").splitlines()):
+            if line.startswith("{") and not any(codes):
+                return json.loads(line)
+        tails = []
+        for rank, (_, log) in enumerate(procs):
+            log.seek(0)
+            text = log.read().strip().splitlines()
+            tails.append(f"rank {rank} exit {codes[rank]}: {text[-1] if text else ''}")
+        return {"mode": mode, "error": "; ".join(tails)}
+
+
+def _link_bytes(record: dict[str, Any]) -> float:
+    """Bytes per step on the busier of the two links (each lane has its own)."""
+    return max(record.get("comm_link_bytes_per_step") or 0.0,
+               record.get("copy_link_bytes_per_step") or 0.0)
+
+
+def _row(mode: str, free: dict[str, Any], linked: dict[str, Any], gbps: float) -> dict[str, Any]:
+    if "error" in free or "error" in linked:
+        return {"mode": mode, "note": (free.get("error") or linked.get("error"))[:200]}
+    t0, step = free["step_s"], linked["step_s"]
+    comm_s = linked.get("comm_link_busy_s_per_step") or 0.0
+    copy_s = linked.get("copy_link_busy_s_per_step") or 0.0
+    link_s = max(comm_s, copy_s)  # two links side by side: the busier one bounds the step
+    bound = max(t0, link_s)
+    return {"mode": mode, "link_gbps": gbps, "t0_s": t0, "link_s": link_s, "step_s": step,
+            "x_max": step / bound, "x_serial": (t0 + link_s) / bound,
+            "comm_link_s": comm_s, "copy_link_s": copy_s,
+            "exposed_comm_s": linked.get("comm_exposed_s_per_step"),
+            "exposed_copy_s": linked.get("copy_exposed_s_per_step"),
+            "exposed_comm_s_free": free.get("comm_exposed_s_per_step"),
+            "exposed_copy_s_free": free.get("copy_exposed_s_per_step"),
+            "comm_mib_per_step": (free.get("comm_link_bytes_per_step") or 0.0) / 2**20,
+            "copy_mib_per_step": (free.get("copy_link_bytes_per_step") or 0.0) / 2**20,
+            "collectives_per_step": free.get("comm_issued_per_step"),
+            "final_loss": linked.get("final_loss")}
+
+
+def run(args: argparse.Namespace, worker_args: dict[str, Any]) -> int:
+    modes = check_arguments(args)
+    rounds = max(1, args.rounds)
+    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    bar = progress(len(modes) * rounds * 2, desc="bench step (link)")
+    for k in range(rounds):
+        for mode in (modes if k % 2 == 0 else modes[::-1]):
+            bar.set_postfix(running=f"{mode} (free link)")
+            free = _run_ranks(mode, args, worker_args, FREE_LINK)
+            bar.update(1)
+            if "error" in free:
+                per_mode[mode].append(_row(mode, free, free, 0.0))
+                bar.update(1)
+                continue
+            gbps = (_link_bytes(free) / free["step_s"] / 1e9
+                    if args.link_gbps == "auto" else float(args.link_gbps))
+            bar.set_postfix(running=f"{mode} ({gbps:.3g} GB/s)")
+            linked = _run_ranks(mode, args, worker_args,
+                                {"bandwidth_gbytes_per_s": gbps,
+                                 "latency_us": args.link_latency_us})
+            per_mode[mode].append(_row(mode, free, linked, gbps) | {"round": k})
+            bar.update(1)
+    bar.close()
+    rows = []
+    for mode in modes:
+        ok = sorted((r for r in per_mode[mode] if "step_s" in r), key=lambda r: r["x_max"])
+        row = ok[(len(ok) - 1) // 2] if ok else per_mode[mode][0]
+        if len(ok) > 1:
+            row = {**row, "round_x_max": [r["x_max"] for r in ok]}
+        rows.append(row)
+    report = Report(
+        name="step-link",
+        title=f"infinity bench step: GPT {args.model}, {args.dtype}, batch {args.batch_size} x "
+              f"{args.seq_len} per rank, {args.world_size} gloo ranks over a modeled link "
+              f"({args.link_gbps} GB/s, {args.link_latency_us:g} us), median of {args.steps} "
+              f"steps" + (f", median of {rounds} rounds" if rounds > 1 else ""),
+        rows=rows, columns=list(dict.fromkeys(k for r in rows for k in r)),
+        params={**worker_args, "world_size": args.world_size, "link_gbps": args.link_gbps,
+                "link_latency_us": args.link_latency_us, "rounds": rounds, "modes": modes},
+        extra={"rounds_raw": per_mode},
+        notes=["t0_s: the step with a free link (T0); link_s: seconds per step the modeled "
+               "link was busy (L); x_max: step_s / max(T0, L) (overlap's target: <= 1.25); "
+               "x_serial: (T0 + L) / max(T0, L), what waiting for each collective where it is "
+               "issued costs",
+               "exposed_comm_s: seconds per step the training thread waited on collectives "
+               "(with the link); exposed_comm_s_free: the same with the free link",
+               "link_gbps auto: the step's wire bytes / T0, so that L = T0",
+               "comm_link_s / copy_link_s: the collectives' link and the host<->device copies' "
+               "link (each lane its own link of the same bandwidth; L is the busier); "
+               "exposed_copy_s: seconds per step the training thread waited on the store "
+               "(copies, and NVMe reads where there are any)"])
+    report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
+    return 0 if all("step_s" in r for r in rows) else 1

@@ -1,0 +1,88 @@
+"""Which unit to gather next, from the order the last training step used them: the all-gathers
+of parameters that live on the device, issued one unit ahead of their use.
+
+[Note: gathers issued ahead]
+A gather waited where it is issued puts the whole all-gather on the training thread: at stage 3
+over several ranks a step then costs compute plus every collective's time. FSDP2 issues unit
+k+1's all-gather before unit k computes and waits for it at unit k+1's pre-forward; this is the
+same for units whose shards are on the device (the trace-driven prefetcher leads the gathers of
+offloaded shards itself: [Note: all-gathers at fixed positions] in infinity/prefetch/_executor.py).
+
+The order is the sequence of units the last training step needed for compute (forward pre-hooks,
+pre-backward hooks, recomputation under activation checkpointing), one list per step. At each
+use the cursor follows that list; the next ``LOOKAHEAD_UNITS`` units named after it are gathered
+ahead (issued, not waited: the link's queue absorbs a unit that computes faster than its
+successor's gather), and a unit whose next entry is itself is kept instead of released: the
+root, whose forward ends the forward and whose pre-backward starts the backward (FSDP2 does not
+reshard its root after forward either), and a module called twice in a row. Gathers ahead stay
+inside the phase (forward or backward) they are predicted in: a gather's phase decides its group
+under hpZ and its count in ``collective_bytes_sent``, so the backward's first unit is gathered at
+its pre-backward hook. A use the list does not predict moves the cursor to that unit's next
+place within a small window, or stops the predictions for the step; nothing raises.
+
+Memory: the unit computing, the units gathered ahead and a kept root: the ledger's
+``gathered_units`` counts 1 + ``DEFAULT_PREFETCH_UNITS`` units of the largest size, which this
+fills.
+
+Every rank must issue the same collectives in the same order. The uses that drive this are the
+stage-3 hooks, whose gathers already have to match across ranks, so the recorded lists, the
+cursors and the predictions are the same on every rank.
+"""
+
+from __future__ import annotations
+
+RESYNC_WINDOW = 8
+"""Entries of the last step's list searched for a use it did not predict at the cursor."""
+LOOKAHEAD_UNITS = 2
+"""Units gathered ahead of the one computing (the ledger's DEFAULT_PREFETCH_UNITS)."""
+
+
+class GatherAhead:
+    """The last training step's units in the order of use, and a cursor into it."""
+
+    def __init__(self) -> None:
+        self._last: list[tuple[int, bool]] = []
+        """(unit, in backward) in the order the last complete training step used them."""
+        self._now: list[tuple[int, bool]] = []
+        """This step's uses so far."""
+        self._cursor: int | None = 0
+        """Index into ``_last`` of the entry after the current use; None: lost for this step."""
+
+    def begin_step(self) -> None:
+        """A training forward starts a step (after the last one's backward, or the first)."""
+        if self._now:
+            self._last, self._now = self._now, []
+        self._cursor = 0
+
+    def first(self) -> int | None:
+        """The unit the step's forward starts with, if a step was recorded."""
+        return self._last[0][0] if self._last and not self._last[0][1] else None
+
+    def use(self, unit: int, backward: bool) -> None:
+        """``unit`` is needed for compute now (in the backward or not): record it and move the
+        cursor."""
+        entry = (unit, backward)
+        self._now.append(entry)
+        cur = self._cursor
+        if cur is None:
+            return
+        window = self._last[cur:cur + RESYNC_WINDOW]
+        self._cursor = cur + window.index(entry) + 1 if entry in window else None
+
+    def ahead(self, unit: int, backward: bool) -> list[int]:
+        """Up to ``LOOKAHEAD_UNITS`` units used after the current use, other than ``unit``, in
+        the same phase (the first entry of the other phase ends them); [] when unknown."""
+        if self._cursor is None:
+            return []
+        out: list[int] = []
+        for u, b in self._last[self._cursor:self._cursor + RESYNC_WINDOW]:
+            if b != backward or len(out) == LOOKAHEAD_UNITS:
+                break
+            if u != unit and u not in out:
+                out.append(u)
+        return out
+
+    def used_next(self, unit: int) -> bool:
+        """The entry after the current use is ``unit`` again, in either phase (keep it)."""
+        cur = self._cursor
+        return cur is not None and cur < len(self._last) and self._last[cur][0] == unit

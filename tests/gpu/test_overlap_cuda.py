@@ -1,0 +1,66 @@
+"""Copies that complete late on the GPU (issue #30): every host->device copy of the store waits
+``torch.cuda._sleep`` on its copy stream before it runs, so it lands long after it was issued, and
+its completion is waited on the copy lane ([Note: device copies complete on the copy lane] in
+infinity/tiers/_copy_lane.py) while the reader's stream waits on its event. A missing wait shows
+as a wrong number against plain PyTorch on the GPU, not as luck.
+
+One GPU has one rank: the collectives' stream (NCCL, ``async_op``) is not exercised here; the
+2-rank tests on gloo under a poisoned modeled link cover their waits
+(tests/distributed/test_overlap_dist.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from infinity.models.gpt import GPT, GPTConfig
+from infinity.tiers import TieredStore
+from tests._support.engine import (assert_close_run, batches, engine_train, offload_config,
+                                   reference_train)
+from tests.gpu._cuda import CUDA, exact_fp32, set_cuda_tolerance
+
+pytestmark = pytest.mark.gpu
+
+FOUR = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+SLEEP_CYCLES = 5_000_000
+"""A few milliseconds of GPU time before each copy: far longer than a tiny block's compute."""
+
+
+@pytest.fixture(autouse=True)
+def _tolerance(monkeypatch):
+    set_cuda_tolerance(monkeypatch)
+
+
+def _four(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(FOUR)
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_late_copies_on_the_copy_stream_train_as_plain_pytorch(home, tmp_path, monkeypatch):
+    exact_fp32()
+    issue = TieredStore._issue_copy
+
+    def late(self, dst, src, ready):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            torch.cuda._sleep(SLEEP_CYCLES)  # the copy below runs this much later
+        return issue(self, dst, src, ready)
+
+    monkeypatch.setattr(TieredStore, "_issue_copy", late)
+    steps = 4
+    data = batches(steps, 1, config=FOUR)
+    ref_losses, ref_state = reference_train(_four(), data, device=CUDA)
+    model = _four()
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    numels = blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]  # + the root
+    config = offload_config(tmp_path / "swap", stage=3, opt=home, param=home, device="cuda",
+                            memory={"device_budget_bytes": 3 * max(numels) * 4 * 2})
+    engine = infinity.initialize(_four(), config)
+    try:
+        losses = engine_train(engine, data)
+        assert engine.stats()["bytes_moved"]["HOST->DEVICE"] > 0
+        assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    finally:
+        engine.close()

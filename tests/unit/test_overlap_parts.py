@@ -1,0 +1,88 @@
+"""The pure parts of overlap (issue #30): the modeled link's queue, the order gathers are
+predicted in ([Note: gathers issued ahead]) and the fixed reduction order ([Note: every
+rank reduces every unit in one order])."""
+
+from __future__ import annotations
+
+import pytest
+
+from infinity import LinkModel
+from infinity._modeled_link import ModeledLink
+from infinity.zero._gather_ahead import GatherAhead
+from infinity.zero._reduce_order import ReduceOrder
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_link_queues_transfers_at_its_bandwidth_and_latency():
+    clock = Clock()
+    link = ModeledLink(LinkModel(bandwidth_gbytes_per_s=1.0, latency_us=10.0), clock=clock)
+    assert link.reserve(1_000_000) == pytest.approx(100.0 + 1e-5 + 1e-3)  # idle: starts now
+    assert link.reserve(2_000_000) == pytest.approx(100.0 + 2 * 1e-5 + 3e-3)  # queued behind
+    clock.now = 200.0  # idle again: the next starts when issued
+    assert link.reserve(0) == pytest.approx(200.0 + 1e-5)
+    assert link.busy_s == pytest.approx(3 * 1e-5 + 3e-3)
+    assert (link.transfers, link.bytes) == (3, 3_000_000)
+
+
+@pytest.mark.parametrize("field,value", [("bandwidth_gbytes_per_s", 0), ("bandwidth_gbytes_per_s", -1.0),
+                                         ("bandwidth_gbytes_per_s", True), ("latency_us", -1.0)])
+def test_link_settings_are_checked(field, value):
+    kwargs = {"bandwidth_gbytes_per_s": 1.0, field: value}
+    with pytest.raises(ValueError, match=field):
+        LinkModel(**kwargs)
+
+
+def test_gathers_are_predicted_from_the_last_step_within_their_phase():
+    ahead = GatherAhead()
+    ahead.begin_step()
+    assert ahead.first() is None and ahead.ahead(1, False) == []  # nothing recorded
+    step = [(0, False), (1, False), (2, False), (3, False), (0, True), (3, True), (2, True),
+            (1, True)]
+    for unit, backward in step:
+        ahead.use(unit, backward)
+    ahead.begin_step()
+    assert ahead.first() == 0
+    ahead.use(0, False)
+    assert ahead.ahead(0, False) == [1, 2]  # LOOKAHEAD_UNITS of the forward
+    ahead.use(1, False)
+    ahead.use(2, False)
+    assert ahead.ahead(2, False) == [3]  # the backward's units are not gathered from the forward
+    ahead.use(3, False)
+    assert ahead.ahead(3, False) == [] and not ahead.used_next(3)
+    assert ahead.used_next(0)  # the root: its forward ends the forward, its backward is next
+    ahead.use(0, True)
+    assert ahead.ahead(0, True) == [3, 2]
+    # A use the last step did not have at the cursor: resynchronised within the window.
+    ahead.use(2, True)
+    assert ahead.ahead(2, True) == [1]
+    ahead.begin_step()
+    ahead.use(5, False)  # never seen: lost for the step
+    assert ahead.ahead(5, False) == [] and not ahead.used_next(1)
+
+
+def test_a_unit_used_twice_in_a_row_is_kept():
+    ahead = GatherAhead()
+    ahead.begin_step()
+    for unit in (1, 1, 2):
+        ahead.use(unit, False)
+    ahead.begin_step()
+    ahead.use(1, False)
+    assert ahead.used_next(1) and ahead.ahead(1, False) == [2]
+
+
+def test_reductions_follow_the_fixed_order_whatever_the_completion_order():
+    order = ReduceOrder([0, 1, 2, 3])
+    assert order.order == [3, 2, 1, 0]
+    assert order.complete(2) == []  # 3 first
+    assert order.complete(3) == [3, 2]
+    assert order.complete(3) == []  # a gradient after its reduction: not reduced again here
+    assert order.complete(0) == []
+    assert order.rest() == [1, 0]  # the end of backward: the rest, in order
+    assert order.complete(3) == [3]  # the next backward starts over
