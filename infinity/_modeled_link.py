@@ -75,14 +75,17 @@ class ModeledLink:
         """Transfers queued on it, over its life."""
         self.bytes = 0
         """Bytes queued on it, over its life."""
+        self.busy_s_by_tag: dict[str, float] = {}
+        """``busy_s`` by what the transfers were for (a collective's phase, a copy's direction)."""
 
-    def reserve(self, nbytes: int) -> float:
+    def reserve(self, nbytes: int, tag: str = "other") -> float:
         """Queue a transfer of ``nbytes`` issued now; returns the clock time it ends."""
         duration = self._latency_s + max(0, int(nbytes)) / self._bytes_per_s
         with self._lock:
             start = max(self._clock(), self._free_at)
             self._free_at = start + duration
             self.busy_s += duration
+            self.busy_s_by_tag[tag] = self.busy_s_by_tag.get(tag, 0.0) + duration
             self.transfers += 1
             self.bytes += max(0, int(nbytes))
             return self._free_at

@@ -91,6 +91,8 @@ def _plain(model: nn.Module, spec: dict[str, Any]):
 
 
 PLAIN_PHASES: list[dict[str, float]] = []
+ENGINE_PHASES: list[dict[str, float]] = []
+"""Per step of the engine's modes: forward, backward and ``engine.step()`` seconds."""
 """Seconds of each plain step's forward, backward and optimizer (clip, AdamW, copy-back): the
 compute of [Note: the staging bound] in infinity/bench/roofline.py."""
 
@@ -178,7 +180,7 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
         "zero": {"stage": 2 if mode == "stage2" else 3,
                  "unit_class_names": [bench_model.block_class_name],
                  **({"hpz_partition_size": HPZ_PARTITION} if mode == "stage3-hpz" else {})},
-        "precision": {"dtype": spec["dtype"]},
+        "precision": {"dtype": spec["dtype"], "reduce_dtype": spec.get("reduce_dtype", "fp32")},
         "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
         "gradient_clipping": 1.0,
         "gradient_accumulation_steps": spec.get("gradient_accumulation_steps", 1),  # --ds-config's
@@ -218,10 +220,18 @@ def _engine_runner(engine, bench_model: StepModel):
     """One optimizer step per call: each micro-batch's forward, backward and ``engine.step()``
     (the engine steps the optimizer at the last of ``gradient_accumulation_steps`` of them)."""
     def step(micro_batches) -> float:
+        phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         for x, y in micro_batches:
+            t0 = time.perf_counter()
             loss = bench_model.loss(engine, x, y)
+            t1 = time.perf_counter()
             engine.backward(loss)
+            t2 = time.perf_counter()
             engine.step()
+            t3 = time.perf_counter()
+            for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                phases[k] += dt
+        ENGINE_PHASES.append(phases)  # (wall clock: on a GPU, a breakdown of the launches)
         return loss.item()
 
     # The units as built, in the record: the user-config and native rows can be compared on them.
@@ -324,6 +334,12 @@ def _lanes_per_step(after: dict[str, Any], before: dict[str, Any], steps: int
         out.update({f"{lane}_{k}_per_step": (a[k] - (b.get(k) or 0)) / max(1, steps)
                     for k in ("exposed_s", "issued", "link_busy_s", "link_bytes")
                     if a.get(k) is not None})
+        for key in ("exposed_s_by_phase", "link_busy_s_by_phase"):
+            if not a.get(key):
+                continue
+            before_phase = b.get(key) or {}
+            out[f"{lane}_{key}_per_step"] = {
+                k: (v - before_phase.get(k, 0.0)) / max(1, steps) for k, v in a[key].items()}
     return out
 
 
@@ -376,8 +392,12 @@ def main() -> None:
         timed_phases = PLAIN_PHASES[spec["warmup"]:]
         extra["phase_s"] = {k: statistics.median(p[k] for p in timed_phases)
                             for k in ("forward", "backward", "optimizer")}
-    elif s.get("store"):
-        extra["staging"] = _staging(s, warm, len(times))
+    else:
+        timed_phases = ENGINE_PHASES[spec["warmup"]:]
+        extra["phase_s"] = {k: statistics.median(p[k] for p in timed_phases)
+                            for k in ("forward", "backward", "optimizer")}
+        if s.get("store"):
+            extra["staging"] = _staging(s, warm, len(times))
     timed = _timed(s, warm, times)
     if spec["mode"] == "stage3-nvme-params":
         timed.update(_param_reads(s, warm, len(times), spec))

@@ -22,8 +22,11 @@ each collective where it is issued takes about T0 + L; one that overlaps them, m
 plus what cannot hide (the first gather of a step, the last reduction).
 Reported per mode: ``t0_s``, ``link_s`` (L), ``step_s``, ``x_max`` = step_s / max(T0, L) (the
 issue's figure: <= 1.25), ``x_serial`` = (T0 + L) / max(T0, L) (what waiting at every issue
-would give), and the seconds per step the training thread waited on collectives
-(``exposed_comm_s``) with the link and without (``exposed_comm_s_free``). Medians over
+would give), the seconds per step the training thread waited on collectives
+(``exposed_comm_s``, by phase) with the link and without (``exposed_comm_s_free``), and
+``schedule_bound_s`` ([Note: the schedule bound]): the least step any schedule reaches given in
+which phase each byte arises, ``bound_x_max`` its ratio to max(T0, L) and ``x_schedule_bound``
+the step's ratio to it. Medians over
 ``--steps`` timed steps; with ``--rounds``, the round with the median step.
 """
 
@@ -117,6 +120,35 @@ def _link_bytes(record: dict[str, Any]) -> float:
                record.get("copy_link_bytes_per_step") or 0.0)
 
 
+FORWARD_PHASES = ("forward-gather", "broadcast")
+BACKWARD_PHASES = ("backward-gather", "secondary-gather", "reduce-grad", "replicate-reduce",
+                   "flush", "other")
+"""Which collectives a phase of the step carries (Phase values); the rest (step-gather, norm)
+run in ``engine.step()``."""
+
+
+def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any]) -> float | None:
+    """[Note: the schedule bound]
+    max(T0, L) assumes the link can work at any time. It cannot: a gradient is reduced after the
+    backward made it and before the step uses it, a unit is gathered after the last step changed
+    it. So each phase of the step (forward, backward, ``engine.step()``) takes at least the
+    larger of its compute (the free run's median phase seconds) and its link time (the linked
+    run's link seconds of the collectives that phase carries); the copies of parameters may run
+    in the forward and the backward alike. The sum is the least time any schedule of these
+    transfers can reach: the best overlap, given where the bytes arise."""
+    phases = free.get("phase_s")
+    if not phases:
+        return None
+    comm = linked.get("comm_link_busy_s_by_phase_per_step") or {}
+    copy_s = linked.get("copy_link_busy_s_per_step") or 0.0
+    fwd = sum(comm.get(p, 0.0) for p in FORWARD_PHASES)
+    bwd = sum(comm.get(p, 0.0) for p in BACKWARD_PHASES)
+    step = sum(v for p, v in comm.items() if p not in FORWARD_PHASES + BACKWARD_PHASES)
+    f, b, o = phases["forward"], phases["backward"], phases["optimizer"]
+    # The copies' link beside the collectives' (a lane each): it bounds forward + backward.
+    return max(max(f, fwd) + max(b, bwd), copy_s) + max(o, step)
+
+
 def _row(mode: str, free: dict[str, Any], linked: dict[str, Any], gbps: float) -> dict[str, Any]:
     if "error" in free or "error" in linked:
         return {"mode": mode, "note": (free.get("error") or linked.get("error"))[:200]}
@@ -125,10 +157,19 @@ def _row(mode: str, free: dict[str, Any], linked: dict[str, Any], gbps: float) -
     copy_s = linked.get("copy_link_busy_s_per_step") or 0.0
     link_s = max(comm_s, copy_s)  # two links side by side: the busier one bounds the step
     bound = max(t0, link_s)
+    schedule = schedule_bound_s(free, linked)
     return {"mode": mode, "link_gbps": gbps, "t0_s": t0, "link_s": link_s, "step_s": step,
             "x_max": step / bound, "x_serial": (t0 + link_s) / bound,
+            "schedule_bound_s": schedule,
+            "bound_x_max": None if schedule is None else schedule / bound,
+            "x_schedule_bound": None if schedule is None else step / schedule,
+            "phase_s_free": free.get("phase_s"),
+            "comm_link_s_by_phase": {k: round(v, 3) for k, v in (
+                linked.get("comm_link_busy_s_by_phase_per_step") or {}).items()},
             "comm_link_s": comm_s, "copy_link_s": copy_s,
             "exposed_comm_s": linked.get("comm_exposed_s_per_step"),
+            "exposed_comm_s_by_phase": {k: round(v, 3) for k, v in (
+                linked.get("comm_exposed_s_by_phase_per_step") or {}).items()},
             "exposed_copy_s": linked.get("copy_exposed_s_per_step"),
             "exposed_comm_s_free": free.get("comm_exposed_s_per_step"),
             "exposed_copy_s_free": free.get("copy_exposed_s_per_step"),

@@ -130,6 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "bandwidth at which the link time equals T0")
     parser.add_argument("--link-latency-us", type=float, default=0.0,
                         help="--link-gbps: latency added to every transfer; default 0")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "compute"), default="fp32",
+                        help="the engine's precision.reduce_dtype: gradients cross ranks in fp32 "
+                        "(default) or in the compute dtype (FSDP2's and DeepSpeed's default)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="draw a per-step timeline (compute, I/O, stall) per mode "
@@ -142,7 +145,7 @@ def _worker_args(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup, "dir": args.dir,
             "host_budget_fraction": args.host_budget_fraction,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "ds_config": args.ds_config}
+            "ds_config": args.ds_config, "reduce_dtype": args.reduce_dtype}
 
 
 def resolve_modes(args: argparse.Namespace) -> list[str]:

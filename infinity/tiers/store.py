@@ -407,7 +407,7 @@ class TieredStore:
         modeled end on the copy lane (NaN until then where the link asks for it)."""
         link = self.copy_link
         dst_t, src_t = shard.copies[dst].tensor, shard.copies[src].tensor
-        done_at = link.reserve(shard.nbytes)
+        done_at = link.reserve(shard.nbytes, f"{src.name}->{dst.name}")
         if link.model.poison_until_wait and dst_t.is_floating_point():
             dst_t.fill_(float("nan"))
 

@@ -147,11 +147,16 @@ class CommLane:
         collective: the part of the communication that compute did not hide)."""
         self.issued = 0
         """Collectives issued (world size > 1)."""
+        self.exposed_s_by_phase: dict[str, float] = {}
+        """``exposed_s`` by the :class:`Phase` each collective was issued for."""
 
     def stats(self) -> dict[str, float | None]:
         return {"exposed_s": self.exposed_s, "issued": self.issued,
+                "exposed_s_by_phase": dict(self.exposed_s_by_phase),
                 "link_busy_s": None if self.link is None else self.link.busy_s,
-                "link_bytes": None if self.link is None else self.link.bytes}
+                "link_bytes": None if self.link is None else self.link.bytes,
+                "link_busy_s_by_phase": None if self.link is None
+                else dict(self.link.busy_s_by_tag)}
 
 
 class CommHandle:
@@ -166,10 +171,10 @@ class CommHandle:
     the caller keeps them (and any store copy it read) until then. With a modeled link, ``wait()``
     also returns no earlier than the transfer's modeled end."""
 
-    __slots__ = ("_work", "_done_at", "_lane", "_context", "_rank", "_done", "_deliver")
+    __slots__ = ("_work", "_done_at", "_lane", "_context", "_rank", "_done", "_deliver", "_phase")
 
     def __init__(self, work, done_at: float | None, lane: CommLane, context: str, rank: str,
-                 deliver=None):
+                 deliver=None, phase: str = "other"):
         self._work = work
         self._done_at = done_at
         self._lane = lane
@@ -178,6 +183,7 @@ class CommHandle:
         self._done = work is None and done_at is None
         self._deliver = deliver
         """Copies the result into its destination at the wait (``poison_until_wait``)."""
+        self._phase = phase
 
     @property
     def done(self) -> bool:
@@ -196,7 +202,11 @@ class CommHandle:
         finally:
             if self._done_at is not None:
                 self._lane.link.wait_until(self._done_at)
-            self._lane.exposed_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            lane = self._lane
+            lane.exposed_s += waited
+            lane.exposed_s_by_phase[self._phase] = \
+                lane.exposed_s_by_phase.get(self._phase, 0.0) + waited
         if self._deliver is not None:
             self._deliver()
 
@@ -306,7 +316,7 @@ class Collectives:
         self.lane.link = link
 
     def _issue(self, context: str, wire_bytes: float, fn, *args, dest: torch.Tensor | None = None,
-               **kwargs) -> CommHandle:
+               phase: Phase = Phase.OTHER, **kwargs) -> CommHandle:
         """Issue ``fn`` asynchronously ([Note: issue and wait]); ``wire_bytes``: what this rank
         puts on the link for it ([Note: wire bytes of a collective]). ``dest``: the tensor the
         collective writes (its first argument), poisoned until the wait under a link that asks
@@ -322,11 +332,12 @@ class Collectives:
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses; keep the cause chained
             raise _collective_error(context, where, e) from e
         lane.issued += 1
-        done_at = None if lane.link is None else lane.link.reserve(int(wire_bytes))
-        return CommHandle(work, done_at, lane, context, where, deliver)
+        done_at = None if lane.link is None else lane.link.reserve(int(wire_bytes), phase.value)
+        return CommHandle(work, done_at, lane, context, where, deliver, phase.value)
 
-    def _run(self, context: str, fn, *args, wire_bytes: float = 0, **kwargs) -> None:
-        self._issue(context, wire_bytes, fn, *args, **kwargs).wait()
+    def _run(self, context: str, fn, *args, wire_bytes: float = 0, phase: Phase = Phase.OTHER,
+             **kwargs) -> None:
+        self._issue(context, wire_bytes, fn, *args, phase=phase, **kwargs).wait()
 
     def _ring(self, nbytes: int) -> float:
         """[Note: wire bytes of a collective]
@@ -350,7 +361,7 @@ class Collectives:
             return DONE
         self._count(phase, shard.numel() * shard.element_size())
         return self._issue(context, self._ring(out.numel() * out.element_size()),
-                           self._all_gather, out, shard, dest=out)
+                           self._all_gather, out, shard, dest=out, phase=phase)
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, *, context: str,
                            phase: Phase = Phase.OTHER) -> None:
@@ -365,7 +376,7 @@ class Collectives:
             return DONE
         self._count(phase, full.numel() * full.element_size())
         return self._issue(context, self._ring(full.numel() * full.element_size()),
-                           self._reduce_scatter, out, full, dest=out)
+                           self._reduce_scatter, out, full, dest=out, phase=phase)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, context: str,
                    phase: Phase = Phase.OTHER) -> None:
@@ -377,7 +388,7 @@ class Collectives:
             return
         self._count(phase, inp.numel() * inp.element_size())
         self._run(context, dist.all_to_all_single, out, inp,
-                  wire_bytes=self._ring(inp.numel() * inp.element_size()))
+                  wire_bytes=self._ring(inp.numel() * inp.element_size()), phase=phase)
 
     def all_reduce_sum(self, tensor: torch.Tensor, *, context: str,
                        phase: Phase = Phase.OTHER) -> None:
@@ -390,7 +401,8 @@ class Collectives:
             return DONE
         nbytes = tensor.numel() * tensor.element_size()
         self._count(phase, nbytes)
-        return self._issue(context, 2 * self._ring(nbytes), dist.all_reduce, tensor, dest=tensor)
+        return self._issue(context, 2 * self._ring(nbytes), dist.all_reduce, tensor, dest=tensor,
+                           phase=phase)
 
     def all_reduce_replicas(self, tensor: torch.Tensor, *, context: str) -> None:
         """Sum ``tensor`` (a gradient shard) across the replicas ([Note: collectives over a
@@ -418,7 +430,7 @@ class Collectives:
             return
         nbytes = tensor.numel() * tensor.element_size()
         self._count(phase, nbytes)
-        self._run(context, dist.broadcast, tensor, group_src=src, wire_bytes=nbytes)
+        self._run(context, dist.broadcast, tensor, group_src=src, wire_bytes=nbytes, phase=phase)
 
     def check_agreement(self, *, step: int, phase: Phase, unit_index: int, unit_name: str,
                         device: torch.device) -> None:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from infinity._common import warn_once
-from infinity.zero._collectives import Collectives, Phase
+from infinity.zero._collectives import CommHandle, Collectives, Phase
 from infinity.zero._flat_group import FlatGroup
 
 logger = logging.getLogger(__name__)
@@ -133,10 +133,11 @@ class SecondaryPartition:
     def holds(self, groups: list[FlatGroup]) -> bool:
         return all(g.key in self._shards for g in groups)
 
-    def gather(self, group: FlatGroup, *, context: str) -> None:
-        """All-gather ``group``'s full buffer inside the secondary group (its storage allocated)."""
-        self.coll.all_gather(group.full, self._shards[group.key], context=context,
-                             phase=Phase.SECONDARY_GATHER)
+    def gather(self, group: FlatGroup, *, context: str) -> CommHandle:
+        """All-gather ``group``'s full buffer inside the secondary group (its storage allocated),
+        issued: the buffer holds it after the handle's wait."""
+        return self.coll.all_gather_async(group.full, self._shards[group.key], context=context,
+                                          phase=Phase.SECONDARY_GATHER)
 
     def drop(self) -> None:
         """Free every secondary shard (end of a backward, after an optimizer step)."""

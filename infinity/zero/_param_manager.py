@@ -482,7 +482,7 @@ class ParameterManager:
                     context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
                                f"(micro-step {self.micro_step})")
                     if phase is Phase.SECONDARY_GATHER:
-                        hpz.gather(g, context=context)
+                        unit.pending.append(hpz.gather(g, context=context))
                     elif g.store_key is None:
                         unit.pending.append(
                             self._all_gather(unit, g, g.shard, context=context, phase=phase))
