@@ -745,8 +745,10 @@ class ParameterManager:
         self._to(TrainingState.BACKWARD)
 
     def finish_backward(self) -> None:
-        """End of one backward: reduce units whose gradients are incomplete (unused parameters),
-        in unit order, on every rank that has any; drop backward holds; release."""
+        """End of one backward: with several ranks, reduce the units not reduced yet in the fixed
+        order ([Note: every rank reduces every unit in one order]); wait for every reduction;
+        reduce again, on every rank, the units some rank staged gradients for after their
+        reduction (at one rank: the incomplete units); drop backward holds; release."""
         if self._reduce_order is not None:
             for index in self._reduce_order.rest():  # incomplete here: zeros where no gradient
                 self._reduce(self.units[index], Phase.REDUCE_GRAD)

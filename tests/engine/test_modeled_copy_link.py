@@ -1,0 +1,81 @@
+"""A modeled link under a CPU engine's host<->device copies ([Note: the modeled link] in
+infinity/_modeled_link.py): parameters homed on HOST and a DEVICE budget smaller than them, so
+shards cross the link every step; with ``poison_until_wait`` a copy's destination holds NaN until
+its modeled end, so a read that does not wait for the copy gives a wrong number. Training still
+matches plain PyTorch; bad settings are refused before anything is built."""
+
+from __future__ import annotations
+
+import pytest
+
+import infinity
+from infinity import LinkModel
+from infinity.models.gpt import GPT, GPTConfig
+from tests._support.engine import (assert_close_run, batches, engine_config, engine_train,
+                                   offload_config, reference_train, tiny_gpt)
+
+FOUR = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+LINK = LinkModel(bandwidth_gbytes_per_s=0.05, latency_us=200.0, poison_until_wait=True)
+
+
+def _four():
+    import torch
+
+    torch.manual_seed(0)
+    return GPT(FOUR)
+
+
+def test_copies_under_a_slow_poisoned_link_train_as_plain_pytorch(tmp_path):
+    steps = 4
+    data = batches(steps, 1, config=FOUR)
+    ref_losses, ref_state = reference_train(_four(), data)
+    model = _four()
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    numels = blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]
+    config = offload_config(tmp_path / "swap", stage=3, opt="cpu", param="cpu",
+                            memory={"device_budget_bytes": 3 * max(numels) * 4})
+    engine = infinity.initialize(model, config, copy_link=LINK)
+    losses = engine_train(engine, data)
+    stats = engine.stats()
+    # Most parameter bytes crossed the link again after the first step (the budget is 3 units
+    # of the 5), each copy at the link's pace.
+    assert stats["bytes_moved"]["HOST->DEVICE"] > 2 * sum(numels) * 4
+    assert stats["copy"]["link_bytes"] >= stats["bytes_moved"]["HOST->DEVICE"]
+    assert stats["copy"]["link_busy_s"] > 0
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    engine.close()
+
+
+def test_a_copy_link_needs_copies_to_model(tmp_path):
+    with pytest.raises(ValueError, match="offload_param"):
+        infinity.initialize(tiny_gpt(), engine_config(stage=3), copy_link=LINK)
+    with pytest.raises(ValueError, match="device_budget_bytes"):
+        infinity.initialize(tiny_gpt(), offload_config(tmp_path / "swap", stage=3, opt="cpu",
+                                                       param="cpu"), copy_link=LINK)
+
+
+def test_a_read_before_the_copy_lands_gives_a_wrong_number(tmp_path, monkeypatch):
+    """The same run with the store's move completed at the copy's issue instead of its landing:
+    the reads see the poisoned bytes."""
+    import math
+
+    from infinity.tiers import TieredStore
+
+    def early(self, shard, src, dst):
+        link = self.copy_link
+        dst_t, src_t = shard.copies[dst].tensor, shard.copies[src].tensor
+        done_at = link.reserve(shard.nbytes)
+        dst_t.fill_(float("nan"))
+        self._finish_move(shard, src, dst, None)  # the reader may go before the bytes land
+        self._lane.submit(lambda: link.wait_until(done_at), lambda: dst_t.copy_(src_t))
+
+    monkeypatch.setattr(TieredStore, "_modeled_copy", early)
+    model = _four()
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    numels = blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]
+    config = offload_config(tmp_path / "swap", stage=3, opt="cpu", param="cpu",
+                            memory={"device_budget_bytes": 3 * max(numels) * 4})
+    engine = infinity.initialize(model, config, copy_link=LINK)
+    losses = engine_train(engine, batches(3, 1, config=FOUR))
+    engine.close()
+    assert not all(math.isfinite(x) for x in losses)
