@@ -1,5 +1,6 @@
 """Small models with an edge the engine must handle: parameters unused in some steps, replicated
-buffers (BatchNorm running statistics). Shared by the single-process and the 2-rank tests."""
+buffers (BatchNorm running statistics), a GPT of five units for device budgets that evict every
+step. Shared by the single-process, the 2-rank and the GPU tests."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infinity.models.gpt import GPT, GPTConfig
 from tests._support.engine import TINY, tiny_gpt
 
 
@@ -45,3 +47,20 @@ class BatchNormNet(nn.Module):
     def forward(self, idx, targets):
         h = self.emb(idx).view(-1, 32)
         return F.cross_entropy(self.body(h), targets.view(-1))
+
+
+
+FOUR = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+"""Five units (four Blocks and the root): a device budget of three of them evicts every step."""
+
+
+def four_gpt(seed: int = 0) -> nn.Module:
+    """The offload tests' GPT of :data:`FOUR`."""
+    torch.manual_seed(seed)
+    return GPT(FOUR)
+
+
+def unit_numels(model: nn.Module) -> list[int]:
+    """Elements per unit of a GPT with Block units: one per block, then the root's."""
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    return blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]

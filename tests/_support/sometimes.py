@@ -62,3 +62,10 @@ def batch(step: int, micro: int, batch_size: int = 4, seq_len: int = 8):
     gen = torch.Generator().manual_seed(1000 * step + micro)
     idx = torch.randint(0, VOCAB, (batch_size, seq_len), generator=gen)
     return idx, torch.roll(idx, -1, dims=1)
+
+
+def run_record(engine, model: nn.Module, losses: list[float]) -> dict:
+    """What a 2-rank worker returns for one configuration: losses, the full state, and each
+    parameter's optimizer step count (a parameter without a gradient is not stepped)."""
+    return {"losses": losses, "state": engine.full_state_dict(),
+            "steps": {n: engine.optimizer.step_of(p) for n, p in model.named_parameters()}}

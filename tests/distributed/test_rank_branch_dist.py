@@ -44,7 +44,7 @@ def uses_extra(rank: int, step: int, micro: int) -> bool:
 def worker(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
     from tests._support.engine import engine_config
-    from tests._support.sometimes import Sometimes, batch, set_use
+    from tests._support.sometimes import Sometimes, batch, run_record, set_use
 
     out = {}
     for name, stage, gas, units, backward in CONFIGS:
@@ -62,9 +62,7 @@ def worker(rank: int, world_size: int, out_dir: str) -> dict:
                     (loss / gas).backward()
                 engine.step()
                 losses.append(loss.item())
-        out[name] = {"losses": losses, "state": engine.full_state_dict(),
-                     "steps": {n: engine.optimizer.step_of(p)
-                               for n, p in model.named_parameters()}}
+        out[name] = run_record(engine, model, losses)
         engine.close()
     return out
 

@@ -28,7 +28,7 @@ def pattern(rank: int, step: int) -> tuple[tuple[str, ...], bool]:
 def worker(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
     from tests._support.engine import engine_config, offload_config
-    from tests._support.sometimes import UNITS, Sometimes, batch, set_use
+    from tests._support.sometimes import UNITS, Sometimes, batch, run_record, set_use
 
     out = {}
     for name, stage, offload in CONFIGS:
@@ -50,9 +50,7 @@ def worker(rank: int, world_size: int, out_dir: str) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        out[name] = {"losses": losses, "state": engine.full_state_dict(),
-                     "steps": {n: engine.optimizer.step_of(p)
-                               for n, p in model.named_parameters()}}
+        out[name] = run_record(engine, model, losses)
         engine.close()
     return out
 

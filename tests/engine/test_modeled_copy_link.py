@@ -10,31 +10,26 @@ import pytest
 
 import infinity
 from infinity import LinkModel
-from infinity.models.gpt import GPT, GPTConfig
 from tests._support.engine import (assert_close_run, batches, engine_config, engine_train,
                                    offload_config, reference_train, tiny_gpt)
+from tests._support.models import FOUR, four_gpt, unit_numels
 
-FOUR = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
 LINK = LinkModel(bandwidth_gbytes_per_s=0.05, latency_us=200.0, poison_until_wait=True)
 
 
-def _four():
-    import torch
-
-    torch.manual_seed(0)
-    return GPT(FOUR)
+def _engine(tmp_path):
+    """Parameters and optimizer homed on HOST, a DEVICE budget of 3 of the 5 units."""
+    config = offload_config(tmp_path / "swap", stage=3, opt="cpu", param="cpu",
+                            memory={"device_budget_bytes": 3 * max(unit_numels(four_gpt())) * 4})
+    return infinity.initialize(four_gpt(), config, copy_link=LINK)
 
 
 def test_copies_under_a_slow_poisoned_link_train_as_plain_pytorch(tmp_path):
     steps = 4
     data = batches(steps, 1, config=FOUR)
-    ref_losses, ref_state = reference_train(_four(), data)
-    model = _four()
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    numels = blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]
-    config = offload_config(tmp_path / "swap", stage=3, opt="cpu", param="cpu",
-                            memory={"device_budget_bytes": 3 * max(numels) * 4})
-    engine = infinity.initialize(model, config, copy_link=LINK)
+    ref_losses, ref_state = reference_train(four_gpt(), data)
+    numels = unit_numels(four_gpt())
+    engine = _engine(tmp_path)
     losses = engine_train(engine, data)
     stats = engine.stats()
     # Most parameter bytes crossed the link again after the first step (the budget is 3 units
@@ -70,12 +65,7 @@ def test_a_read_before_the_copy_lands_gives_a_wrong_number(tmp_path, monkeypatch
         self._lane.submit(lambda: link.wait_until(done_at), lambda: dst_t.copy_(src_t))
 
     monkeypatch.setattr(TieredStore, "_modeled_copy", early)
-    model = _four()
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    numels = blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]
-    config = offload_config(tmp_path / "swap", stage=3, opt="cpu", param="cpu",
-                            memory={"device_budget_bytes": 3 * max(numels) * 4})
-    engine = infinity.initialize(model, config, copy_link=LINK)
+    engine = _engine(tmp_path)
     losses = engine_train(engine, batches(3, 1, config=FOUR))
     engine.close()
     assert not all(math.isfinite(x) for x in losses)

@@ -15,27 +15,16 @@ import infinity
 from infinity.models.gpt import GPT, GPTConfig, synthetic_batch
 from tests._support.engine import (assert_close_run, batches, engine_train, offload_config,
                                    reference_train)
+from tests._support.models import FOUR
+from tests._support.models import four_gpt as _four
+from tests._support.models import unit_numels as _unit_numels
 from tests.gpu._cuda import CUDA, exact_fp32, set_cuda_tolerance
 
 pytestmark = pytest.mark.gpu
 
-FOUR = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
-"""Five units (four Blocks and the root): a budget of three of them evicts every step."""
-
-
 @pytest.fixture(autouse=True)
 def _tolerance(monkeypatch):
     set_cuda_tolerance(monkeypatch)
-
-
-def _four(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(FOUR)
-
-
-def _unit_numels(model: GPT) -> list[int]:
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    return blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]
 
 
 @pytest.mark.parametrize("home", ["cpu", "nvme"])

@@ -14,15 +14,14 @@ import pytest
 import torch
 
 import infinity
-from infinity.models.gpt import GPT, GPTConfig
 from infinity.tiers import TieredStore
 from tests._support.engine import (assert_close_run, batches, engine_train, offload_config,
                                    reference_train)
+from tests._support.models import FOUR, four_gpt, unit_numels
 from tests.gpu._cuda import CUDA, exact_fp32, set_cuda_tolerance
 
 pytestmark = pytest.mark.gpu
 
-FOUR = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
 SLEEP_CYCLES = 5_000_000
 """A few milliseconds of GPU time before each copy: far longer than a tiny block's compute."""
 
@@ -30,11 +29,6 @@ SLEEP_CYCLES = 5_000_000
 @pytest.fixture(autouse=True)
 def _tolerance(monkeypatch):
     set_cuda_tolerance(monkeypatch)
-
-
-def _four(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(FOUR)
 
 
 @pytest.mark.parametrize("home", ["cpu", "nvme"])
@@ -51,13 +45,11 @@ def test_late_copies_on_the_copy_stream_train_as_plain_pytorch(home, tmp_path, m
     monkeypatch.setattr(TieredStore, "_issue_copy", late)
     steps = 4
     data = batches(steps, 1, config=FOUR)
-    ref_losses, ref_state = reference_train(_four(), data, device=CUDA)
-    model = _four()
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    numels = blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]  # + the root
+    ref_losses, ref_state = reference_train(four_gpt(), data, device=CUDA)
+    numels = unit_numels(four_gpt())
     config = offload_config(tmp_path / "swap", stage=3, opt=home, param=home, device="cuda",
                             memory={"device_budget_bytes": 3 * max(numels) * 4 * 2})
-    engine = infinity.initialize(_four(), config)
+    engine = infinity.initialize(four_gpt(), config)
     try:
         losses = engine_train(engine, data)
         assert engine.stats()["bytes_moved"]["HOST->DEVICE"] > 0
