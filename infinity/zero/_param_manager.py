@@ -312,6 +312,10 @@ class ParameterManager:
                     for s in g.slots:
                         self._handles.append(
                             s.param.register_post_accumulate_grad_hook(self._on_grad))
+        # [Note: the end of backward]: the model's outputs get their gradient first, in the
+        # outermost backward (a parameter's, inside a reentrant checkpoint, may come in a nested
+        # one, whose end is not the backward's).
+        self._handles.append(self.module.register_forward_hook(self._mark_outputs))
         if self.stage < 3:
             return
         for module, _name, indices in hooked:
@@ -414,13 +418,22 @@ class ParameterManager:
                                for s in g.slots}  # stays "complete" until the backward ends
             self._maybe_drop_hold(unit)
 
+    def _mark_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad: self._enter_backward())
+
     def _enter_backward(self) -> None:
         """[Note: the end of backward]
         A backward started by ``loss.backward()`` (a trainer or accelerate calling it, not
         ``engine.backward``) announces itself through the manager's hooks: the first one to fire
-        in it (a pre-backward, a gradient, a module's inputs) moves the manager to BACKWARD and
-        queues :meth:`_end_of_backward` on autograd's engine, which runs it once the whole graph
-        has run, as FSDP2's root post-backward does. ``engine.backward`` enters BACKWARD itself
+        in it (on the model's outputs, which get their gradient first; else a pre-backward, a
+        gradient, a module's inputs) moves the manager to BACKWARD and queues
+        :meth:`_end_of_backward` on autograd's engine, which runs it once the whole graph has
+        run, as FSDP2's root post-backward does. The callback belongs to the graph task that
+        queued it: a hook inside a reentrant checkpoint's nested backward would end the backward
+        with that nested one, which is why the outputs' hook comes first. ``engine.backward`` enters BACKWARD itself
         (``begin_backward``) and ends it itself, with loss scaling and the accumulation divisor
         applied; a plain ``loss.backward()`` gets neither (the caller scales the loss)."""
         if self.state in (TrainingState.BACKWARD, TrainingState.FORWARD):
