@@ -215,10 +215,6 @@ class GradientReducer:
         advise_huge_pages(staging)  # [Note: first touch of large host buffers] in infinity/io
         return staging
 
-    def reduce(self, groups: Iterable[FlatGroup], *, context: str) -> None:
-        """:meth:`issue`, then wait."""
-        self.issue(groups, context=context).wait()
-
     def issue(self, groups: Iterable[FlatGroup], *, context: str) -> "Reduction":
         """Average each trainable group's staging buffer over the ranks into its accumulator
         (``context`` names the collective in errors); a group without staging contributes zeros
