@@ -7,9 +7,11 @@ compute time)::
     infinity bench step --model 135m --seq-len 128 --world-size 2 --link-gbps auto \\
         --modes stage3,stage2,stage3-hpz --steps 4 --warmup 2
 
-One rank, parameters on HOST and the link under the host<->device copies::
+One rank, parameters on HOST and the link under the host<->device copies (the 350M preset: on the
+135M one the least device budget the engine accepts, three of its 38.6M-parameter root, holds
+almost every shard, so little crosses the link)::
 
-    infinity bench step --model 135m --seq-len 128 --world-size 1 --link-gbps auto \
+    infinity bench step --model 350m --seq-len 128 --world-size 1 --link-gbps auto \
         --modes stage3-cpu --steps 4 --warmup 2
 
 Each mode runs twice in fresh processes (``--world-size`` ranks, gloo, file rendezvous, the cores
@@ -26,13 +28,14 @@ would give), the seconds per step the training thread waited on collectives
 (``exposed_comm_s``, by phase) with the link and without (``exposed_comm_s_free``), and
 ``schedule_bound_s`` ([Note: the schedule bound]): the least step any schedule reaches given in
 which phase each byte arises, ``bound_x_max`` its ratio to max(T0, L) and ``x_schedule_bound``
-the step's ratio to it. Medians over
-``--steps`` timed steps; with ``--rounds``, the round with the median step.
+the step's ratio to it. Medians over ``--steps`` timed steps; with ``--rounds``, the round with
+the median ``x_max`` (every round's in ``round_x_max``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -83,7 +86,8 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
 def _run_ranks(mode: str, args: argparse.Namespace, worker_args: dict[str, Any],
                link: dict[str, float]) -> dict[str, Any]:
     """One mode on ``--world-size`` fresh processes; rank 0's record."""
-    with tempfile.TemporaryDirectory(prefix="infinity-overlap-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="infinity-overlap-") as tmp, \
+            contextlib.ExitStack() as logs:
         spec = json.dumps({"mode": mode, **worker_args, "world_size": args.world_size,
                            "init_file": os.path.join(tmp, "rendezvous"), "link": link,
                            "dir": os.path.join(worker_args["dir"], mode)})
@@ -91,7 +95,8 @@ def _run_ranks(mode: str, args: argparse.Namespace, worker_args: dict[str, Any],
         for rank in range(args.world_size):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.world_size),
                    "LOCAL_RANK": str(rank)}
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+", encoding="utf-8")
+            log = logs.enter_context(
+                open(os.path.join(tmp, f"rank{rank}.log"), "w+", encoding="utf-8"))
             procs.append((subprocess.Popen(
                 [sys.executable, "-m", "infinity.bench._step_worker", spec],
                 stdout=subprocess.PIPE if rank == 0 else log, stderr=log, text=True, env=env),

@@ -148,6 +148,14 @@ def _worker_args(args: argparse.Namespace) -> dict[str, Any]:
             "ds_config": args.ds_config, "reduce_dtype": args.reduce_dtype}
 
 
+def _default_shape(args: argparse.Namespace) -> None:
+    """Without ``--ds-config``: dtype and micro-batch size from the flags or their defaults, one
+    micro-batch a step."""
+    args.dtype = args.dtype or DEFAULT_DTYPE
+    args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+    args.gradient_accumulation_steps = 1
+
+
 def resolve_modes(args: argparse.Namespace) -> list[str]:
     """The modes to run, and the settings ``--ds-config`` decides (dtype, micro-batch size,
     gradient accumulation), written back into ``args``. The file is read and validated here, so
@@ -170,12 +178,10 @@ def resolve_modes(args: argparse.Namespace) -> list[str]:
                              f"only, not --model {args.model}; drop the ds-* modes")
         if args.ds_config and USER_MODE not in modes:
             modes.append(USER_MODE)
-    args.gradient_accumulation_steps = 1
     if not args.ds_config:
         if USER_MODE in modes:
             raise ValueError(f"--modes {USER_MODE} needs --ds-config FILE (the config to measure)")
-        args.dtype = args.dtype or DEFAULT_DTYPE
-        args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+        _default_shape(args)
         return modes
     from infinity.config import load_config  # deferred: the CLI imports no torch until run
 
@@ -230,9 +236,7 @@ def run(args: argparse.Namespace) -> int:
     if args.link_gbps is not None or args.world_size > 1:
         from infinity.bench import overlap
 
-        args.dtype = args.dtype or DEFAULT_DTYPE
-        args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
-        args.gradient_accumulation_steps = 1
+        _default_shape(args)
         return overlap.run(args, _worker_args(args))
     modes = resolve_modes(args)
     rounds = max(1, args.rounds)
