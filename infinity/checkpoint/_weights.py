@@ -137,8 +137,7 @@ def _check_between_steps(engine: Any, path: str) -> None:
             f"load_weights({path!r}): micro-step {engine.micro_steps} is inside a gradient "
             f"accumulation window; the partial gradients belong to the old weights. Load before "
             f"training or right after the engine.step() that ran the optimizer", path=path)
-    busy = [u.name for u in engine.manager.units
-            if not u.always_gathered and (u.refcount or u.backward_hold)]
+    busy = [u.name for u in engine.manager.units if u.in_use]
     if busy:
         raise WeightsError(f"load_weights({path!r}): units {busy[:5]} are in use by a forward or "
                            f"backward; load between steps", path=path)

@@ -124,7 +124,7 @@ class OffloadRequest:
     comfortable staging alone."""
     gathered_units_on_host: int = 0
     """Gathered units that live in the host arena ([Note: a gathered unit borrows its HOST copy]
-    in infinity/zero/_param_manager.py): an 'auto' host budget adds as many parameter slots,
+    in infinity/zero/_unit_storage.py): an 'auto' host budget adds as many parameter slots,
     the room those units took beside the arena before they borrowed its copies."""
 
     @property

@@ -647,9 +647,9 @@ class InfinityEngine:
                          "link_bytes": self.store.copy_link.bytes})},
             "stall_s": store.get("wait_s", 0.0),
             "prefetch": self.manager.prefetch_stats(),
-            "num_gathers": self.manager.num_gathers,
+            "num_gathers": self.manager.storage.num_gathers,
             # [Note: a gathered unit borrows its HOST copy]: group gathers without a copy.
-            "num_borrowed_gathers": self.manager.num_borrowed_gathers,
+            "num_borrowed_gathers": self.manager.storage.num_borrowed_gathers,
             # [Note: hpZ secondary shards] in infinity/zero/_hpz.py; None when hpZ is off.
             "hpz": self.manager.hpz.stats() if self.manager.hpz is not None else None,
             "optimizer_step_s": self._step_timer.total_s(),

@@ -114,24 +114,77 @@ class FlatGroup:
     summed over the tensor ranks too ([Note: gradient norm across tensor ranks])."""
 
 
+class UnitUse(enum.Enum):
+    """What of the current step still reads a unit: the one state that decides its release
+    (:data:`USE_TRANSITIONS`). A unit is released only when IDLE (and no prediction keeps it).
+
+    PINNED: always gathered (stages 0-2, the persistent unit, a unit used outside its modules);
+        never released, its hooks track nothing.
+    IDLE: nothing of this step reads it.
+    FORWARD: inside a forward pre-/post-hook pair (``Unit.users`` pairs: a module called inside
+        itself, a recomputation).
+    HELD: gathered for its backward (pre-backward hook) until nothing of that backward can still
+        read it: every trainable gradient arrived, and for a unit with frozen parameters the hook
+        on its module's inputs fired ([Note: backward gather and release] in
+        infinity/zero/_param_manager.py).
+    HELD_FORWARD: HELD, and inside a forward hook pair (recomputation under activation
+        checkpointing runs the forward hooks inside the backward).
+    """
+
+    PINNED = "pinned"
+    IDLE = "idle"
+    FORWARD = "forward"
+    HELD = "held"
+    HELD_FORWARD = "held, forward"
+
+
+_P, _I, _F, _H, _HF = (UnitUse.PINNED, UnitUse.IDLE, UnitUse.FORWARD, UnitUse.HELD,
+                       UnitUse.HELD_FORWARD)
+
+USE_TRANSITIONS = TransitionTable("unit use", {
+    (_I, _F): "forward pre-hook: its module computes",
+    (_F, _F): "another forward pre- or post-hook while a pair is open (a module called inside "
+              "itself)",
+    (_F, _I): "the last open forward pair closed: nothing reads it now",
+    (_I, _H): "pre-backward hook: its backward is about to run",
+    (_F, _HF): "pre-backward hook while a forward pair is open (a recomputation's order)",
+    (_H, _HF): "forward pre-hook inside its backward (recomputation under checkpointing)",
+    (_HF, _HF): "another forward hook of a recomputation while a pair is open",
+    (_HF, _H): "the recomputation's last forward pair closed; still held",
+    (_H, _I): "its backward is done: every trainable gradient arrived, and its inputs' "
+              "gradient when it has frozen parameters",
+    (_HF, _F): "its backward is done while a recomputation's forward pair is open",
+    (_HF, _I): "the step ended with a pair open (a forward that raised, the end of backward)",
+    (_I, _P): "pinned: used outside its modules ([Note: parameters used outside their module])",
+    (_F, _P): "pinned while its forward runs (the outside-use detector, first forward)",
+    (_H, _P): "pinned while held",
+    (_HF, _P): "pinned while held and recomputing",
+})
+"""The allowed (from, to) pairs of a unit's use, each with why. End of step (end of backward, a
+forward that raised) takes any unpinned state to IDLE: the FORWARD/HELD edges to IDLE above."""
+
+
 @dataclasses.dataclass(eq=False)
 class Unit:
+    """One unit: its flat groups, where its bytes are (:class:`UnitState`, changed by
+    :class:`~infinity.zero._unit_storage.UnitStorage`) and what reads it (:class:`UnitUse`,
+    changed by the parameter manager's hooks through the methods below)."""
+
     index: int
     name: str
     groups: list[FlatGroup]
-    always_gathered: bool
-    """Stages 0-2, the persistent unit, and units used outside their modules stay gathered."""
     num_trainable: int
     has_frozen: bool
+    use: UnitUse = UnitUse.IDLE
     state: UnitState = UnitState.GATHERED
-    refcount: int = 0
-    """Forward hooks (and recomputation under activation checkpointing) currently using it."""
-    backward_hold: bool = False
-    """Gathered for this backward (pre-backward hook) until its gradients are reduced."""
-    input_grads_done: bool = False
-    """A post-backward hook on the module's inputs fired (its backward finished) in this backward."""
-    grads_seen: set[int] = dataclasses.field(default_factory=set)
-    """id() of the trainable parameters whose gradient arrived in this backward."""
+    users: int = 0
+    """Forward hook pairs open now (FORWARD, HELD_FORWARD; 0 otherwise)."""
+    inputs_done: bool = False
+    """A hook on the module's inputs fired (its backward finished) in this backward: the
+    condition of HELD -> IDLE for a unit with frozen parameters."""
+    grads_arrived: set[int] = dataclasses.field(default_factory=set)
+    """id() of the trainable parameters whose gradient arrived in this backward: the condition of
+    HELD -> IDLE, and of its reduction."""
     pending: list = dataclasses.field(default_factory=list)
     """While GATHERING: the issued all-gathers' handles and what to do once they landed
     (callables: give back a store copy the gather read, keep an hpZ secondary shard)."""
@@ -139,3 +192,79 @@ class Unit:
     def transition(self, new: UnitState) -> None:
         UNIT_TRANSITIONS.check(f"{self.index} {self.name}", self.state, new)
         self.state = new
+
+    def _use(self, new: UnitUse) -> None:
+        USE_TRANSITIONS.check(f"{self.index} {self.name}", self.use, new)
+        self.use = new
+
+    @property
+    def always_gathered(self) -> bool:
+        return self.use is UnitUse.PINNED
+
+    @property
+    def releasable(self) -> bool:
+        """Nothing of this step reads it (a prediction may still keep it)."""
+        return self.use is UnitUse.IDLE
+
+    @property
+    def in_use(self) -> bool:
+        return self.use in (UnitUse.FORWARD, UnitUse.HELD, UnitUse.HELD_FORWARD)
+
+    @property
+    def grads_complete(self) -> bool:
+        return len(self.grads_arrived) == self.num_trainable
+
+    def enter_forward(self) -> None:
+        if self.use is UnitUse.PINNED:
+            return
+        self.users += 1
+        self._use(UnitUse.HELD_FORWARD if self.use in (UnitUse.HELD, UnitUse.HELD_FORWARD)
+                  else UnitUse.FORWARD)
+
+    def leave_forward(self) -> None:
+        if self.use not in (UnitUse.FORWARD, UnitUse.HELD_FORWARD):
+            return  # pinned, or the step was reset while its pair was open
+        self.users -= 1
+        if self.users:
+            self._use(self.use)
+        else:
+            self._use(UnitUse.IDLE if self.use is UnitUse.FORWARD else UnitUse.HELD)
+
+    def hold_for_backward(self) -> bool:
+        """Pre-backward: hold it; False when it is pinned or held already."""
+        if self.use is UnitUse.IDLE:
+            self._use(UnitUse.HELD)
+        elif self.use is UnitUse.FORWARD:
+            self._use(UnitUse.HELD_FORWARD)
+        else:
+            return False
+        return True
+
+    def grad_arrived(self, param_id: int) -> tuple[bool, bool]:
+        """Note a trainable parameter's gradient; (complete now, was complete already)."""
+        late = self.grads_complete
+        self.grads_arrived.add(param_id)
+        return self.grads_complete, late
+
+    def drop_hold(self) -> bool:
+        """Held, and nothing of its backward can still read it: no longer held (True)."""
+        if self.use not in (UnitUse.HELD, UnitUse.HELD_FORWARD):
+            return False
+        if not self.grads_complete or (self.has_frozen and not self.inputs_done):
+            return False
+        self._use(UnitUse.IDLE if self.use is UnitUse.HELD else UnitUse.FORWARD)
+        return True
+
+    def end_step(self) -> None:
+        """The backward ended, or a forward raised: nothing of this step reads it any more."""
+        self.grads_arrived = set()
+        self.inputs_done = False
+        self.users = 0
+        if self.use is not UnitUse.PINNED and self.use is not UnitUse.IDLE:
+            self._use(UnitUse.IDLE)
+
+    def pin(self) -> None:
+        """Always gathered from now on."""
+        if self.use is not UnitUse.PINNED:
+            self._use(UnitUse.PINNED)
+            self.users = 0

@@ -22,13 +22,13 @@ bounds them, and the trace planner gathered far ahead whenever reads ran late (t
 to 0.96 GB at the same step time). With a DEVICE tier in the path its budget bounds them. Where
 gathered units borrow their HOST copies an 'auto' host budget has room for this many more
 parameter shards ([Note: a gathered unit borrows its HOST copy] in
-infinity/zero/_param_manager.py)."""
+infinity/zero/_unit_storage.py)."""
 
 
 CAN_BORROW_STORAGE = (hasattr(torch.UntypedStorage, "_swap_data_ptr_")
                       and hasattr(torch._C, "_construct_storage_from_data_pointer"))
 """The torch calls a borrowed gather needs ([Note: a gathered unit borrows its HOST copy] in
-infinity/zero/_param_manager.py): private, present in the pinned torch; without them every gather
+infinity/zero/_unit_storage.py): private, present in the pinned torch; without them every gather
 copies, as before."""
 
 

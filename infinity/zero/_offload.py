@@ -152,7 +152,7 @@ def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: i
 def borrows_host_copies(config: InfinityConfig, device: torch.device,
                         data_parallel_size: int) -> bool:
     """Whether gathered units will live in the host arena ([Note: a gathered unit borrows its
-    HOST copy] in infinity/zero/_param_manager.py): one data-parallel rank, a CPU engine reading
+    HOST copy] in infinity/zero/_unit_storage.py): one data-parallel rank, a CPU engine reading
     parameter shards from HOST (parameters offloaded, an 'auto' device budget: [Note: a CPU
     engine reads parameter shards from HOST] in infinity/zero/_engine.py), exact gathers."""
     return (CAN_BORROW_STORAGE and device.type == "cpu" and data_parallel_size == 1

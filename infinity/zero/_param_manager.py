@@ -47,7 +47,6 @@ called twice gathers again on its second call.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 from typing import Any, Callable, Iterator
@@ -56,29 +55,28 @@ import torch
 from torch import nn
 
 from infinity._common import warn_once
-from infinity.io import advise_huge_pages, engine_buffers
 from infinity.ledger import REDUCE_INFLIGHT_UNITS
 from infinity.optim import StoredGrad
 from infinity.prefetch import Level
 from infinity.tiers import Tier, TieredStore
-from infinity.zero._collectives import DONE, CommHandle, Collectives, Phase, check_env_enabled
+from infinity.zero._collectives import Collectives, Phase
 from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
 from infinity.zero._gather_ahead import GatherAhead
 from infinity.zero._grad_presence import GradPresence
-from infinity.zero._grad_reducer import GradientReducer, Reduction, ReducerConfig
+from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
 from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._managed import check_not_wrapped, mark_managed
 from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS, ManagerConfig
 from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
-from infinity.zero._quantized_collectives import all_gather_quantized
 from infinity.zero._reduce_order import ReduceOrder
 from infinity.zero._tensor_parallel import full_value, local_grad
 from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
 from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
                                          UnitBuilder)
 from infinity.zero._unit_choice import UnitChoice
+from infinity.zero._unit_storage import UnitStorage
 
 logger = logging.getLogger(__name__)
 
@@ -124,17 +122,10 @@ class ParameterManager:
         """When an updated stored shard goes home; the engine sets it at each optimizer step."""
         self.micro_step = 0
         """Backward passes finished; names the step in agreement checks and errors."""
-        self.num_gathers = 0
-        """Unit gathers performed (forward, backward and after-step), for stats()."""
-        self.num_borrowed_gathers = 0
-        """Group gathers that borrowed the HOST copy instead of copying it ([Note: a gathered
-        unit borrows its HOST copy]), for stats()."""
         self.peak_device_bytes = 0
         """Largest sum of device_bytes() seen at a gather or a gradient reduction."""
         self.peak_device_parts: dict[str, int] = {}
         """device_bytes() by kind at the moment of ``peak_device_bytes`` (what the peak is made of)."""
-        self._busy = 0
-        """Nonzero while the manager itself copies into unit buffers (the detector ignores it)."""
         self._handles: list[Any] = []
         """Hook handles, removed by remove_hooks()."""
         self._traced_modes: set[bool] = set()
@@ -150,21 +141,6 @@ class ParameterManager:
                     if config.hpz_partition_size > 1 else None)
         """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
         infinity/zero/_hpz.py); None: off."""
-        self._borrow_copies = (CAN_BORROW_STORAGE and self.world_size == 1
-                               and config.weight_quant is None and self.hpz is None
-                               and (config.params_read_on_host
-                                    or (config.device_holds_params
-                                        and config.device.type == "cpu")))
-        """Gathers of stored groups borrow the pinned copy they read (HOST, or a CPU engine's
-        DEVICE copy when that tier holds every shard) instead of copying it ([Note: a gathered
-        unit borrows its HOST copy])."""
-        self._borrowed: dict[int, tuple[FlatGroup, torch.UntypedStorage, torch.Tensor]] = {}
-        """id(group) -> (group, the storage that holds the group's own empty data pointer while
-        ``group.full`` points at the pinned HOST copy, that copy: its reference keeps the arena's
-        memory alive should the store close first)."""
-        self._stale_borrowed: set[str] = set()
-        """Keys of borrowed HOST copies an optimizer write left partly written: evicted when the
-        unit gives them back (while borrowed they are pinned)."""
         settings = BuildSettings(stage=config.stage, device=config.device,
                                  compute_dtype=config.compute_dtype, param_home=config.param_home,
                                  optimizer_offloaded=config.optimizer_offloaded)
@@ -192,11 +168,20 @@ class ParameterManager:
         self._reduce_order = (ReduceOrder([u.index for u in self.units if u.num_trainable])
                               if collectives.data_parallel_size > 1 else None)
         """[Note: every rank reduces every unit in one order]; None at one rank."""
-        self._reductions: collections.deque[Reduction] = collections.deque()
-        """Gradient reductions issued and not yet waited, oldest first."""
-        self._reduce_inflight = REDUCE_INFLIGHT_UNITS if collectives.data_parallel_size > 1 else 0
-        """Reductions left in flight while the next unit's backward computes (none at one rank:
-        nothing crosses ranks, and the accumulation is due at once)."""
+        borrow = (CAN_BORROW_STORAGE and self.world_size == 1
+                  and config.weight_quant is None and self.hpz is None
+                  and (config.params_read_on_host
+                       or (config.device_holds_params and config.device.type == "cpu")))
+        self.storage = UnitStorage(
+            config, collectives=collectives, store=store, reducer=self.reducer, hpz=self.hpz,
+            read_tier=self._read_tier, borrow_copies=borrow,
+            # none in flight at one rank: nothing crosses ranks, the accumulation is due at once
+            reduce_inflight=REDUCE_INFLIGHT_UNITS if collectives.data_parallel_size > 1 else 0,
+            on_bytes_changed=self._note_peak)
+        """Gathers, releases and reductions of the units (:mod:`._unit_storage`); gathers of
+        stored groups borrow the pinned copy they read (HOST, or a CPU engine's DEVICE copy when
+        that tier holds every shard) instead of copying it ([Note: a gathered unit borrows its
+        HOST copy] in infinity/zero/_unit_storage.py)."""
         self._on_backward_begin = on_backward_begin
         self._on_backward_end = on_backward_end
         self._install_hooks(choice.hooked)
@@ -280,8 +265,8 @@ class ParameterManager:
             # Any other copy is dropped (not dirty: no write), so its bytes never pass for the shard.
             if not written and self.store.is_dirty(key) is not tier \
                     and tier is not self.config.param_home:
-                if id(group) in self._borrowed:  # pinned by the gathered unit: dropped at release
-                    self._stale_borrowed.add(key)
+                if id(group) in self.storage.borrowed:  # pinned by the unit: dropped at release
+                    self.storage.stale_borrowed.add(key)
                 else:
                     self.store.evict(key, tier)
         if self.param_writeback is ParamWriteback.EAGER:
@@ -359,7 +344,7 @@ class ParameterManager:
             for u in units:
                 if torch.is_grad_enabled():
                     self._forward_order.setdefault(u.index)
-                u.refcount += 1
+                u.enter_forward()
                 self._fetch_before_compute(u)
             if torch.is_grad_enabled() and any(u.has_frozen for u in units):
                 for t in tensors_in((args, kwargs)):
@@ -371,7 +356,7 @@ class ParameterManager:
     def _make_post_forward(self, units: list[Unit]):
         def post_forward(module, args, output):
             for u in units:
-                u.refcount -= 1
+                u.leave_forward()
                 self._maybe_release(u)
                 self._after_compute(u)
             if torch.is_grad_enabled():
@@ -384,14 +369,13 @@ class ParameterManager:
     def _pre_backward(self, units: list[Unit]) -> None:
         self._enter_backward()
         for u in units:
-            if not u.backward_hold:
-                u.backward_hold = True
+            if u.hold_for_backward():
                 self._fetch_before_compute(u)
 
     def _post_backward(self, units: list[Unit]) -> None:
         self._enter_backward()
         for u in units:
-            u.input_grads_done = True
+            u.inputs_done = True
             self._maybe_drop_hold(u)
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -404,9 +388,8 @@ class ParameterManager:
         self.reducer.stage(group, slot, local_grad(param, param.grad))
         param.grad = None
         self.presence.note(param)
-        late = len(unit.grads_seen) == unit.num_trainable  # its unit was complete already
-        unit.grads_seen.add(id(param))
-        if len(unit.grads_seen) == unit.num_trainable:
+        complete, late = unit.grad_arrived(id(param))  # complete until the backward ends
+        if complete:
             order = self._reduce_order
             if order is None:  # one rank: at once (a late gradient too: nothing to agree on)
                 self._reduce(unit, Phase.REDUCE_GRAD)
@@ -414,8 +397,6 @@ class ParameterManager:
                 for index in order.complete(unit.index):
                     self._reduce(self.units[index], Phase.REDUCE_GRAD)
             # else a late one stays staged: the end of backward reduces it on every rank
-            unit.grads_seen = {id(s.param) for g in unit.groups if g.requires_grad
-                               for s in g.slots}  # stays "complete" until the backward ends
             self._maybe_drop_hold(unit)
 
     def _mark_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -454,151 +435,21 @@ class ParameterManager:
 
     # ------------------------------------------------------------------ gather / release
 
-    def _check_now(self) -> bool:
-        return self.coll.data_parallel_size > 1 and (self.micro_step == 0 or check_env_enabled())
-
     def _gather_phase(self) -> Phase:
         return Phase.BACKWARD_GATHER if self.state is TrainingState.BACKWARD else \
             Phase.FORWARD_GATHER
 
     def _gather(self, unit: Unit, phase: Phase) -> None:
-        """Gather ``unit`` now (or refresh a gathered one): issue, then wait."""
-        self._issue_gather(unit, phase, refresh=True)
-        self._wait_gather(unit)
+        self.storage.gather(unit, phase, self.micro_step)
 
-    def _issue_gather(self, unit: Unit, phase: Phase, *, refresh: bool = False) -> None:
-        """Allocate ``unit``'s full buffers and issue their all-gathers ([Note: issue and wait]
-        in infinity/zero/_collectives.py); :meth:`_wait_gather` completes them. A unit in flight
-        already is left as it is; a gathered one too, unless ``refresh`` (after a step)."""
-        if unit.state is UnitState.GATHERING or (unit.state is UnitState.GATHERED
-                                                 and not refresh):
-            return
-        hpz = self.hpz
-        if hpz is not None and phase is Phase.BACKWARD_GATHER and hpz.holds(unit.groups):
-            phase = Phase.SECONDARY_GATHER  # gathered inside the node: see self.hpz
-        keep = (hpz is not None and phase is Phase.FORWARD_GATHER and not unit.always_gathered
-                and torch.is_grad_enabled())
-        if self._check_now():
-            self.coll.check_agreement(step=self.micro_step, phase=phase, unit_index=unit.index,
-                                      unit_name=unit.name, device=self.device)
-        self._busy += 1  # our own copies must not look like outside uses to the detector
-        try:
-            with torch.profiler.record_function(f"infinity::gather ({unit.name})"):
-                for g in unit.groups:
-                    # (no hpZ secondary gathers here: _borrow_copies excludes hpZ)
-                    if self._borrow_copies and not unit.always_gathered \
-                            and g.store_key is not None and self._borrow(g):
-                        continue
-                    with engine_buffers():  # [Note: freed buffers leave the process] (io)
-                        g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
-                    advise_huge_pages(g.full)  # [Note: first touch of large host buffers] (io)
-                    context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
-                               f"(micro-step {self.micro_step})")
-                    if phase is Phase.SECONDARY_GATHER:
-                        unit.pending.append(hpz.gather(g, context=context))
-                    elif g.store_key is None:
-                        unit.pending.append(
-                            self._all_gather(unit, g, g.shard, context=context, phase=phase))
-                    else:  # the store's copy stays acquired until the gather has read it
-                        key, tier = g.store_key, self._read_tier
-                        shard = self.store.acquire(key, tier).wait()
-                        unit.pending.append(lambda key=key, tier=tier:
-                                            self.store.release(key, tier))
-                        unit.pending.append(
-                            self._all_gather(unit, g, shard, context=context, phase=phase))
-                    if keep:
-                        unit.pending.append(lambda g=g: hpz.keep(g))
-        finally:
-            self._busy -= 1
-        unit.transition(UnitState.GATHERING)
-        self.num_gathers += 1
-        self._note_peak()
+    def _issue_gather(self, unit: Unit, phase: Phase) -> None:
+        self.storage.issue_gather(unit, phase, self.micro_step)
 
     def _wait_gather(self, unit: Unit) -> None:
-        """Complete ``unit``'s issued gathers (a no-op unless it is GATHERING)."""
-        if unit.state is not UnitState.GATHERING:
-            return
-        pending, unit.pending = unit.pending, []
-        # The collectives first: a store copy is given back once its gather has read it.
-        for item in pending:
-            if isinstance(item, CommHandle):
-                item.wait()
-        for item in pending:
-            if not isinstance(item, CommHandle):
-                item()
-        unit.transition(UnitState.GATHERED)
-
-    def _borrow(self, g: FlatGroup) -> bool:
-        """[Note: a gathered unit borrows its HOST copy]
-        With one data-parallel rank the gathered unit is the shard itself, and on a CPU engine
-        that reads shards from HOST ([Note: a CPU engine reads parameter shards from HOST] in
-        infinity/zero/_engine.py) the shard is already in host memory, page-aligned in the arena,
-        where the prefetcher's NVMe read put it. Copying it into the unit's own buffer cost a
-        fresh buffer (faulted in) and a copy per gather: on 8 of 7B's layers (LoRA, the frozen
-        base on NVMe, 405 MB per layer, read twice a step) 31 copies a step and 6.6 s of the
-        step's 13.5 s on two cores, against 3.5 s for plain PyTorch's whole step. So the gather
-        pins the HOST copy and points the unit's storage at it (``_swap_data_ptr_``: the
-        parameters stay views of the same storage object, as [Note: release keeps parameter
-        identity] needs, and so do tensors autograd saved); the release swaps back and unpins.
-        The unit then lives inside the HOST budget, not beside it, so a borrow must leave room in
-        the arena for two more shards of this size (a prefetch and a demand read): else this
-        gather copies, as before. The optimizer writing the shard writes the same bytes the unit
-        shows, which is what it would read after the step anyway.
-
-        A CPU engine whose DEVICE tier holds every parameter shard (``device_holds_params``: the
-        tests' and benchmarks' stand-in for a GPU with room for them all) reads them from that
-        tier, and borrows that copy the same way; it needs no room check, since those copies are
-        never evicted. Measured on the 2-core VM (135M GPT, bf16, parameters and optimizer on
-        NVMe, budget half the state): the copies into the units' own buffers and the freeing of
-        those buffers were 0.13 s of a 2.0 s step. A GPU's device-to-device copy costs next to
-        nothing, and borrowing there is untried: it still copies."""
-        key, tier = g.store_key, self._read_tier
-        nbytes = g.padded_numel * g.full.element_size()
-        tensor = self.store.acquire(key, tier).wait()
-        if (tensor.numel() != g.padded_numel or tensor.dtype != g.full.dtype
-                or (tier is Tier.HOST and self.store.reclaimable_bytes(tier) < 2 * nbytes)):
-            self.store.release(key, tier)
-            return False
-        own = torch._C._construct_storage_from_data_pointer(tensor.data_ptr(), tensor.device,
-                                                              nbytes)
-        g.full.untyped_storage()._swap_data_ptr_(own)  # g.full shows the HOST copy; own is empty
-        self._borrowed[id(g)] = (g, own, tensor)
-        self.num_borrowed_gathers += 1
-        return True
-
-    def _give_back(self, g: FlatGroup) -> bool:
-        """Undo :meth:`_borrow`; False when ``g`` holds its own buffer."""
-        entry = self._borrowed.pop(id(g), None)
-        if entry is None:
-            return False
-        g.full.untyped_storage()._swap_data_ptr_(entry[1])  # empty again, its own allocator
-        self.store.release(g.store_key, self._read_tier)
-        if g.store_key in self._stale_borrowed:  # a failed write left it partly written
-            self._stale_borrowed.discard(g.store_key)
-            self.store.evict(g.store_key, self._read_tier)
-        return True
-
-    def _all_gather(self, unit: Unit, g: FlatGroup, shard: torch.Tensor, *, context: str,
-                    phase: Phase) -> CommHandle:
-        """One group's all-gather, issued: quantized (qwZ, synchronous: it decodes what it
-        receives) for the gathers around compute of units gathered on demand, when configured;
-        exact for the always-gathered units, after-step and state-dict gathers (they are kept
-        or saved, not recomputed each step)."""
-        spec = self.config.weight_quant
-        if (spec is not None and phase in (Phase.FORWARD_GATHER, Phase.BACKWARD_GATHER)
-                and not unit.always_gathered
-                and not (self.config.weight_quant_frozen_only and g.requires_grad)):
-            all_gather_quantized(self.coll, g.full, shard, spec=spec, context=context, phase=phase)
-            return DONE
-        return self.coll.all_gather_async(g.full, shard, context=context, phase=phase)
+        self.storage.wait_gather(unit)
 
     def _release(self, unit: Unit) -> None:
-        # [Note: release keeps parameter identity]
-        self._wait_gather(unit)  # a gather in flight still writes into the buffers
-        for g in unit.groups:
-            if not self._give_back(g):
-                g.full.untyped_storage().resize_(0)
-        unit.transition(UnitState.RELEASED)
+        self.storage.release(unit)
         if self._fetcher is not None:
             self._fetcher.on_release(unit.index)
 
@@ -658,8 +509,7 @@ class ParameterManager:
             self._fetcher.after_compute(unit.index)
 
     def _maybe_release(self, unit: Unit) -> None:
-        if (unit.state is not UnitState.RELEASED and not unit.always_gathered
-                and unit.refcount == 0 and not unit.backward_hold):
+        if unit.state is not UnitState.RELEASED and unit.releasable:
             if self._fetcher is not None and self._fetcher.should_keep(unit.index):
                 return  # the trace says it is used again soon (released at the step's end at last)
             if self._ahead_on and self._gather_ahead.used_next(unit.index):
@@ -667,34 +517,14 @@ class ParameterManager:
             self._release(unit)
 
     def _maybe_drop_hold(self, unit: Unit) -> None:
-        """Release after backward once nothing of the unit's backward can still read it: every
-        trainable gradient arrived (autograd has run every node that saved a trainable parameter),
-        and, for units with frozen parameters, the hook on the module's inputs fired."""
-        grads_done = unit.num_trainable == 0 or (
-            len(unit.grads_seen) == unit.num_trainable)
-        if unit.backward_hold and grads_done and (not unit.has_frozen or unit.input_grads_done):
-            unit.backward_hold = False
+        """Release after backward once nothing of the unit's backward can still read it
+        (:meth:`Unit.drop_hold`)."""
+        if unit.drop_hold():
             self._maybe_release(unit)
             self._after_compute(unit)
 
     def _reduce(self, unit: Unit, phase: Phase) -> None:
-        if self._check_now():
-            self.coll.check_agreement(step=self.micro_step, phase=phase, unit_index=unit.index,
-                                      unit_name=unit.name, device=self.device)
-        context = f"{phase.value} of unit {unit.index} {unit.name!r} (micro-step {self.micro_step})"
-        # The oldest reductions land first (FSDP2 waits for the last reduce-scatter at the next
-        # one), so at most ``_reduce_inflight`` are in flight beside this unit's staging.
-        while self._reduce_inflight and len(self._reductions) >= self._reduce_inflight:
-            self._reductions.popleft().wait()
-        with torch.profiler.record_function(f"infinity::reduce ({unit.name})"):
-            self._reductions.append(self.reducer.issue(unit.groups, context=context))
-        self._note_peak()
-        if not self._reduce_inflight:
-            self._wait_reductions()
-
-    def _wait_reductions(self) -> None:
-        while self._reductions:
-            self._reductions.popleft().wait()
+        self.storage.issue_reduce(unit, phase, self.micro_step)
 
     # ------------------------------------------------------------------ the training loop
 
@@ -741,7 +571,7 @@ class ParameterManager:
         except BaseException:
             self._ahead_on = False
             for unit in self.units:
-                unit.refcount = 0
+                unit.end_step()
                 self._maybe_release(unit)
             raise
         finally:
@@ -765,14 +595,13 @@ class ParameterManager:
         if self._reduce_order is not None:
             for index in self._reduce_order.rest():  # incomplete here: zeros where no gradient
                 self._reduce(self.units[index], Phase.REDUCE_GRAD)
-        self._wait_reductions()
+        self.storage.wait_reductions()
         # Gradients staged again after their unit's reduction (one rank: units never complete),
         # and units some parameter of which got no gradient here ([Note: parameters without a
         # gradient]): one all-reduce, so that every rank reduces the same units again.
         n = len(self.units)
         flags = [int(any(g.grad_staging is not None for g in u.groups)) for u in self.units]
-        flags += [int(u.num_trainable > 0 and len(u.grads_seen) != u.num_trainable)
-                  for u in self.units]
+        flags += [int(u.num_trainable > 0 and not u.grads_complete) for u in self.units]
         if self.coll.data_parallel_size > 1:  # replicas must agree too: they reduce together
             pending = torch.tensor(flags, dtype=torch.int32, device=self.device)
             self.coll.all_reduce_max(pending,
@@ -781,7 +610,7 @@ class ParameterManager:
         for unit, flag in zip(self.units, flags[:n]):
             if flag:
                 self._reduce(unit, Phase.FLUSH)
-        self._wait_reductions()
+        self.storage.wait_reductions()
         self.presence.end_backward({u.index for u, f in zip(self.units, flags[n:]) if f})
         self._ahead_on = False  # nothing is kept past the step
         self._drop_holds()
@@ -799,10 +628,7 @@ class ParameterManager:
 
     def _drop_holds(self) -> None:
         for unit in self.units:
-            unit.grads_seen = set()
-            unit.backward_hold = False
-            unit.input_grads_done = False
-            unit.refcount = 0
+            unit.end_step()
             self._maybe_release(unit)
 
     def after_step(self) -> None:
@@ -858,8 +684,7 @@ class ParameterManager:
             return
         self._fetcher.end_step()
         for unit in self.units:
-            if unit.refcount == 0 and not unit.backward_hold:
-                self._maybe_release(unit)  # between steps should_keep() is False
+            self._maybe_release(unit)  # between steps should_keep() is False
 
     def prefetch_stats(self) -> dict[str, Any]:
         """Counters of the trace-driven prefetcher (keys in ParamPrefetcher.stats)."""
@@ -868,7 +693,7 @@ class ParameterManager:
     # ------------------------------------------------------------------ outside uses
 
     def _check_outside_use(self, tensor: torch.Tensor, func_name: str) -> None:
-        if self._busy:
+        if self.storage.busy:
             return
         try:
             unit = self._unit_of_storage.get(tensor.untyped_storage()._cdata)
@@ -884,14 +709,8 @@ class ParameterManager:
         warn_once(f"outside-use:{unit.name}",
                   f"{why}; that unit stays gathered from now on (costs its full size in device "
                   f"memory). Make the module that uses it hold it, or tie it, to avoid this")
-        unit.always_gathered = True
-        for g in unit.groups:  # it would pin its HOST copy for good: its own buffer instead
-            if id(g) in self._borrowed:
-                values = g.full.clone()
-                self._give_back(g)
-                with engine_buffers():
-                    g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
-                g.full.copy_(values)
+        unit.pin()
+        self.storage.own_buffers(unit)  # it would pin a borrowed copy for good
         self._gather(unit, Phase.FORWARD_GATHER)
 
     # ------------------------------------------------------------------ state dict and bytes
@@ -944,7 +763,7 @@ class ParameterManager:
     def _held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for u in self.units:
             for g in u.groups:
-                if id(g) not in self._borrowed:  # else counted in the store's tier bytes
+                if id(g) not in self.storage.borrowed:  # else counted in the store's tier bytes
                     yield "param", g.full
                 if g.shard is not None:
                     yield "param", g.shard
@@ -954,9 +773,8 @@ class ParameterManager:
                     yield "grad", g.grad_staging
                 if g.grad_acc is not None and g.grad_acc is not g.grad_host:
                     yield "grad", g.grad_acc
-        for reduction in self._reductions:  # issued, not yet waited
-            for t in reduction.tensors():
-                yield "grad", t
+        for t in self.storage.tensors_in_flight():  # reductions issued, not yet waited
+            yield "grad", t
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes held now, by kind, counting each storage once (views share their base's)."""

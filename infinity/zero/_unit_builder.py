@@ -27,7 +27,7 @@ from torch import nn
 
 from infinity.tiers import Tier, TieredStore
 from infinity.zero._collectives import Collectives
-from infinity.zero._flat_group import FlatGroup, Unit, UnitState, layout_group
+from infinity.zero._flat_group import FlatGroup, Unit, UnitState, UnitUse, layout_group
 from infinity.zero._tensor_parallel import is_tensor_sharded, local_tensor, set_local_view
 from infinity.zero._unit_choice import ChosenUnit, UnitChoice
 
@@ -165,7 +165,8 @@ class UnitBuilder:
         groups = [self._build_group(chosen, dtype, rg, params, always, values_of,
                                     tensor_sharded=ts)
                   for (dtype, rg, ts), params in by_kind.items()]
-        unit = Unit(index=chosen.index, name=chosen.name, groups=groups, always_gathered=always,
+        unit = Unit(index=chosen.index, name=chosen.name, groups=groups,
+                    use=UnitUse.PINNED if always else UnitUse.IDLE,
                     num_trainable=sum(len(g.slots) for g in groups if g.requires_grad),
                     has_frozen=any(not g.requires_grad for g in groups))
         if not always:  # [Note: release keeps parameter identity]

@@ -48,7 +48,7 @@ def worker_sabotaged(rank: int, world_size: int, out_dir: str, what: str) -> dic
     """The same training with one kind of wait taken out of the engine."""
     from infinity.zero import _grad_reducer
     from infinity.zero._flat_group import UnitState
-    from infinity.zero._param_manager import ParameterManager
+    from infinity.zero._unit_storage import UnitStorage
 
     if what == "gather":  # the unit is marked gathered without waiting for its all-gathers
         def no_wait(self, unit):
@@ -58,7 +58,7 @@ def worker_sabotaged(rank: int, world_size: int, out_dir: str, what: str) -> dic
                         item()
                 unit.pending = []
                 unit.transition(UnitState.GATHERED)
-        ParameterManager._wait_gather = no_wait
+        UnitStorage.wait_gather = no_wait
     else:  # the reduced gradient is accumulated without waiting for its reduce-scatter
         def no_wait(self):
             self.reducer._finish(self.group, self.result())

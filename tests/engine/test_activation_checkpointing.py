@@ -173,7 +173,7 @@ def test_parity_with_units_by_size(units):
     losses = engine_train(engine, data)
     assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
     assert calls[0] == 2 * STEPS * TINY.n_layer
-    assert all(u.refcount == 0 for u in engine.manager.units)  # every gather was released
+    assert all(u.users == 0 for u in engine.manager.units)  # every gather was released
     engine.close()
 
 

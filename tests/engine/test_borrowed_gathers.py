@@ -51,7 +51,7 @@ def _within(address, buffer):
 
 def _assert_all_given_back(engine, tier):
     """Between steps every unit is released: no ``tier`` copy stays pinned, every unit is empty."""
-    assert engine.manager._borrowed == {}
+    assert engine.manager.storage.borrowed == {}
     assert all(not s.copies[tier].pins for s in engine.store._shards.values())
     for u in engine.manager.units:
         if not u.always_gathered:
@@ -111,7 +111,7 @@ def test_a_failed_write_into_a_borrowed_copy_is_dropped_when_the_unit_gives_it_b
         g = unit.groups[0]
         stored = m.read_shard(g)
         m._gather(unit, Phase.FORWARD_GATHER)
-        assert id(g) in m._borrowed
+        assert id(g) in m.storage.borrowed
         with pytest.raises(RuntimeError, match="half-way"):
             with m.open_param_partition(g, overwrite=True) as shard:
                 shard[: shard.numel() // 2].fill_(7.0)

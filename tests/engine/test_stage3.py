@@ -85,7 +85,7 @@ def test_at_most_a_few_units_are_gathered_at_once():
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16)
     engine = infinity.initialize(tiny_gpt(config=config), engine_config(stage=3))
     manager, live = engine.manager, []
-    original = manager._wait_gather  # where an issued gather lands: the unit is GATHERED
+    original = manager.storage.wait_gather  # where an issued gather lands: the unit is GATHERED
 
     def counting_gather(unit):
         landing = unit.state is UnitState.GATHERING
@@ -94,7 +94,7 @@ def test_at_most_a_few_units_are_gathered_at_once():
             live.append(sum(u.state is not UnitState.RELEASED and not u.always_gathered
                             for u in manager.units))
 
-    manager._wait_gather = counting_gather
+    manager.storage.wait_gather = counting_gather
     engine_train(engine, batches(2, 1, config=config))
     assert len(live) >= 2 * 2 * 5  # every unit gathered in forward and again in backward
     assert max(live) <= 3, live

@@ -137,7 +137,8 @@ def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path, ti
         store.register("w", numel, torch.float32, Tier.NVME, initial=old)
         store.flush()
         store.evict("w", Tier.HOST)
-        manager = SimpleNamespace(store=store, _read_tier=tier, _borrowed={},  # no unit gathered
+        manager = SimpleNamespace(store=store, _read_tier=tier,
+                                  storage=SimpleNamespace(borrowed={}),  # no unit gathered
                                   config=SimpleNamespace(param_home=Tier.NVME))
         group = SimpleNamespace(store_key="w")
         with pytest.raises(RuntimeError, match="boom"):
