@@ -14,12 +14,25 @@ the completion work runs at once, so the CPU path does exactly what a plain copy
 
 :func:`blocking_event` makes every CUDA event the engine waits on from the host: the default event
 busy-waits a core in ``synchronize()``.
+
+[Note: copies on a side stream] A copy between a GPU and pinned host memory issued on the compute
+stream runs in order with the kernels: it queues behind the backward's (or, under a deferred
+optimizer step, the next forward's) kernels, and every kernel queued after it waits for it. On a
+:class:`SideStream` it runs on the copy engine beside them: the side stream first waits for the
+work queued so far on the compute stream (what the copy reads), the tensors it reads are recorded
+on it (the caching allocator does not hand their memory to other work before it ran), and whoever
+reads what it wrote waits for it there: the host with :meth:`SideStream.synchronize` (the
+gradient accumulators the CPU optimizer reads), the compute stream with :meth:`SideStream.join`
+(a wait on the GPU, the host goes on) before a shard it filled is read. FSDP2 runs its
+reduce-scatters and all-gathers on streams of their own the same way. On a CPU device every
+method is a no-op and the copies are plain copies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -123,3 +136,36 @@ class StagingRing:
             event.synchronize()
         if work is not None:
             work()
+
+
+class SideStream:
+    """[Note: copies on a side stream]: a CUDA stream for the copies of one owner (none on a CPU
+    device); made on the device the first copy targets."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device) if is_cuda(self.device) else None
+
+    @contextlib.contextmanager
+    def issue(self, *reads: torch.Tensor) -> Iterator[None]:
+        """Copies issued inside run on the side stream, after the work queued so far on the
+        caller's stream; ``reads``: tensors they read that the caller's stream made."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            yield
+        for t in reads:
+            if t.is_cuda:
+                t.record_stream(self.stream)
+
+    def join(self) -> None:
+        """The caller's stream waits (on the GPU) for every copy issued so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """The host waits for every copy issued so far."""
+        if self.stream is not None:
+            self.stream.synchronize()

@@ -13,7 +13,7 @@ from typing import Any, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from infinity._async_copy import StagingRing
+from infinity._async_copy import SideStream, StagingRing
 from infinity.config import OptimizerConfig
 from infinity.errors import TierCapacityError
 from infinity.io import engine_buffers, pinned_staging_ring
@@ -139,6 +139,9 @@ class OffloadedShardOptimizer:
         """Pinned staging of the copy-out to GPU parameter shards, reused under events (None
         until a GPU shard is written; host bytes outside the arena: two sub-groups of the
         compute dtype)."""
+        self._up: SideStream | None = None
+        """Where the copy-out to GPU shards runs ([Note: copies on a side stream] in
+        infinity/_async_copy.py): the compute stream joins it before a written shard is closed."""
 
     def _to(self, new: StepState) -> None:
         STEP_TRANSITIONS.check("offloaded optimizer", self.state, new)
@@ -587,6 +590,7 @@ class OffloadedShardOptimizer:
                 try:
                     if sg.key != open_key:  # one key's parameter shard is open (pinned) at a time
                         if out_ctx is not None:
+                            self._join_copy_out()
                             out_ctx.__exit__(None, None, None)
                         # Every sub-group of the key is stepped while it is open: all written.
                         open_key = sg.key
@@ -624,6 +628,7 @@ class OffloadedShardOptimizer:
             # write-backs issued finish on their own.
             try:
                 if out_ctx is not None:
+                    self._join_copy_out()
                     out_ctx.__exit__(*sys.exc_info())
                     out_ctx = None
             finally:
@@ -638,6 +643,7 @@ class OffloadedShardOptimizer:
         finally:
             try:
                 if out_ctx is not None:  # the last key's shard: marked dirty, maybe written back
+                    self._join_copy_out()
                     out_ctx.__exit__(None, None, None)
             finally:
                 if self.state is StepState.ADVANCING:  # the updates ran; the step goes on
@@ -681,17 +687,30 @@ class OffloadedShardOptimizer:
                   out=staging if low else None)
         if out is None:
             return
-        for a, b, _ in pieces:  # only what was updated: the rest of ``out`` keeps its values
-            if up:
+        if not up:
+            if not low:
+                for a, b, _ in pieces:  # only what was updated: the rest keeps its values
+                    out[lo + a:lo + b].copy_(master[a:b])
+            return
+        with self._copy_out(out.device).issue():  # beside the kernels: _join_copy_out
+            for a, b, _ in pieces:
                 # The master's extent may be written back or reused once this sub-group is
                 # released, so an fp32 copy-out goes through the staging buffer too.
                 if not low:
                     staging[a:b].copy_(master[a:b])
                 out[lo + a:lo + b].copy_(staging[a:b], non_blocking=True)
-            elif not low:
-                out[lo + a:lo + b].copy_(master[a:b])
-        if up:
-            self._out_ring(out.device).done(slot)
+            self._out_ring(out.device).done(slot)  # its event on the side stream
+
+    def _copy_out(self, device: torch.device) -> SideStream:
+        if self._up is None:
+            self._up = SideStream(device)
+        return self._up
+
+    def _join_copy_out(self) -> None:
+        """Before a parameter shard written by the copy-out is closed (marked dirty, written
+        back, gathered): the compute stream waits for the copies, on the GPU."""
+        if self._up is not None:
+            self._up.join()
 
     def _out_ring(self, device: torch.device) -> StagingRing:
         """The pinned staging of the copy-out to a GPU shard, made on first use (two slots: one

@@ -22,8 +22,9 @@ each field; set ``gather_lead_entries`` when the world size is above 1)
 
 ``PrefetchExecutor(*, issue, config=PrefetchConfig(), locate=None, free_bytes=None,
 evictable=None, clock=time.perf_counter, store=None)``
-    ``issue(action) -> handle`` (``wait()``, ``done()``; optional float ``elapsed_s`` once done
-    feeds the bandwidth EMA); ``locate(unit) -> level`` the nearest level where the store holds the
+    ``issue(action) -> handle`` (``wait()``, ``done()``; ``settle()`` where the handle has one:
+    completes the hop without what ``wait()`` adds for a reader, such as a CUDA stream wait;
+    optional float ``elapsed_s`` once done feeds the bandwidth EMA); ``locate(unit) -> level`` the nearest level where the store holds the
     unit now (else the executor's own bookkeeping, fed by completions and ``on_evicted``, is used);
     ``free_bytes(level) -> int | None`` bytes a new copy may take at that level without evicting
     anything needed sooner (a Belady store: free bytes plus copies whose next use is later than the
@@ -325,7 +326,10 @@ class PrefetchExecutor:
         # Forget the flight before wait(): an I/O error raised there must not leave it counted.
         del self._inflight[a.unit]
         self._inflight_bytes[a.dst] -= a.nbytes
-        fl.handle.wait()
+        # Settled, not waited for: a reader's stream waits for a device copy where it reads the
+        # shard, not here at whichever hook reaps the hop (at best one unit of overlap).
+        settle = getattr(fl.handle, "settle", None)
+        (settle or fl.handle.wait)()
         self._present.setdefault(a.unit, set()).add(a.dst)
         unused = self._unused.setdefault(a.unit, set())
         unused.discard(a.src)  # the hop consumed the copy below: evicting it later wastes nothing

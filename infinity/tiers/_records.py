@@ -148,6 +148,20 @@ class TierHandle:
             self._on_wait(time.perf_counter() - start)
         return self._ready(result)
 
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for the move to finish (re-raising its error) without making the caller's stream
+        wait for a device copy: for a caller that only tracks the move (the prefetch executor);
+        whoever reads the copy gets that wait from its own ``acquire`` or ``get``, where it reads
+        ([Note: device copies complete on the stream] in infinity/tiers/store.py)."""
+        if self._future.done():
+            self._future.result()
+            return
+        start = time.perf_counter()
+        try:
+            self._future.result(timeout)
+        finally:
+            self._on_wait(time.perf_counter() - start)
+
     def _ready(self, result: Any) -> Any:
         if self._before_use is not None:
             self._before_use()

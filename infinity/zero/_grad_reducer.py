@@ -47,7 +47,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from infinity._async_copy import StagingRing
+from infinity._async_copy import SideStream, StagingRing
 from infinity.io import advise_huge_pages, engine_buffers, pinned_staging_ring
 from infinity.optim import StoredGrad
 from infinity.tiers import Tier, TieredStore, TierHandle
@@ -101,6 +101,9 @@ class GradientReducer:
         self._ring: StagingRing | None = None
         """Pinned staging of gradients copied down to host accumulators from a GPU (None until
         used; [Note: event-guarded staging] in infinity/_async_copy.py)."""
+        self._down = SideStream(config.device)
+        """Where the copies down to host accumulators run ([Note: copies on a side stream] in
+        infinity/_async_copy.py); :meth:`partitions` waits for them."""
         self._writebacks: list[TierHandle] = []
         """Write-backs of stored gradient slices issued in this accumulation window (their
         errors are raised by :meth:`partitions`)."""
@@ -299,19 +302,24 @@ class GradientReducer:
         if g.grad_acc is None and part.data_ptr() == g.grad_host.data_ptr():
             g.grad_acc = g.grad_host  # staged in place (_stages_in_host)
             return
-        if g.grad_acc is None:
-            # Pinned: the copy runs on the current stream; partitions() waits for it.
-            g.grad_host.copy_(part, non_blocking=g.grad_host.is_pinned())
-            g.grad_acc = g.grad_host
-        elif part.device.type == "cpu":
-            g.grad_acc.add_(part)
-        else:
-            self._add_from_device(g.grad_acc, part)
+        if part.device.type == "cpu":
+            if g.grad_acc is None:
+                g.grad_host.copy_(part)
+                g.grad_acc = g.grad_host
+            else:
+                g.grad_acc.add_(part)
+            return
+        with self._down.issue(part):  # beside the backward's kernels; partitions() waits
+            if g.grad_acc is None:
+                g.grad_host.copy_(part, non_blocking=g.grad_host.is_pinned())
+                g.grad_acc = g.grad_host
+            else:
+                self._add_from_device(g.grad_acc, part)
 
     def _add_from_device(self, acc: torch.Tensor, part: torch.Tensor) -> None:
         """``acc += part`` for a host accumulator and a GPU ``part`` without stalling backward:
-        the copy down is non-blocking into pinned staging, and the addition runs once it has
-        landed, when its staging slot comes round again or at :meth:`partitions` ([Note:
+        the copy down is non-blocking into pinned staging (on the caller's stream: the side
+        stream of :meth:`_accumulate`), and the addition runs once it has landed, when its staging slot comes round again or at :meth:`partitions` ([Note:
         event-guarded staging] in infinity/_async_copy.py). The event also covers the earlier
         non-blocking copies into ``acc``: they were issued before it on the same stream."""
         ring = self._ring_for(part.device)
@@ -354,7 +362,8 @@ class GradientReducer:
         absent when zero. Raises the error of any stored slice's write-back."""
         device = self.config.device
         if self.offloaded and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # host copies have landed
+            torch.cuda.current_stream(device).synchronize()
+            self._down.synchronize()  # the copies down have landed
         self._drain_ring()
         writebacks, self._writebacks = self._writebacks, []
         for handle in writebacks:

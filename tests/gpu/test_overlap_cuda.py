@@ -4,11 +4,17 @@ its completion is waited on the copy lane ([Note: device copies complete on the 
 infinity/tiers/_copy_lane.py) while the reader's stream waits on its event. A missing wait shows
 as a wrong number against plain PyTorch on the GPU, not as luck.
 
+The copies down of gradients to an offloaded optimizer's host accumulators and its copy-out of
+new parameters run on side streams ([Note: copies on a side stream] in infinity/_async_copy.py):
+delayed the same way, a missing ``synchronize``/``join`` is a wrong number too.
+
 One GPU has one rank: the collectives' stream (NCCL, ``async_op``) is not exercised here; the
 2-rank tests on gloo under a poisoned modeled link cover their waits
 (tests/distributed/test_overlap_dist.py)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -54,5 +60,35 @@ def test_late_copies_on_the_copy_stream_train_as_plain_pytorch(home, tmp_path, m
         losses = engine_train(engine, data)
         assert engine.stats()["bytes_moved"]["HOST->DEVICE"] > 0
         assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype,gas", [("fp32", 1), ("bf16", 2)])
+def test_late_side_stream_copies_train_as_plain_pytorch(dtype, gas, tmp_path, monkeypatch):
+    """Gradients copied down to host accumulators (and added there over 2 micro-batches) and the
+    optimizer's copy-out to the GPU shards, each copy behind a sleep on its side stream."""
+    from infinity._async_copy import SideStream
+
+    if dtype == "fp32":
+        exact_fp32()
+    issue = SideStream.issue
+
+    @contextlib.contextmanager
+    def late(self, *reads):
+        with issue(self, *reads):
+            torch.cuda._sleep(SLEEP_CYCLES)  # on the side stream: the copies below land late
+            yield
+
+    monkeypatch.setattr(SideStream, "issue", late)
+    steps = 4
+    data = batches(steps, gas, config=FOUR)
+    ref_losses, ref_state = reference_train(four_gpt(), data, device=CUDA, dtype=dtype)
+    config = offload_config(tmp_path / "swap", stage=3, dtype=dtype, gas=gas, opt="cpu",
+                            param="none", device="cuda")
+    engine = infinity.initialize(four_gpt(), config)
+    try:
+        losses = engine_train(engine, data)
+        assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, dtype)
     finally:
         engine.close()

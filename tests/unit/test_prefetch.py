@@ -884,3 +884,28 @@ def test_fixed_position_gathers_survive_skipped_units_that_timed_planning_does_n
         fast, _ = run_rank(cfg, bps_scale=8.0, compute_s=1.0, sequences=sequences, device_homed=True)
         slow, _ = run_rank(cfg, bps_scale=0.1, compute_s=1.0, sequences=sequences, device_homed=True)
         assert (fast == slow) is same, (cfg, fast, slow)
+
+
+def test_reaped_hops_are_settled_and_the_reader_waits_where_it_reads():
+    """Issue #30 item 3: reaping a finished hop must not run what ``wait()`` adds for a reader
+    (on CUDA, the caller's stream waits for the copy): the executor reaps at whichever hook comes
+    next, so a stream wait there let a prefetched copy overlap one unit at best. Handles with
+    ``settle()`` are settled; the store's own ``acquire``/``get`` waits where the shard is read."""
+    calls = []
+
+    class Recorded(Instant):
+        def wait(self):
+            calls.append("wait")
+
+        def settle(self):
+            calls.append("settle")
+
+    levels = {}
+    ex = PrefetchExecutor(issue=lambda a: Recorded(lambda: levels.__setitem__(a.unit, a.dst)),
+                          clock=time.perf_counter, locate=lambda u: levels.get(u, Level.HOST))
+    for u in ("a", "b", "c"):
+        ex.register_unit(UnitSizes(unit=u, shard_bytes=100, gathered_bytes=400, home=Level.HOST))
+    for _ in range(3):
+        run_instant_step(ex, levels, ["a", "b", "c", "c", "b", "a"])
+    assert ex.stats()["prefetches_issued"] > 0
+    assert calls and set(calls) == {"settle"}, calls
