@@ -147,7 +147,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     with infinity.init(engine_config(args)):  # no tensor of the base is ever whole in memory
-        model = get_peft_model(LlamaForCausalLM(llama), lora)
+        model = LlamaForCausalLM(llama)
+    model = get_peft_model(model, lora)  # after the block, as recipes write it: the adapters keep
+    #                                      the values peft gives them (infinity/zero/_lazy.py)
     model.print_trainable_parameters()
     if args.trainer:
         engine = train_with_trainer(model, args, llama.vocab_size, base_dir)

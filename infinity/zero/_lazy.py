@@ -35,8 +35,10 @@ eagerly built model.
 Not covered (each raises a clear error instead of giving different values): writing a meta
 tensor's values into a real tensor during construction (``real.copy_(meta)``), reading a meta
 value as a Python number (``.item()``), and initialising a recorded model any way other than
-through ``infinity.initialize``. Parameters added to a recorded model after its block closed
-(peft's adapters) are recorded by a second block, ``with infinity.init(extend=model):``
+through ``infinity.initialize``. Modules added to a recorded model after its block closed and
+moved to its meta device (peft's adapters, ``get_peft_model`` and ``PeftModel.from_pretrained``)
+keep the values they had ([Note: modules moved onto a recorded model]); other code that adds
+tensors after the block runs in a second block, ``with infinity.init(extend=model):``
 ([Note: adding to a recorded model]).
 """
 
@@ -478,6 +480,73 @@ def _malloc_trim() -> Callable[[int], int] | None:
 _LIVE: list[Recording] = []
 """Recordings whose models are not yet materialised (metadata only: meta tensors have no bytes)."""
 
+_MOVED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+"""Storage key of a meta tensor a module moved onto the meta device while a recording lived ->
+(that meta tensor, kept so that its key is never reused; the CPU value it had, in its dtype):
+[Note: modules moved onto a recorded model]."""
+
+
+def _capture_moves_to_meta() -> None:
+    """[Note: modules moved onto a recorded model]
+    Recipes add to a model after building it: ``model = get_peft_model(model, LoraConfig(...))``
+    builds each LoRA adapter on the CPU, initialises it (``reset_lora_parameters``: random A, zero
+    B) and moves it to its base layer's device and dtype (``.to(device, dtype=...)``). For a model
+    built under ``infinity.init`` that device is meta, and the move drops the values. DeepSpeed's
+    engine partitions parameters added after ``zero.Init`` when it starts, so these lines run
+    unchanged there; here they do too: while a recording lives (a model built under
+    ``infinity.init`` and not yet initialised), ``nn.Module.to`` onto the meta device keeps what
+    each moved parameter and buffer held (cast to its new dtype, as the move would have cast it),
+    and a ``load_state_dict`` into such a module afterwards (``PeftModel.from_pretrained`` loads a
+    saved adapter that way) replaces the kept value. ``infinity.initialize`` takes a kept value
+    as the tensor's, bitwise what eager peft gives. The wrapper costs one check when no recording
+    lives or the move is not onto meta; the kept values are the moved modules' (adapters: small).
+    A tensor moved onto meta any other way (``Tensor.to`` into a ``ParameterDict``) is not seen:
+    ``initialize`` names it and the ``extend`` block that records it."""
+    original = nn.Module.to
+    if getattr(original, "_infinity_keeps_moved_values", False):
+        return
+
+    @functools.wraps(original)
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if not _LIVE:
+            return original(self, *args, **kwargs)
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is None or device.type != "meta":
+            return original(self, *args, **kwargs)
+        # .data: an alias of the values that outlives the move (a Parameter's data is swapped).
+        before = {name: t.data for name, t in _named_tensors(self) if t.device != _META}
+        out = original(self, *args, **kwargs)
+        moved = False
+        for name, t in _named_tensors(self):
+            old = before.get(name)
+            if old is not None and t.device == _META:
+                _MOVED[_storage_key(t)] = (t, old.to(t.dtype))
+                moved = True
+        if moved:
+            for module in self.modules():
+                if not getattr(module, "_infinity_loads_moved", False):
+                    module._register_load_state_dict_pre_hook(_load_into_moved, with_module=True)
+                    module._infinity_loads_moved = True
+        return out
+
+    to._infinity_keeps_moved_values = True
+    nn.Module.to = to
+
+
+def _load_into_moved(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                     *args: Any) -> None:
+    """``load_state_dict`` into a module moved onto a recorded model's meta device: the loaded
+    values replace the kept ones (torch's copy into a meta tensor is a no-op)."""
+    for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+        value = state_dict.get(prefix + name)
+        if t is None or value is None or t.device != _META:
+            continue
+        key = _storage_key(t)
+        if key in _MOVED and isinstance(value, torch.Tensor) and value.shape == t.shape:
+            _MOVED[key] = (t, value.detach().to(device=_CPU, dtype=t.dtype, copy=True))
+            # Kept: torch then copies meta into meta, without its "copy is a no-op" warning.
+            state_dict[prefix + name] = value.detach().to(_META)
+
 
 @contextlib.contextmanager
 def init(config: Any = None, *, extend: nn.Module | None = None) -> Iterator[Recording]:
@@ -492,6 +561,7 @@ def init(config: Any = None, *, extend: nn.Module | None = None) -> Iterator[Rec
         recording = Recording(load_config(config) if config is not None else None)
     else:
         recording = _recording_to_extend(extend, config)
+    _capture_moves_to_meta()
     try:
         with _record_meta_skipping_init(recording), _MetaByDefault(), _Recorder(recording):
             yield recording
@@ -506,11 +576,11 @@ def init(config: Any = None, *, extend: nn.Module | None = None) -> Iterator[Rec
 def _recording_to_extend(model: Any, config: Any) -> Recording:
     """[Note: adding to a recorded model]
     Whatever wraps a recorded model after its block closed creates real tensors, and may then
-    move them to the meta device of the model's tensors, which drops their values: peft's
-    ``get_peft_model`` builds each LoRA adapter on the CPU and moves it to its base layer's device.
-    ``with infinity.init(extend=model):`` records that code into the model's own recording, so
-    the adapters' values replay like any other parameter's, equal to eager construction (the
-    random stream is the one eager construction would use at that point)."""
+    put them on the meta device of the model's tensors, which drops their values. A move by
+    ``nn.Module.to`` (peft's adapters) keeps them ([Note: modules moved onto a recorded model]);
+    for anything else, ``with infinity.init(extend=model):`` records that code into the model's
+    own recording, so its tensors' values replay like any other parameter's, equal to eager
+    construction (the random stream is the one eager construction would use at that point)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"infinity.init(extend=...): expected the torch.nn.Module built under an "
                          f"earlier infinity.init block, got {type(model).__name__}")
@@ -533,16 +603,18 @@ def recording_of(module: nn.Module) -> Recording | None:
     if not metas:
         return None
     owner = next((r for _, t in metas for r in _LIVE if r.owns(t)), None)
-    stray = [n for n, t in metas if owner is None or not owner.owns(t)]
+    stray = [n for n, t in metas
+             if owner is None or not (owner.owns(t) or _storage_key(t) in _MOVED)]
     if stray:
         added = owner is not None  # next to recorded tensors: added after the block closed
         raise LazyInitError(
             f"{stray[0]!r} is on the meta device but was not built under `with infinity.init(...)` "
             f"(or its model was already initialized); " + (
-                f"it was added to the recorded model after its block closed, which drops its "
-                f"values (peft's get_peft_model moves new adapters to their base layer's meta "
-                f"device): add it inside the block, or in `with infinity.init(extend=model):` "
-                f"([Note: adding to a recorded model])" if added else
+                f"it was added to the recorded model after its block closed and put on the meta "
+                f"device other than by Module.to (which keeps the values: [Note: modules moved "
+                f"onto a recorded model]), so its values are gone: add it inside the block, or in "
+                f"`with infinity.init(extend=model):` ([Note: adding to a recorded model])"
+                if added else
                 "build the whole model inside the block, or materialise it first (to_empty() "
                 "and initialise)"))
     return owner
@@ -561,6 +633,9 @@ def materialise_placeholders(module: nn.Module, recording: Recording
     parameter (computed on call, one at a time), None for the others."""
     swapped: dict[int, nn.Parameter] = {}
     source: dict[int, torch.Tensor] = {}
+    kept: dict[int, torch.Tensor] = {}
+    """id(new parameter) -> the value a module moved onto the meta device had ([Note: modules
+    moved onto a recorded model])."""
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is None or p.device != _META:
@@ -571,10 +646,14 @@ def materialise_placeholders(module: nn.Module, recording: Recording
                 new = nn.Parameter(empty, requires_grad=p.requires_grad)
                 new.__dict__.update(p.__dict__)  # attributes a model set (HF's no-decay flags)
                 swapped[id(p)], source[id(new)] = new, p
+                moved = _MOVED.pop(_storage_key(p), None)
+                if moved is not None:
+                    kept[id(new)] = moved[1]
             mod._parameters[name] = swapped[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is not None and b.device == _META:
-                mod._buffers[name] = recording.value(b)
+                moved = _MOVED.pop(_storage_key(b), None)
+                mod._buffers[name] = moved[1] if moved is not None else recording.value(b)
     if recording in _LIVE:  # its model is being materialised: nothing else may claim it
         _LIVE.remove(recording)
 
@@ -582,6 +661,8 @@ def materialise_placeholders(module: nn.Module, recording: Recording
 
     def values_of(param: torch.Tensor) -> torch.Tensor | None:
         nonlocal replayed
+        if id(param) in kept:
+            return kept[id(param)].clone()
         meta = source.get(id(param))
         if meta is None:
             return None

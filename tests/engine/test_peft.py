@@ -14,8 +14,12 @@ the attention projections, built under ``infinity.init``:
   with the same base weights gives the engine's outputs;
 * the frozen base is read from NVMe every step and never written after set-up: per step the only
   NVMe writes are the adapters' shards;
-* a base checkpoint loads into the peft model (``load_base_weights``), and adapters added after the
-  ``infinity.init`` block are refused with the fix, or recorded with ``init(extend=model)``.
+* a base checkpoint loads into the peft model (``load_base_weights``);
+* peft after the block, as recipes write it (issue #32): ``get_peft_model`` on a model built
+  under ``infinity.init`` gives the adapters eager peft gives, bitwise ([Note: modules moved onto
+  a recorded model] in infinity/zero/_lazy.py), and so does ``PeftModel.from_pretrained`` with a
+  saved adapter; the parity cases above build their models that way (one case inside the block);
+  a tensor moved onto the meta device any other way is refused, naming ``init(extend=model)``.
 """
 
 from __future__ import annotations
@@ -62,9 +66,14 @@ def eager_peft(seed: int = 0) -> torch.nn.Module:
     return peft.get_peft_model(_base(seed), _lora())
 
 
-def lazy_peft(config: dict, seed: int = 0) -> torch.nn.Module:
+def lazy_peft(config: dict, seed: int = 0, *, inside: bool = False) -> torch.nn.Module:
+    """The base built under ``infinity.init``; peft after the block, as recipes write it
+    (``inside``: peft inside the block too)."""
     with infinity.init(config):
-        return peft.get_peft_model(_base(seed), _lora())
+        base = _base(seed)
+        if inside:
+            return peft.get_peft_model(base, _lora())
+    return peft.get_peft_model(base, _lora())
 
 
 def config(swap_dir, *, stage: int = 3, dtype: str = "fp32", param: str = "nvme",
@@ -176,16 +185,19 @@ def test_optimizer_state_only_for_the_adapters(dtype, opt, tmp_path):
 
 # ------------------------------------------------------------------ parity with plain peft
 
-PARITY_CASES = [(3, "nvme", None, False), (3, "nvme", 1000, False), (3, "nvme", None, True),
-                (0, "none", None, False)]
+PARITY_CASES = [(3, "nvme", None, False, False), (3, "nvme", 1000, False, False),
+                (3, "nvme", None, True, False), (0, "none", None, False, False),
+                (3, "nvme", None, False, True)]
 
 
-@pytest.mark.parametrize("stage,param,unit_min_numel,checkpointed", PARITY_CASES,
+@pytest.mark.parametrize("stage,param,unit_min_numel,checkpointed,inside", PARITY_CASES,
                          ids=["s3-nvme-layers", "s3-nvme-by-size", "s3-nvme-checkpointed",
-                              "s0-memory"])
-def test_lora_training_matches_plain_peft(stage, param, unit_min_numel, checkpointed, tmp_path):
+                              "s0-memory", "s3-nvme-peft-inside-the-block"])
+def test_lora_training_matches_plain_peft(stage, param, unit_min_numel, checkpointed, inside,
+                                          tmp_path):
     """``checkpointed``: the decoder layers under activation checkpointing (frozen base weights
-    re-gathered for the recompute; DeepSpeed's freed-parameter scheme breaks exactly this)."""
+    re-gathered for the recompute; DeepSpeed's freed-parameter scheme breaks exactly this).
+    ``inside``: ``get_peft_model`` inside the ``infinity.init`` block (else after it)."""
     data = token_batches()
     ref = eager_peft()
     initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
@@ -193,7 +205,7 @@ def test_lora_training_matches_plain_peft(stage, param, unit_min_numel, checkpoi
     cfg = config(tmp_path, stage=stage, param=param, unit_min_numel=unit_min_numel)
     if checkpointed:
         cfg["activation_checkpointing"] = {"units": ["LlamaDecoderLayer"]}
-    engine = infinity.initialize(lazy_peft(cfg))
+    engine = infinity.initialize(lazy_peft(cfg, inside=inside))
     assert len(engine.activations.names) == (LLAMA["num_hidden_layers"] if checkpointed else 0)
     if unit_min_numel is not None:  # the adapters in units apart from their frozen base layers
         names = {u.name for u in engine.manager.units}
@@ -333,28 +345,65 @@ def test_least_host_budget_holds_with_small_adapters_beside_large_frozen_shards(
 # ------------------------------------------------------------------ construction and weights
 
 def test_adapters_added_after_the_block(tmp_path):
+    """Issue #32: ``get_peft_model`` after the block, the adapters as eager peft makes them
+    (lora_A random from the same stream, lora_B zeros), bitwise; the extend block still records
+    what other code adds; a tensor moved onto meta without ``Module.to`` is refused."""
     cfg = config(tmp_path)
+    want = eager_peft(0).state_dict()
+    for extend in (False, True):
+        with infinity.init(cfg):
+            base = _base(0)
+        if extend:
+            with infinity.init(extend=base):
+                model = peft.get_peft_model(base, _lora())
+        else:
+            model = peft.get_peft_model(base, _lora())  # adapters built on the CPU, moved to meta
+        engine = infinity.initialize(model)
+        try:
+            got = engine.full_state_dict()
+            assert sorted(got) == sorted(want)
+            for key in want:
+                assert torch.equal(got[key], want[key]), (extend, key)
+        finally:
+            engine.close()
     with infinity.init(cfg):
         base = _base(0)
-    wrapped = peft.get_peft_model(base, _lora())  # adapters built on the CPU, moved to meta
-    with pytest.raises(LazyInitError, match=r"infinity\.init\(extend=model\)"):
-        infinity.initialize(wrapped)
-    with infinity.init(cfg):
-        base = _base(0)
-    with infinity.init(extend=base):
-        model = peft.get_peft_model(base, _lora())
-    engine = infinity.initialize(model)
-    try:
-        want = eager_peft(0).state_dict()
-        got = engine.full_state_dict()
-        assert sorted(got) == sorted(want)
-        for key in want:  # lora_A random, lora_B zeros: both as eager construction made them
-            assert torch.equal(got[key], want[key]), key
-    finally:
-        engine.close()
+    base.extra = torch.nn.Parameter(torch.ones(3).to("meta"))  # its values dropped unseen
+    with pytest.raises(LazyInitError, match=r"'extra'.*infinity\.init\(extend=model\)"):
+        infinity.initialize(base)
     with pytest.raises(ValueError, match="extend"):
         with infinity.init(extend=eager_peft(0)):
             pass
+
+
+def test_saved_adapter_loads_into_a_model_built_under_init(tmp_path):
+    """``PeftModel.from_pretrained(model, dir)`` on a model built under ``infinity.init``: the
+    adapter's saved values, not peft's fresh ones (torch's copy into a meta tensor is a no-op)."""
+    saved = eager_peft(0)
+    with torch.no_grad():
+        for name, p in saved.named_parameters():
+            if "lora_B" in name:  # fresh lora_B is zero: make the saved adapter tell
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    saved.save_pretrained(str(tmp_path / "adapter"))
+    want = peft.get_peft_model_state_dict(saved)
+    probe = token_batches(1)[0]
+    plain = peft.PeftModel.from_pretrained(_base(0), str(tmp_path / "adapter"))
+    with torch.no_grad():
+        want_logits = plain(input_ids=probe).logits
+    with infinity.init(config(tmp_path / "swap")):
+        base = _base(0)
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"), is_trainable=True)
+    engine = infinity.initialize(model)
+    try:
+        got = adapter_state_dict(engine)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+        with torch.no_grad():
+            torch.testing.assert_close(engine(input_ids=probe).logits, want_logits, atol=1e-5,
+                                       rtol=0)
+    finally:
+        engine.close()
 
 
 def test_load_base_weights_into_a_peft_model(tmp_path):
