@@ -47,6 +47,10 @@ PRESETS: dict[str, GPTConfig] = {
     "demo": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=8, n_embd=512),
     "gpt2-124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "135m": GPTConfig(vocab_size=50304, block_size=256, n_layer=13, n_head=12, n_embd=768),
+    # The 135m's width with a 7B Llama's proportions (issue #30's overlap figures): the embedding
+    # is 3% of the 110M parameters (a Llama-7B's: 4%), where the 135m's tied 50k vocabulary is
+    # 29%, a unit gathered first and reduced last in every step that nothing can overlap.
+    "110m": GPTConfig(vocab_size=4096, block_size=256, n_layer=15, n_head=12, n_embd=768),
     "350m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "1b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1856),
     # Beyond memory (issue #16): 3.31B parameters, 53 GB of training state at 16 B per parameter,
