@@ -177,9 +177,11 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
     if mode == USER_MODE:  # the user's file as written: units, budgets, offload are its own
         return _engine_runner(initialize(model, spec["ds_config"], comm_link=link), bench_model)
     config: dict[str, Any] = {  # tuned: the model's blocks are the units
-        "zero": {"stage": 2 if mode == "stage2" else 3,
+        "zero": {"stage": 2 if mode in ("stage2", "stage2-overlap") else 3,
                  "unit_class_names": [bench_model.block_class_name],
-                 **({"hpz_partition_size": HPZ_PARTITION} if mode == "stage3-hpz" else {})},
+                 **({"hpz_partition_size": HPZ_PARTITION} if mode == "stage3-hpz" else {}),
+                 # [Note: the after-step gather overlaps the next forward]
+                 **({"overlap_param_gather": True} if mode == "stage2-overlap" else {})},
         "precision": {"dtype": spec["dtype"], "reduce_dtype": spec.get("reduce_dtype", "fp32")},
         "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
         "gradient_clipping": 1.0,

@@ -46,10 +46,11 @@ from typing import Any
 from infinity.bench.progress import progress
 from infinity.bench.report import Report
 
-LINK_MODES = ("stage3", "stage2", "stage3-hpz", "stage3-cpu")
+LINK_MODES = ("stage3", "stage2", "stage2-overlap", "stage3-hpz", "stage3-cpu")
 """The engine's modes that run over ranks and links (plain PyTorch and DeepSpeed run one
-process); stage3-cpu puts a bounded DEVICE tier in the read path, so that the parameters cross
-the copy link ([Note: the modeled link])."""
+process); stage2-overlap is stage 2 with ``zero.overlap_param_gather`` (its after-step all-gather
+waited in the next forward); stage3-cpu puts a bounded DEVICE tier in the read path, so that the
+parameters cross the copy link ([Note: the modeled link])."""
 DEFAULT_LINK_MODES = "stage3,stage2"
 FREE_LINK = {"bandwidth_gbytes_per_s": 1e9, "latency_us": 0.0}
 """Counts the wire bytes; costs no time (a microsecond per terabyte)."""

@@ -171,6 +171,17 @@ class ZeroConfig:
     parameters on the device, and a divisor of the world size ([Note: hpZ secondary shards] in
     infinity/zero/_hpz.py)."""
 
+    overlap_param_gather: bool = False
+    """Stages 1-2 over several data-parallel ranks: ``engine.step()`` issues the all-gather of the
+    updated parameters and returns; each unit's gather is waited where the next forward first
+    reads it (its module's forward pre-hook; units read outside their modules at the model's
+    own), so it overlaps the forward (Megatron's ``overlap_param_gather``). Between ``step()``
+    and the next forward the parameters are in flight: read them through the engine
+    (``full_state_dict``, ``module.state_dict()``, checkpoints and ``engine.finish_step()`` wait
+    for them), not directly (an EMA reading ``p.data`` after ``step()``). false: ``step()``
+    returns with the parameters gathered ([Note: the after-step gather overlaps the next
+    forward] in infinity/zero/_param_manager.py)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             fail("zero_optimization.stage", "one of 0, 1, 2, 3", self.stage)
@@ -185,6 +196,8 @@ class ZeroConfig:
         check_int("zero.sub_group_numel", self.sub_group_numel, minimum=1, allow_auto=True)
         self._check_quantization()
         self._check_hpz()
+        if not isinstance(self.overlap_param_gather, bool):
+            fail("zero.overlap_param_gather", "true or false", self.overlap_param_gather)
 
     def _check_quantization(self) -> None:
         for name in ("quantized_weights", "quantized_frozen_weights", "quantized_gradients"):

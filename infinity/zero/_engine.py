@@ -185,6 +185,7 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         stored_grad_slice_numel=(offload.sub_group_numel
                                  if offload is not None and offload.grads_on_nvme else None),
         hpz_partition_size=zero.hpz_partition_size,
+        overlap_param_gather=zero.overlap_param_gather,
         **quant_settings(zero, precision))
 
 
@@ -523,6 +524,7 @@ class InfinityEngine:
         return {"activations_current": host.live_bytes, "activations_peak": host.peak_bytes}
 
     def _optimizer_step(self, clip: float) -> None:
+        self.manager.settle_params()  # a unit the last forward did not use: its gather is in flight
         grads = self.manager.grad_partitions()
         inv_scale = 1.0 / self.scaler.scale
         norm_sq, overflow = self._global_norm_sq(grads)
@@ -677,7 +679,7 @@ class InfinityEngine:
         """The model's full state dict (fp32 masters for trained parameters), keyed like
         ``model.state_dict()``; ``keys``: only those entries (e.g. a LoRA adapter's, without
         gathering the frozen base). A collective: call it on every rank with the same keys."""
-        self.shard_optimizer.drain()  # a deferred step's updates land first
+        self._settle()  # a deferred step's updates and after-step gathers land first
         if self.collectives.data_parallel_size > 1:
             self._broadcast_buffers()
         return self.manager.full_state_dict(master_of=self.shard_optimizer.master_values,
@@ -695,20 +697,20 @@ class InfinityEngine:
                              "supported with tensor parallelism yet (the files hold full "
                              "tensors, each tensor rank a slice); load them into the model "
                              "before parallelize_module and initialize")
-        self.shard_optimizer.drain()  # a deferred step's updates land first
+        self._settle()  # a deferred step's updates and after-step gathers land first
         return load_weights(self, path, strict=strict, key_map=key_map,
                             optional_keys=optional_keys)
 
     def save_checkpoint(self, directory: str) -> str:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
         a collective: call it on every rank. Returns the new save's directory."""
-        self.shard_optimizer.drain()  # a deferred step's updates land first
+        self._settle()  # a deferred step's updates and after-step gathers land first
         return save_checkpoint(self, self._tensor_rank_dir(directory))
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
         size; everything is validated on every rank before any state changes."""
-        self.shard_optimizer.drain()  # a deferred step's updates land first
+        self._settle()  # a deferred step's updates and after-step gathers land first
         return load_checkpoint(self, self._tensor_rank_dir(directory))
 
     def _tensor_rank_dir(self, directory: Any) -> str:
@@ -719,9 +721,15 @@ class InfinityEngine:
 
     def finish_step(self) -> None:
         """Run the optimizer updates still deferred into the next forward ([Note: deferred
-        optimizer step]) and wait for their write-backs: a timed loop's last step then ends with
-        its own update, not the work of a forward that never comes. A no-op when nothing waits."""
+        optimizer step]) and wait for their write-backs, and for after-step gathers in flight
+        ([Note: the after-step gather overlaps the next forward] in
+        infinity/zero/_param_manager.py): a timed loop's last step then ends with its own update,
+        not the work of a forward that never comes. A no-op when nothing waits."""
+        self._settle()
+
+    def _settle(self) -> None:
         self.shard_optimizer.drain()
+        self.manager.settle_params()
 
     def flush_offload(self) -> None:
         """Every shard the store holds is current in its home tier (a no-op without offload)."""
@@ -786,7 +794,7 @@ class InfinityEngine:
         """Stop the store's threads and delete swap files (also done when the engine is
         garbage-collected or the interpreter exits)."""
         try:
-            self.shard_optimizer.drain()  # write-backs still in flight end before the store closes
+            self._settle()  # write-backs and gathers in flight end before the store closes
         finally:
             self._finalizer()
         self.store, self._swapper = None, None

@@ -74,6 +74,10 @@ class ManagerConfig:
     """Apply ``weight_quant`` to frozen flat groups only (``zero.quantized_frozen_weights``)."""
     grad_quant: QuantSpec | None = None
     """qgZ: how the gradient reduce-scatter quantizes (``zero.quantized_gradients``); None: exact."""
+    overlap_param_gather: bool = False
+    """Stages 1-2: the after-step all-gather overlaps the next forward (``zero.
+    overlap_param_gather``; [Note: the after-step gather overlaps the next forward] in
+    infinity/zero/_param_manager.py)."""
     hpz_partition_size: int = 1
     """ZeRO++ hpZ secondary group size (``zero.hpz_partition_size``); 1: off ([Note: hpZ
     secondary shards] in infinity/zero/_hpz.py)."""

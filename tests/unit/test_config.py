@@ -56,6 +56,13 @@ def test_nvme_needs_a_path_and_param_offload_needs_stage3():
         ZeroConfig(stage=4)
 
 
+def test_overlap_param_gather_is_a_boolean_named_in_its_error():
+    assert load_config({"zero": {"stage": 2, "overlap_param_gather": True}}).zero.overlap_param_gather
+    assert not load_config({"zero": {"stage": 2}}).zero.overlap_param_gather  # off by default
+    with pytest.raises(ValueError, match=r"zero\.overlap_param_gather"):
+        load_config({"zero": {"stage": 2, "overlap_param_gather": "yes"}})
+
+
 def test_native_unknown_key_suggests_the_close_one():
     with pytest.raises(ValueError, match=r"unknown config key 'swapper.queue_dept'.*did you mean 'queue_depth'"):
         load_config({"swapper": {"queue_dept": 4}})
