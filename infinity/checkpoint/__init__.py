@@ -20,12 +20,13 @@ from infinity.checkpoint._consolidate import (DEFAULT_MAX_SHARD_BYTES, OUT_DTYPE
                                               ConsolidateResult, consolidate)
 from infinity.checkpoint._layout import param_ranges
 from infinity.checkpoint._load import load_checkpoint
-from infinity.checkpoint._reader import (CheckpointError, CheckpointReader, resolve_checkpoint,
-                                         tensor_name)
+from infinity.checkpoint._reader import (CheckpointError, CheckpointReader, check_save_name,
+                                         read_client_state, resolve_checkpoint, tensor_name)
 from infinity.checkpoint._save import save_checkpoint
-from infinity.checkpoint._weights import WeightsError, load_weights
+from infinity.checkpoint._weights import WeightsError, load_weights, write_param_values
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "OUT_DTYPES", "CheckpointError", "CheckpointReader",
            "ConsolidateResult", "WeightsError", "consolidate",
-           "load_checkpoint", "load_weights", "param_ranges", "resolve_checkpoint",
-           "save_checkpoint", "tensor_name"]
+           "check_save_name", "load_checkpoint", "load_weights", "param_ranges",
+           "read_client_state", "resolve_checkpoint", "save_checkpoint", "tensor_name",
+           "write_param_values"]

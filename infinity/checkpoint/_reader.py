@@ -25,7 +25,29 @@ VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_STEP_DIR = re.compile(r"^step-\d+(-\d+)?$")
+_SAVE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+"""A save's directory name: ``step-N`` (``-K`` when taken), or a tag the caller chose."""
+CLIENT_STATE_NAME = "client_state.pt"
+"""``save_checkpoint(..., client_state=...)``: rank 0's object, ``torch.save``d beside the
+manifest (DeepSpeed's ``client_state``)."""
+
+
+def check_save_name(name: Any) -> None:
+    """A tag names one directory under the checkpoint root: no path separators, not ``latest``."""
+    if not isinstance(name, str) or not _SAVE_NAME.match(name) or name == LATEST_NAME:
+        raise ValueError(f"checkpoint tag {name!r}: a directory name of letters, digits, '.', "
+                         f"'_' and '-' (not starting with '.' or '-', not {LATEST_NAME!r}), "
+                         f"such as 'global_step100'")
+
+
+def read_client_state(step_dir: str) -> Any:
+    """The client state saved with the save at ``step_dir`` (``{}`` when none was); unpickled
+    with ``torch.load``: load only checkpoints you trust, as with any pickle."""
+    path = os.path.join(step_dir, CLIENT_STATE_NAME)
+    with open(os.path.join(step_dir, MANIFEST_NAME), encoding="utf-8") as f:
+        if "client_state_file" not in json.load(f):
+            return {}
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 class CheckpointError(InfinityError, ValueError):
@@ -55,7 +77,7 @@ def resolve_checkpoint(directory: str | os.PathLike[str]) -> str:
     with open(latest, encoding="utf-8") as f:
         name = f.read().strip()
     step_dir = os.path.join(directory, name)
-    if not _STEP_DIR.match(name) or not os.path.isfile(os.path.join(step_dir, MANIFEST_NAME)):
+    if not _SAVE_NAME.match(name) or not os.path.isfile(os.path.join(step_dir, MANIFEST_NAME)):
         raise CheckpointError(f"{latest} names {name!r}, which holds no {MANIFEST_NAME} (removed "
                               f"or not a save); pass an existing step-* directory instead",
                               path=latest)

@@ -36,7 +36,8 @@ import torch
 from infinity.checkpoint._layout import (BUFFERS_FILE, TRAIN_KINDS, dtype_name, module_buffers,
                                          param_ranges, rng_file, shard_file)
 from infinity.checkpoint._ranks import on_every_rank
-from infinity.checkpoint._reader import FORMAT, LATEST_NAME, MANIFEST_NAME, VERSION, tensor_name
+from infinity.checkpoint._reader import (CLIENT_STATE_NAME, FORMAT, LATEST_NAME, MANIFEST_NAME,
+                                         VERSION, CheckpointError, check_save_name, tensor_name)
 from infinity.checkpoint._rng import rng_state
 from infinity.errors import DiskSpaceError
 from infinity.io import free_disk_bytes, fsync_dir, write_safetensors
@@ -44,23 +45,30 @@ from infinity.io import free_disk_bytes, fsync_dir, write_safetensors
 logger = logging.getLogger(__name__)
 
 
-def save_checkpoint(engine: Any, directory: str | os.PathLike[str]) -> str:
+def save_checkpoint(engine: Any, directory: str | os.PathLike[str], *, name: str | None = None,
+                    client_state: Any = None) -> str:
     """Save ``engine``'s full training state under ``directory`` (call on every rank); returns
-    the new save's directory. See the module docstring for the layout and crash safety."""
+    the new save's directory. See the module docstring for the layout and crash safety.
+    ``name``: the save's directory name (DeepSpeed's ``tag``) instead of ``step-N``; a save is
+    never overwritten, so an existing one is an error naming it. ``client_state``: anything
+    ``torch.save`` takes, rank 0's saved beside the manifest (:func:`read_client_state`)."""
     directory = os.fspath(directory)
+    if name is not None:
+        check_save_name(name)
     if not engine.between_steps:
         raise ValueError(
             f"save_checkpoint: micro-step {engine.micro_steps} is inside a gradient accumulation "
             f"window ({engine.gradient_accumulation_steps} micro-batches per step) and partial "
             f"gradients are not saved; save right after the engine.step() that ran the optimizer")
     _check_free_space(engine, directory)  # [Note: space before a save]
-    name = _agree_on_name(engine, directory)
+    name = _agree_on_name(engine, directory) if name is None else _create_named(engine, directory,
+                                                                                name)
     step_dir = os.path.join(directory, name)
     on_every_rank(engine, f"writing checkpoint {step_dir}",
                   lambda: _write_rank_files(engine, step_dir))
     on_every_rank(engine, f"committing checkpoint {step_dir}",
-                  lambda: _commit(engine, directory, name) if engine.collectives.world.rank == 0
-                  else None)
+                  lambda: _commit(engine, directory, name, client_state)
+                  if engine.collectives.world.rank == 0 else None)
     logger.info("checkpoint saved: %s", step_dir)
     return step_dir
 
@@ -199,11 +207,36 @@ def _group_tensors(engine: Any, group: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _commit(engine: Any, directory: str, name: str) -> None:
-    """Rank 0, after every rank's files are durable: the manifest, then ``latest``."""
+def _create_named(engine: Any, directory: str, name: str) -> str:
+    """Rank 0 creates ``directory/name``, which must not exist (a save is never overwritten)."""
+    def create() -> None:
+        if engine.collectives.world.rank != 0:
+            return
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            raise CheckpointError(f"save_checkpoint(tag={name!r}): {path} exists; a save is never "
+                                  f"overwritten: pass another tag, or remove it first", path=path)
+        os.makedirs(path)
+
+    on_every_rank(engine, f"creating checkpoint {os.path.join(directory, name)}", create)
+    return name
+
+
+def _commit(engine: Any, directory: str, name: str, client_state: Any = None) -> None:
+    """Rank 0, after every rank's files are durable: the client state, the manifest, then
+    ``latest``."""
     step_dir = os.path.join(directory, name)
-    _atomic_write_text(os.path.join(step_dir, MANIFEST_NAME),
-                       json.dumps(_manifest(engine), indent=1))
+    manifest = _manifest(engine)
+    if client_state is not None:
+        path = os.path.join(step_dir, CLIENT_STATE_NAME)
+        with open(path + ".tmp", "wb") as f:
+            torch.save(client_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        manifest["client_state_file"] = CLIENT_STATE_NAME
+    _atomic_write_text(os.path.join(step_dir, MANIFEST_NAME), json.dumps(manifest, indent=1))
     _atomic_write_text(os.path.join(directory, LATEST_NAME), name + "\n")
 
 

@@ -36,9 +36,11 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Collection, Iterator, Mapping
 
 import torch
+from torch import nn
 
 from infinity._common import MiB, warn_once
 from infinity.checkpoint._layout import param_ranges
@@ -131,15 +133,16 @@ def _open_and_plan(engine: Any, path: str, strict: bool, names: _Names
     return ckpt, plan
 
 
-def _check_between_steps(engine: Any, path: str) -> None:
+def _check_between_steps(engine: Any, path: str, what: str | None = None) -> None:
+    what = what or f"load_weights({path!r})"
     if not engine.between_steps:
         raise WeightsError(
-            f"load_weights({path!r}): micro-step {engine.micro_steps} is inside a gradient "
+            f"{what}: micro-step {engine.micro_steps} is inside a gradient "
             f"accumulation window; the partial gradients belong to the old weights. Load before "
             f"training or right after the engine.step() that ran the optimizer", path=path)
     busy = [u.name for u in engine.manager.units if u.in_use]
     if busy:
-        raise WeightsError(f"load_weights({path!r}): units {busy[:5]} are in use by a forward or "
+        raise WeightsError(f"{what}: units {busy[:5]} are in use by a forward or "
                            f"backward; load between steps", path=path)
 
 
@@ -291,4 +294,40 @@ def _write_group(engine: Any, ckpt: SafetensorsCheckpoint, g: Any, lo: int, n: i
                             master[at - w_lo:at - w_lo + k].copy_(values)
 
 
-__all__ = ["WeightsError", "load_weights"]
+class _InMemory:
+    """Full parameter values in memory, read the way :func:`_write` reads a weights file."""
+
+    def __init__(self, values: dict[str, torch.Tensor]):
+        self.values = {k: v.detach().reshape(-1) for k, v in values.items()}
+        self.entries = {k: SimpleNamespace(dtype=v.dtype) for k, v in self.values.items()}
+
+    def read_into(self, name: str, out: torch.Tensor, *, start_numel: int) -> None:
+        out.copy_(self.values[name][start_numel:start_numel + out.numel()])
+
+
+def write_param_values(engine: Any, values: Mapping[nn.Parameter, torch.Tensor]) -> None:
+    """Write full values of managed parameters (every rank passes the same) into their shards:
+    the fp32 masters, the compute-dtype parameter shards wherever they live (NVMe too), then the
+    always-gathered units are gathered again, as :func:`load_weights` does with a file's. A
+    collective; between steps only."""
+    m = engine.manager
+    slot_of = {id(s.param): s for u in m.units for g in u.groups for s in g.slots}
+    sources, named = {}, {}
+    for i, (param, value) in enumerate(values.items()):
+        slot = slot_of.get(id(param))
+        if slot is None:
+            raise ValueError(f"write_param_values: a parameter of shape {list(param.shape)} is "
+                             f"not managed by this engine")
+        if tuple(value.shape) != tuple(slot.shape):
+            raise ValueError(f"write_param_values: {slot.name} holds shape {list(slot.shape)}, "
+                             f"got {list(value.shape)} (a parameter's shape cannot change after "
+                             f"initialize)")
+        sources[id(param)], named[f"v{i}"] = f"v{i}", value.to("cpu")
+    _check_between_steps(engine, "", "write_param_values")
+    plan = _Plan(sources=sources, buffers={}, missing_keys=[], unexpected_keys=[],
+                 max_range_bytes=max((v.numel() * v.element_size() for v in named.values()),
+                                     default=8))
+    _write(engine, _InMemory(named), plan)
+
+
+__all__ = ["WeightsError", "load_weights", "write_param_values"]

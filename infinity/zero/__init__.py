@@ -10,12 +10,14 @@ builds a model larger than memory (recorded on meta, materialised unit by unit).
 from infinity.zero._collectives import CollectiveError, Collectives, barrier, init_distributed
 from infinity.zero._engine import InfinityEngine, initialize
 from infinity.zero._flat_group import Unit, UnitState, UnitUse
-from infinity.zero._lazy import LazyInitError, init
+from infinity.zero._lazy import LazyInitError, extend_recording, init
+from infinity.zero._managed import engine_of
 from infinity.zero._mesh import MeshRanks, mesh_ranks
 from infinity.zero._offload import host_needs_of, least_host_budget_bytes
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._unit_builder import BuildProgress
 
 __all__ = ["BuildProgress", "CollectiveError", "Collectives", "InfinityEngine", "LazyInitError", "barrier",
-           "MeshRanks", "ParameterManager", "Unit", "UnitState", "UnitUse", "host_needs_of", "init",
+           "MeshRanks", "ParameterManager", "Unit", "UnitState", "UnitUse", "engine_of",
+           "extend_recording", "host_needs_of", "init",
            "init_distributed", "initialize", "least_host_budget_bytes", "mesh_ranks"]

@@ -52,7 +52,7 @@ from torch import nn
 
 from infinity._modeled_link import LinkModel, ModeledLink
 from infinity._timing import timer_for
-from infinity.checkpoint import load_checkpoint, load_weights, save_checkpoint
+from infinity.checkpoint import check_save_name, load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, MeshConfig, load_config
 from infinity.io import activations_in_heap, manage_mmap_threshold
 from infinity.ledger import host_grad_dtype
@@ -70,7 +70,7 @@ from infinity.zero._grad_norm import sum_of_squares
 from infinity.zero._inputs import move_to_device
 from infinity.zero._lazy import materialise_placeholders, recording_of
 from infinity.zero._loss_scale import LossScaler
-from infinity.zero._managed import check_not_wrapped
+from infinity.zero._managed import check_not_wrapped, register_engine
 from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._mesh import mesh_collectives
 from infinity.zero._offload import build_store, check_nvme_space_for, resolve_offload
@@ -293,6 +293,8 @@ class InfinityEngine:
             on_build_progress=progress,
             # [Note: the end of backward] in infinity/zero/_param_manager.py
             on_backward_begin=self._before_backward, on_backward_end=self._after_backward)
+        register_engine(self, [s.param for u in self.manager.units for g in u.groups
+                               for s in g.slots])  # infinity.deepspeed.zero.GatheredParameters
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
         if data_parallel > 1:
@@ -701,17 +703,26 @@ class InfinityEngine:
         return load_weights(self, path, strict=strict, key_map=key_map,
                             optional_keys=optional_keys)
 
-    def save_checkpoint(self, directory: str) -> str:
+    def save_checkpoint(self, directory: str, *, tag: str | None = None,
+                        client_state: Any = None) -> str:
         """Save the full training state under ``directory`` (see :mod:`infinity.checkpoint`);
-        a collective: call it on every rank. Returns the new save's directory."""
+        a collective: call it on every rank. Returns the new save's directory. ``tag``: its
+        name instead of ``step-N`` (never an existing one); ``client_state``: rank 0's object,
+        saved with it (DeepSpeed's two arguments)."""
         self._settle()  # a deferred step's updates and after-step gathers land first
-        return save_checkpoint(self, self._tensor_rank_dir(directory))
+        return save_checkpoint(self, self._tensor_rank_dir(directory), name=tag,
+                               client_state=client_state)
 
-    def load_checkpoint(self, directory: str) -> dict[str, Any]:
-        """Restore from a checkpoint root (its newest save) or one ``step-*`` folder, at any world
-        size; everything is validated on every rank before any state changes."""
+    def load_checkpoint(self, directory: str, *, tag: str | None = None) -> dict[str, Any]:
+        """Restore from a checkpoint root (its newest save, or the save named ``tag``) or one
+        save's folder, at any world size; everything is validated on every rank before any
+        state changes."""
         self._settle()  # a deferred step's updates and after-step gathers land first
-        return load_checkpoint(self, self._tensor_rank_dir(directory))
+        root = self._tensor_rank_dir(directory)
+        if tag is not None:
+            check_save_name(tag)
+            root = os.path.join(os.fspath(root), tag)
+        return load_checkpoint(self, root)
 
     def _tensor_rank_dir(self, directory: Any) -> str:
         """[Note: checkpoints under tensor parallelism] in infinity/zero/_tensor_parallel.py"""

@@ -573,6 +573,25 @@ def init(config: Any = None, *, extend: nn.Module | None = None) -> Iterator[Rec
                 recording.num_random)
 
 
+@contextlib.contextmanager
+def extend_recording(params: Any) -> Iterator[Recording | None]:
+    """Record what runs inside into the recording that owns ``params`` (meta tensors of a model
+    built under ``infinity.init``, not initialised yet), as ``init(extend=model)`` does: what
+    DeepSpeed's ``zero.GatheredParameters`` means on such a model (edits, new modules, resized
+    embeddings replay at ``initialize``). Yields None, recording nothing, when no recording owns
+    any of them."""
+    recording = next((r for p in params if isinstance(p, torch.Tensor) and p.device == _META
+                      for r in _LIVE if r.owns(p)), None)
+    if recording is None:
+        yield None
+        return
+    try:
+        with _record_meta_skipping_init(recording), _MetaByDefault(), _Recorder(recording):
+            yield recording
+    finally:
+        recording._scratch.release()
+
+
 def _recording_to_extend(model: Any, config: Any) -> Recording:
     """[Note: adding to a recorded model]
     Whatever wraps a recorded model after its block closed creates real tensors, and may then
@@ -675,4 +694,5 @@ def materialise_placeholders(module: nn.Module, recording: Recording
     return values_of
 
 
-__all__ = ["LazyInitError", "Recording", "init", "materialise_placeholders", "recording_of"]
+__all__ = ["LazyInitError", "Recording", "extend_recording", "init", "materialise_placeholders",
+           "recording_of"]

@@ -13,10 +13,26 @@ _MANAGED_PARAMS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.Weak
 """id -> parameter of every managed parameter (tensors compare elementwise, so no WeakSet)."""
 
 
+_ENGINE_OF: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+"""id(parameter) -> the engine managing it (:func:`engine_of`)."""
+
+
 def mark_managed(module: nn.Module, params: list[torch.Tensor]) -> None:
     _MANAGED_MODULES.add(module)
     for p in params:
         _MANAGED_PARAMS[id(p)] = p
+
+
+def register_engine(engine: object, params: list[torch.Tensor]) -> None:
+    for p in params:
+        _ENGINE_OF[id(p)] = engine
+
+
+def engine_of(param: torch.Tensor) -> object | None:
+    """The engine that manages ``param`` (None: no live engine does)."""
+    if _MANAGED_PARAMS.get(id(param)) is not param:
+        return None
+    return _ENGINE_OF.get(id(param))
 
 
 def check_not_wrapped(module: nn.Module) -> None:

@@ -369,6 +369,25 @@ class ParameterManager:
         for u in units:
             self.storage.wait_gather(u)
 
+    @contextlib.contextmanager
+    def gathered(self, params: Any) -> Iterator[list[nn.Parameter]]:
+        """The units holding ``params`` gathered, and kept so (none released) until the block
+        ends: each parameter is its full tensor inside (DeepSpeed's ``GatheredParameters``).
+        Yields the managed ones among ``params``. A collective: every rank, the same params."""
+        self.settle_params()
+        managed = [p for p in params if isinstance(p, torch.Tensor) and id(p) in self._slot_of]
+        units = list({id(u): u for u in (self._slot_of[id(p)][0] for p in managed)}.values())
+        for u in units:
+            u.enter_forward()
+            if u.state is UnitState.RELEASED:
+                self._gather(u, Phase.STATE_DICT)
+        try:
+            yield managed
+        finally:
+            for u in units:
+                u.leave_forward()
+                self._maybe_release(u)
+
     def settle_params(self) -> None:
         """Every gather in flight lands (after-step gathers overlapped with the next forward:
         [Note: the after-step gather overlaps the next forward])."""

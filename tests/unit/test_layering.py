@@ -9,6 +9,8 @@ cli ──> bench ──> integrations ──> zero ──┬──> optim ─�
  └──> (every package below)
 floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit, _modeled_link
 (nothing above them)
+deepspeed ──> zero (the DeepSpeed drop-in); the design card's modules, each the face of one
+package: swapper ──> io, cpu_adam ──> optim, stage3 ──> zero
 ```
 ``integrations`` (the hf Trainer and accelerate, optional extras) sits above the engine: nothing
 below imports it, so ``import infinity`` never needs transformers or accelerate.
@@ -56,6 +58,7 @@ ALLOWED: dict[str, set[str]] = {
     "swapper": {"io"},
     "cpu_adam": {"optim"},
     "stage3": {"zero"},
+    "deepspeed": {"zero"},  # the DeepSpeed drop-in: initialize, the engine's DeepSpeed names, zero
     "__main__": {"cli"},
 }
 """Package -> the packages it may import directly (each may import what those may, too)."""

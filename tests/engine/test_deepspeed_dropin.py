@@ -1,0 +1,191 @@
+"""The DeepSpeed drop-in (issue #32 item 3): a training loop written the way DeepSpeed's
+getting-started tutorial writes it (from its documented API: ``deepspeed.initialize`` with
+``model_parameters`` and ``training_data``, ``model_engine(...)``, ``model_engine.backward``,
+``model_engine.step``, ``save_checkpoint(dir, tag, client_state)``, ``load_checkpoint(dir)``),
+run with ``import infinity.deepspeed as deepspeed`` against plain PyTorch (fp32, stage 3, NVMe
+offload); checkpoints resume exactly and hand back ``client_state``; ``zero.GatheredParameters``
+edits land in the shards; what is not supported raises naming the DeepSpeed name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import infinity.deepspeed as deepspeed
+from tests._support.engine import BETAS, EPS, LR, WD, tiny_gpt
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MICRO, STEPS = 4, 6
+
+
+def ds_config(tmp_path, **zero) -> dict:
+    swap = str(tmp_path / "nvme")
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS),
+                                                      "eps": EPS, "weight_decay": WD}},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+                                                                "nvme_path": swap},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+                                  **zero}}
+
+
+def dataset(n: int = MICRO * STEPS) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 64, (n, 16), generator=g)
+    return torch.utils.data.TensorDataset(x, torch.roll(x, -1, dims=1))
+
+
+def plain_losses(batches, model=None, edit=None, edit_after: int | None = None):
+    model = model or tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if edit is not None and i == edit_after:
+            with torch.no_grad():
+                edit(model)
+        loss = model(x, y)
+        loss.backward()
+        # DeepSpeed clips at 1.0 when the config has no gradient_clipping (infinity/config/
+        # _deepspeed.py): so does the drop-in, and so does the reference.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_a_deepspeed_style_loop_trains_like_plain_pytorch(tmp_path):
+    model = tiny_gpt()
+    model_engine, optimizer, trainloader, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), training_data=dataset(),
+        config=ds_config(tmp_path))
+    assert optimizer is model_engine.optimizer
+    assert model_engine.train_batch_size() == MICRO
+    assert model_engine.gradient_accumulation_steps() == 1
+    assert model_engine.get_lr() == [LR]
+    batches, losses = [], []
+    model_engine.train()
+    for x, y in trainloader:
+        batches.append((x, y))
+        loss = model_engine(x, y)
+        model_engine.backward(loss)
+        assert model_engine.is_gradient_accumulation_boundary()
+        model_engine.step()
+        model_engine.zero_grad()
+        losses.append(loss.item())
+    assert model_engine.global_steps == STEPS and len(batches) == STEPS
+    seen = torch.cat([b[0] for b in batches])  # every row once, in a shuffled order
+    rows = dataset().tensors[0]
+    assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, rows.tolist()))
+    assert not torch.equal(seen, rows)
+    ref, _ = plain_losses(batches)
+    assert losses == pytest.approx(ref, abs=1e-5)
+    model_engine.close()
+
+
+def test_checkpoints_resume_exactly_and_return_client_state(tmp_path):
+    data = [dataset()[i * MICRO:(i + 1) * MICRO] for i in range(STEPS)]
+
+    def run(engine, part):
+        out = []
+        for x, y in part:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    engine, *_ = deepspeed.initialize(model=tiny_gpt(), config=ds_config(tmp_path / "a"))
+    run(engine, data[:3])
+    path = engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 2, "seen": [1, 2]})
+    assert os.path.basename(path) == "global_step3"  # DeepSpeed's default tag
+    with pytest.raises(Exception, match="global_step3.*never overwritten"):
+        engine.save_checkpoint(tmp_path / "ckpt")  # the same tag again
+    engine.save_checkpoint(tmp_path / "ckpt", tag="mine")
+    want = run(engine, data[3:])
+    engine.close()
+
+    engine, *_ = deepspeed.initialize(model=tiny_gpt(1), config=ds_config(tmp_path / "b"))
+    loaded, client_state = engine.load_checkpoint(tmp_path / "ckpt", tag="global_step3")
+    assert loaded.endswith("global_step3") and client_state == {"epoch": 2, "seen": [1, 2]}
+    assert engine.global_steps == 3
+    assert run(engine, data[3:]) == want  # bitwise: the whole state came back
+    _, latest_state = engine.load_checkpoint(tmp_path / "ckpt")  # 'latest': the newest, "mine"
+    assert latest_state == {}
+    engine.close()
+
+
+def _edit(model):
+    """Resize-style row edit (new rows set to the mean of the others) and a tie by value."""
+    w = model.wte.weight
+    w[-4:] = w[:-4].mean(dim=0, keepdim=True)
+    model.blocks[1].mlp.fc.weight.copy_(model.blocks[0].mlp.fc.weight)
+
+
+@pytest.mark.parametrize("stage,offload", [(3, "nvme"), (2, "none")])
+def test_gathered_parameters_edits_land_in_the_shards(stage, offload, tmp_path):
+    data = [dataset()[i * MICRO:(i + 1) * MICRO] for i in range(STEPS)]
+    cfg = ds_config(tmp_path)
+    cfg["zero_optimization"]["stage"] = stage
+    if offload == "none":
+        cfg["zero_optimization"].pop("offload_param")
+        cfg["zero_optimization"].pop("offload_optimizer")
+    model = tiny_gpt()
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    losses = []
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            params = [model.wte.weight, model.blocks[0].mlp.fc.weight,
+                      model.blocks[1].mlp.fc.weight]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                assert all(p.numel() > 0 for p in params)  # whole inside, at stage 3 too
+                with torch.no_grad():
+                    _edit(model)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = engine.full_state_dict()
+    engine.close()
+    ref, ref_model = plain_losses(data, edit=_edit, edit_after=3)
+    assert losses == pytest.approx(ref, abs=1e-5)
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(state[k], v, atol=1e-5, rtol=0, msg=k)
+
+
+def test_gathered_parameters_on_a_model_built_under_zero_init(tmp_path):
+    """Before initialize, the block is recorded into the model's construction: the edit (and a
+    module built inside it) replays as eager code ran it."""
+    cfg = ds_config(tmp_path)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = tiny_gpt()
+    with deepspeed.zero.GatheredParameters(model.wte.weight, modifier_rank=0):
+        with torch.no_grad():
+            _edit(model)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    state = engine.full_state_dict()
+    engine.close()
+    want = tiny_gpt()
+    with torch.no_grad():
+        _edit(want)
+    for k, v in want.state_dict().items():
+        assert torch.equal(state[k], v), k
+
+
+def test_what_is_not_supported_names_the_deepspeed_name(tmp_path):
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match=r"optimizer=SGD.*'optimizer' section"):
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             config=ds_config(tmp_path))
+    with pytest.raises(AttributeError, match="deepspeed.comm is not wrapped: use torch.distributed"):
+        deepspeed.comm  # noqa: B018
+    engine, *_ = deepspeed.initialize(model=tiny_gpt(), config=ds_config(tmp_path))
+    with pytest.raises(ValueError, match="retain_graph"):
+        engine.backward(engine(*dataset()[:MICRO]), retain_graph=True)
+    with pytest.raises(ValueError, match="load_module_only"):
+        engine.load_checkpoint(tmp_path, load_module_only=True)
+    engine.close()
