@@ -176,6 +176,35 @@ def test_gathered_parameters_on_a_model_built_under_zero_init(tmp_path):
         assert torch.equal(state[k], v), k
 
 
+def _resize_positions(model, rows: int = 24):
+    """A resize as Hugging Face's resize_token_embeddings does one: a new embedding, the old rows
+    copied in, the new ones initialised from the old mean, the module swapped in."""
+    old = model.wpe
+    new = torch.nn.Embedding(rows, old.embedding_dim)
+    with torch.no_grad():
+        new.weight[:old.num_embeddings] = old.weight
+        new.weight[old.num_embeddings:] = old.weight.mean(dim=0, keepdim=True)
+    model.wpe = new
+
+
+def test_an_embedding_resized_under_gathered_parameters_before_initialize(tmp_path):
+    cfg = ds_config(tmp_path)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = tiny_gpt()
+    with deepspeed.zero.GatheredParameters(model.wpe.weight, modifier_rank=0):
+        _resize_positions(model)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    state = engine.full_state_dict()
+    engine.close()
+    torch.manual_seed(0)
+    want = tiny_gpt()
+    _resize_positions(want)
+    assert state["wpe.weight"].shape == (24, 16)
+    for k, v in want.state_dict().items():
+        assert torch.equal(state[k], v), k
+
+
 def test_what_is_not_supported_names_the_deepspeed_name(tmp_path):
     model = tiny_gpt()
     with pytest.raises(ValueError, match=r"optimizer=SGD.*'optimizer' section"):
