@@ -133,7 +133,8 @@ BACKWARD_PHASES = ("backward-gather", "secondary-gather", "reduce-grad", "replic
 run in ``engine.step()``."""
 
 
-def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any]) -> float | None:
+def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
+                     step_gather_in_forward: bool = False) -> float | None:
     """[Note: the schedule bound]
     max(T0, L) assumes the link can work at any time. It cannot: a gradient is reduced after the
     backward made it and before the step uses it, a unit is gathered after the last step changed
@@ -141,15 +142,19 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any]) -> float | No
     larger of its compute (the free run's median phase seconds) and its link time (the linked
     run's link seconds of the collectives that phase carries); the copies of parameters may run
     in the forward and the backward alike. The sum is the least time any schedule of these
-    transfers can reach: the best overlap, given where the bytes arise."""
+    transfers can reach: the best overlap, given where the bytes arise.
+    ``step_gather_in_forward``: the after-step all-gather is waited in the next forward
+    (stage2-overlap: [Note: the after-step gather overlaps the next forward] in
+    infinity/zero/_param_manager.py), so its link time is the forward's."""
     phases = free.get("phase_s")
     if not phases:
         return None
     comm = linked.get("comm_link_busy_s_by_phase_per_step") or {}
     copy_s = linked.get("copy_link_busy_s_per_step") or 0.0
-    fwd = sum(comm.get(p, 0.0) for p in FORWARD_PHASES)
+    forward_phases = FORWARD_PHASES + (("step-gather",) if step_gather_in_forward else ())
+    fwd = sum(comm.get(p, 0.0) for p in forward_phases)
     bwd = sum(comm.get(p, 0.0) for p in BACKWARD_PHASES)
-    step = sum(v for p, v in comm.items() if p not in FORWARD_PHASES + BACKWARD_PHASES)
+    step = sum(v for p, v in comm.items() if p not in forward_phases + BACKWARD_PHASES)
     f, b, o = phases["forward"], phases["backward"], phases["optimizer"]
     # The copies' link beside the collectives' (a lane each): it bounds forward + backward.
     return max(max(f, fwd) + max(b, bwd), copy_s) + max(o, step)
@@ -163,7 +168,7 @@ def _row(mode: str, free: dict[str, Any], linked: dict[str, Any], gbps: float) -
     copy_s = linked.get("copy_link_busy_s_per_step") or 0.0
     link_s = max(comm_s, copy_s)  # two links side by side: the busier one bounds the step
     bound = max(t0, link_s)
-    schedule = schedule_bound_s(free, linked)
+    schedule = schedule_bound_s(free, linked, step_gather_in_forward=mode == "stage2-overlap")
     return {"mode": mode, "link_gbps": gbps, "t0_s": t0, "link_s": link_s, "step_s": step,
             "x_max": step / bound, "x_serial": (t0 + link_s) / bound,
             "schedule_bound_s": schedule,

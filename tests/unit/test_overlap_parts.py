@@ -86,3 +86,18 @@ def test_reductions_follow_the_fixed_order_whatever_the_completion_order():
     assert order.complete(0) == []
     assert order.rest() == [1, 0]  # the end of backward: the rest, in order
     assert order.complete(3) == [3]  # the next backward starts over
+
+
+def test_schedule_bound_puts_an_overlapped_after_step_gather_in_the_forward():
+    """[Note: the schedule bound] in infinity/bench/overlap.py: stage2-overlap waits its after-step
+    all-gather in the next forward, so that link time bounds the forward, not engine.step()."""
+    from infinity.bench.overlap import schedule_bound_s
+
+    free = {"phase_s": {"forward": 1.0, "backward": 2.0, "optimizer": 0.2}}
+    linked = {"comm_link_busy_s_by_phase_per_step": {"reduce-grad": 2.5, "step-gather": 0.9}}
+    assert schedule_bound_s(free, linked) == pytest.approx(1.0 + 2.5 + 0.9)
+    assert schedule_bound_s(free, linked, step_gather_in_forward=True) == pytest.approx(
+        1.0 + 2.5 + 0.2)
+    linked["comm_link_busy_s_by_phase_per_step"]["step-gather"] = 1.4  # longer than the forward
+    assert schedule_bound_s(free, linked, step_gather_in_forward=True) == pytest.approx(
+        1.4 + 2.5 + 0.2)
