@@ -99,5 +99,8 @@ def _gathered_for_edit(engine: Any, params: Iterable[torch.Tensor],
                                          context="GatheredParameters (modifier_rank)")
             if int(flag.item()):
                 changed[p] = value
+            elif not torch.equal(p.detach(), old):  # this rank's own edit: not the modifier's
+                with torch.no_grad():
+                    p.copy_(old)  # (an always-gathered unit would keep it; a released one not)
     if changed:  # the units are given back first: their next gather reads the new shards
         write_param_values(engine, changed)
