@@ -56,9 +56,9 @@ class DeepSpeedEngine:
         """DeepSpeed scripts call it after ``step()``: the engine drops gradients at each
         optimizer step, so between steps there is nothing to zero."""
         if not self.infinity.between_steps:
-            raise ValueError(f"engine.zero_grad() at micro-step {self.infinity.micro_steps}, inside "
-                             f"a gradient accumulation window: the window's gradients are kept "
-                             f"until the step; call it after engine.step()")
+            raise ValueError(f"engine.zero_grad() at micro-step {self.infinity.micro_steps}, "
+                             f"inside a gradient accumulation window: the window's gradients "
+                             f"are kept until the step; call it after engine.step()")
 
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.infinity.module.train(mode)

@@ -24,8 +24,9 @@ each field; set ``gather_lead_entries`` when the world size is above 1)
 evictable=None, clock=time.perf_counter, store=None)``
     ``issue(action) -> handle`` (``wait()``, ``done()``; ``settle()`` where the handle has one:
     completes the hop without what ``wait()`` adds for a reader, such as a CUDA stream wait;
-    optional float ``elapsed_s`` once done feeds the bandwidth EMA); ``locate(unit) -> level`` the nearest level where the store holds the
-    unit now (else the executor's own bookkeeping, fed by completions and ``on_evicted``, is used);
+    optional float ``elapsed_s`` once done feeds the bandwidth EMA); ``locate(unit) -> level``
+    the nearest level where the store holds the unit now (else the executor's own bookkeeping,
+    fed by completions and ``on_evicted``, is used);
     ``free_bytes(level) -> int | None`` bytes a new copy may take at that level without evicting
     anything needed sooner (a Belady store: free bytes plus copies whose next use is later than the
     fetch's; None: no limit known). ``evictable(level) -> [(next_use_position, nbytes), ...]`` the

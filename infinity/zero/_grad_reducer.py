@@ -319,9 +319,10 @@ class GradientReducer:
     def _add_from_device(self, acc: torch.Tensor, part: torch.Tensor) -> None:
         """``acc += part`` for a host accumulator and a GPU ``part`` without stalling backward:
         the copy down is non-blocking into pinned staging (on the caller's stream: the side
-        stream of :meth:`_accumulate`), and the addition runs once it has landed, when its staging slot comes round again or at :meth:`partitions` ([Note:
-        event-guarded staging] in infinity/_async_copy.py). The event also covers the earlier
-        non-blocking copies into ``acc``: they were issued before it on the same stream."""
+        stream of :meth:`_accumulate`), and the addition runs once it has landed, when its
+        staging slot comes round again or at :meth:`partitions` ([Note: event-guarded staging]
+        in infinity/_async_copy.py). The event also covers the earlier non-blocking copies into
+        ``acc``: they were issued before it on the same stream."""
         ring = self._ring_for(part.device)
         slot, staging = ring.take(part.numel(), part.dtype)
         staging.copy_(part.reshape(-1), non_blocking=True)

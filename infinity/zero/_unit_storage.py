@@ -87,7 +87,8 @@ class UnitStorage:
             return
         hpz = self.hpz
         if hpz is not None and phase is Phase.BACKWARD_GATHER and hpz.holds(unit.groups):
-            phase = Phase.SECONDARY_GATHER  # inside the node: [Note: hpZ secondary shards] in _hpz.py
+            # Inside the node: [Note: hpZ secondary shards] in infinity/zero/_hpz.py
+            phase = Phase.SECONDARY_GATHER
         keep = (hpz is not None and phase is Phase.FORWARD_GATHER and not unit.always_gathered
                 and torch.is_grad_enabled())
         self._check(unit, phase, step)
@@ -102,7 +103,8 @@ class UnitStorage:
                     with engine_buffers():  # [Note: freed buffers leave the process] (io)
                         g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
                     advise_huge_pages(g.full)  # [Note: first touch of large host buffers] (io)
-                    context = f"{phase.value} of unit {unit.index} {unit.name!r} (micro-step {step})"
+                    context = (f"{phase.value} of unit {unit.index} {unit.name!r} "
+                               f"(micro-step {step})")
                     if phase is Phase.SECONDARY_GATHER:
                         unit.pending.append(hpz.gather(g, context=context))
                     elif g.store_key is None:
