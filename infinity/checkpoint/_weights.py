@@ -123,7 +123,7 @@ class _Names:
 
 def _open_and_plan(engine: Any, path: str, strict: bool, names: _Names
                    ) -> tuple[SafetensorsCheckpoint, _Plan]:
-    _check_between_steps(engine, path)
+    _check_between_steps(engine, f"load_weights({path!r})", path)
     ckpt = SafetensorsCheckpoint(path)  # parses every header; a truncated file raises here
     try:
         plan = _plan(engine, ckpt, strict, names)
@@ -133,8 +133,7 @@ def _open_and_plan(engine: Any, path: str, strict: bool, names: _Names
     return ckpt, plan
 
 
-def _check_between_steps(engine: Any, path: str, what: str | None = None) -> None:
-    what = what or f"load_weights({path!r})"
+def _check_between_steps(engine: Any, what: str, path: str) -> None:
     if not engine.between_steps:
         raise WeightsError(
             f"{what}: micro-step {engine.micro_steps} is inside a gradient "
@@ -323,7 +322,7 @@ def write_param_values(engine: Any, values: Mapping[nn.Parameter, torch.Tensor])
                              f"got {list(value.shape)} (a parameter's shape cannot change after "
                              f"initialize)")
         sources[id(param)], named[f"v{i}"] = f"v{i}", value.to("cpu")
-    _check_between_steps(engine, "", "write_param_values")
+    _check_between_steps(engine, "write_param_values", "")
     plan = _Plan(sources=sources, buffers={}, missing_keys=[], unexpected_keys=[],
                  max_range_bytes=max((v.numel() * v.element_size() for v in named.values()),
                                      default=8))

@@ -367,7 +367,7 @@ class ParameterManager:
 
     def _wait_units(self, units: Any) -> None:
         for u in units:
-            self.storage.wait_gather(u)
+            self._wait_gather(u)
 
     @contextlib.contextmanager
     def gathered(self, params: Any) -> Iterator[list[nn.Parameter]]:
@@ -517,8 +517,8 @@ class ParameterManager:
     def _gather(self, unit: Unit, phase: Phase) -> None:
         self.storage.gather(unit, phase, self.micro_step)
 
-    def _issue_gather(self, unit: Unit, phase: Phase) -> None:
-        self.storage.issue_gather(unit, phase, self.micro_step)
+    def _issue_gather(self, unit: Unit, phase: Phase, *, refresh: bool = False) -> None:
+        self.storage.issue_gather(unit, phase, self.micro_step, refresh=refresh)
 
     def _wait_gather(self, unit: Unit) -> None:
         self.storage.wait_gather(unit)
@@ -717,7 +717,7 @@ class ParameterManager:
             return
         for unit in self.units:
             if unit.always_gathered and self._step_gather_ahead:
-                self.storage.issue_gather(unit, Phase.STEP_GATHER, self.micro_step, refresh=True)
+                self._issue_gather(unit, Phase.STEP_GATHER, refresh=True)
             elif unit.always_gathered:
                 self._gather(unit, Phase.STEP_GATHER)
         if self._fetcher is not None:
