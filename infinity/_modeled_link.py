@@ -100,3 +100,37 @@ class ModeledLink:
         return {"bandwidth_gbytes_per_s": self.model.bandwidth_gbytes_per_s,
                 "latency_us": self.model.latency_us, "busy_s": self.busy_s,
                 "transfers": self.transfers, "bytes": self.bytes}
+
+
+class DuplexLink:
+    """A host<->device link (a GPU's PCIe lanes, which carry both directions at once): a
+    :class:`ModeledLink` per direction, each its own queue at the model's bandwidth. Under it go
+    every copy between HOST and DEVICE: the store's moves and write-backs, and the gradients
+    copied down to an offloaded optimizer's host accumulators. Its busy seconds (L) and bytes are
+    the busier direction's; ``stats()`` has both."""
+
+    def __init__(self, model: LinkModel, *, clock=time.perf_counter):
+        self.model = model
+        self.to_device = ModeledLink(model, clock=clock)
+        self.to_host = ModeledLink(model, clock=clock)
+
+    def toward(self, *, device: bool) -> ModeledLink:
+        """The direction whose queue a copy into the device (``device=True``) or out of it uses."""
+        return self.to_device if device else self.to_host
+
+    def _busier(self) -> ModeledLink:
+        return max(self.to_device, self.to_host, key=lambda link: link.busy_s)
+
+    @property
+    def busy_s(self) -> float:
+        return self._busier().busy_s
+
+    @property
+    def bytes(self) -> int:
+        return self._busier().bytes
+
+    def stats(self) -> dict[str, float]:
+        return {"bandwidth_gbytes_per_s": self.model.bandwidth_gbytes_per_s,
+                "latency_us": self.model.latency_us, "busy_s": self.busy_s, "bytes": self.bytes,
+                "busy_s_to_device": self.to_device.busy_s, "busy_s_to_host": self.to_host.busy_s,
+                "bytes_to_device": self.to_device.bytes, "bytes_to_host": self.to_host.bytes}

@@ -238,7 +238,12 @@ def _engine_runner(engine, bench_model: StepModel):
 
     # The units as built, in the record: the user-config and native rows can be compared on them.
     unit_names = [u.name for u in engine.manager.units]
-    return step, lambda: {**engine.stats(), "unit_names": unit_names}, engine.close
+    # [Note: the schedule bound] in overlap.py: every stored parameter shard crosses to the device
+    # after the step that updates it and before the forward reads it.
+    shard_bytes = sum(g.shard_numel * g.full.element_size() for u in engine.manager.units
+                      for g in u.groups if g.store_key is not None and g.requires_grad)
+    return step, lambda: {**engine.stats(), "unit_names": unit_names,
+                          "updated_shard_bytes": shard_bytes}, engine.close
 
 
 def _timed(after: dict[str, Any], before: dict[str, Any], times: list[float]) -> dict[str, Any]:
@@ -334,7 +339,8 @@ def _lanes_per_step(after: dict[str, Any], before: dict[str, Any], steps: int
     for lane in ("comm", "copy"):
         a, b = after.get(lane) or {}, before.get(lane) or {}
         out.update({f"{lane}_{k}_per_step": (a[k] - (b.get(k) or 0)) / max(1, steps)
-                    for k in ("exposed_s", "issued", "link_busy_s", "link_bytes")
+                    for k in ("exposed_s", "issued", "link_busy_s", "link_bytes",
+                              "bytes_to_device", "bytes_to_host")
                     if a.get(k) is not None})
         for key in ("exposed_s_by_phase", "link_busy_s_by_phase"):
             if not a.get(key):
@@ -423,6 +429,7 @@ def main() -> None:
            "nvme_per_step": nvme_per_step(step_moved, s, cold_steps=0) if s else {
                "read_bytes": 0, "write_bytes": 0},
            **_io_thread_cpu(io_thread_cpu), **_lanes_per_step(s, warm, len(times)), **extra,
+           "updated_shard_bytes": s.get("updated_shard_bytes", 0) if s else 0,
            "stats": s}
     if rank == 0:
         print(json.dumps(out, default=str), flush=True)

@@ -7,9 +7,13 @@ compute time)::
     infinity bench step --model 135m --seq-len 128 --world-size 2 --link-gbps auto \\
         --modes stage3,stage2,stage3-hpz --steps 4 --warmup 2
 
-One rank, parameters on HOST and the link under the host<->device copies (the 350M preset: on the
-135M one the least device budget the engine accepts, three of its 38.6M-parameter root, holds
-almost every shard, so little crosses the link)::
+One rank, parameters on HOST and the link under the host<->device copies, both directions (the
+350M preset: on the 135M one the least device budget the engine accepts, three of its
+38.6M-parameter root, holds almost every shard, so little crosses the link). There every updated
+shard must reach the device between the step that updates it and the forward that reads it, and
+the gradients must come down in the backward: with L = T0 that is most of L inside the forward
+and all the gradients' bytes inside the backward, and ``schedule_bound_s`` (not max(T0, L)) is
+the least step any schedule reaches::
 
     infinity bench step --model 350m --seq-len 128 --world-size 1 --link-gbps auto \
         --modes stage3-cpu --steps 4 --warmup 2
@@ -140,9 +144,14 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     backward made it and before the step uses it, a unit is gathered after the last step changed
     it. So each phase of the step (forward, backward, ``engine.step()``) takes at least the
     larger of its compute (the free run's median phase seconds) and its link time (the linked
-    run's link seconds of the collectives that phase carries); the copies of parameters may run
-    in the forward and the backward alike. The sum is the least time any schedule of these
-    transfers can reach: the best overlap, given where the bytes arise.
+    run's link seconds of the collectives that phase carries). Copies under the host<->device
+    link (parameters offloaded) go both ways, each direction its own queue: every updated
+    parameter shard crosses to the device between its update (in the step) and its read (in
+    the next forward), so the step and the forward together last at least those bytes' link
+    time; the backward sends the gradients down (to an offloaded optimizer); the other copies
+    into the device (the backward's reads of released units) may run in either.
+    The sum is the least time any schedule of these transfers can reach: the best overlap,
+    given where the bytes arise.
     ``step_gather_in_forward``: the after-step all-gather is waited in the next forward
     (stage2-overlap: [Note: the after-step gather overlaps the next forward] in
     infinity/zero/_param_manager.py), so its link time is the forward's."""
@@ -156,8 +165,19 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     bwd = sum(comm.get(p, 0.0) for p in BACKWARD_PHASES)
     step = sum(v for p, v in comm.items() if p not in forward_phases + BACKWARD_PHASES)
     f, b, o = phases["forward"], phases["backward"], phases["optimizer"]
-    # The copies' link beside the collectives' (a lane each): it bounds forward + backward.
-    return max(max(f, fwd) + max(b, bwd), copy_s) + max(o, step)
+    per_byte_s = _per_byte_s(linked)
+    shards_s = (linked.get("updated_shard_bytes") or 0) * per_byte_s
+    down_s = (linked.get("copy_bytes_to_host_per_step") or 0.0) * per_byte_s
+    # The copies' link beside the collectives' (a lane each): it bounds the whole step.
+    step_and_forward = max(max(o, step) + max(f, fwd), shards_s)
+    return max(step_and_forward + max(b, bwd, down_s), copy_s)
+
+
+def _per_byte_s(linked: dict[str, Any]) -> float:
+    """Seconds a byte takes on the linked run's copy link (0 without one)."""
+    busy, moved = (linked.get("copy_link_busy_s_per_step") or 0.0,
+                   linked.get("copy_link_bytes_per_step") or 0.0)
+    return busy / moved if moved else 0.0
 
 
 def _row(mode: str, free: dict[str, Any], linked: dict[str, Any], gbps: float) -> dict[str, Any]:
@@ -186,6 +206,10 @@ def _row(mode: str, free: dict[str, Any], linked: dict[str, Any], gbps: float) -
             "exposed_copy_s_free": free.get("copy_exposed_s_per_step"),
             "comm_mib_per_step": (free.get("comm_link_bytes_per_step") or 0.0) / 2**20,
             "copy_mib_per_step": (free.get("copy_link_bytes_per_step") or 0.0) / 2**20,
+            "copy_mib_to_device_per_step": (free.get("copy_bytes_to_device_per_step")
+                                            or 0.0) / 2**20,
+            "copy_mib_to_host_per_step": (free.get("copy_bytes_to_host_per_step") or 0.0) / 2**20,
+            "updated_shard_mib": (free.get("updated_shard_bytes") or 0) / 2**20,
             "collectives_per_step": free.get("comm_issued_per_step"),
             "final_loss": linked.get("final_loss")}
 

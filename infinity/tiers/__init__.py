@@ -89,6 +89,7 @@ come and go), ``num_shards``.
 """
 
 from infinity.tiers._arena import Extent, HostArena
+from infinity.tiers._copy_lane import CopyLane
 from infinity.tiers._offload_budgets import (AUTO_HOST_RAM_FRACTION, AUTO_SUB_GROUP_NUMEL,
                                              CUDA_FREE_FRACTION, OPTIMIZER_WINDOW_SLOTS,
                                              DeviceWorkingSet, auto_device_budget_bytes,
@@ -102,7 +103,7 @@ from infinity.tiers.store import TieredStore
 
 __all__ = ["AUTO_HOST_RAM_FRACTION", "AUTO_SUB_GROUP_NUMEL", "CUDA_FREE_FRACTION",
            "DeviceWorkingSet", "OPTIMIZER_WINDOW_SLOTS", "STATS_KEYS", "auto_device_budget_bytes",
-           "SUB_GROUP_BYTES_PER_NUMEL", "TRANSITIONS", "Extent", "HostArena", "HostNeeds",
+           "SUB_GROUP_BYTES_PER_NUMEL", "TRANSITIONS", "CopyLane", "Extent", "HostArena", "HostNeeds",
            "NvmeBytes", "NvmeDemand", "OffloadBudgets", "OffloadRequest", "Residency",
            "StateSizes", "StoreConfig", "Tier", "TierHandle", "TieredStore", "check_nvme_space",
            "extent_bytes", "host_needs", "least_host_bytes", "nvme_bytes",

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from infinity._async_copy import blocking_event, record_on_current_stream
-from infinity._modeled_link import ModeledLink
+from infinity._modeled_link import DuplexLink
 from infinity.io import Swapper, aligned_empty, pin_device_for
 from infinity.tiers._arena import HostArena
 from infinity.tiers._budgets import NextUse, TierBudgets
@@ -92,9 +92,15 @@ class TieredStore:
         self._lane = CopyLane()
         """Completes host<->device copies in issue order ([Note: device copies complete on the
         copy lane] in ``_copy_lane.py``)."""
-        self.copy_link: ModeledLink | None = None
+        self.copy_link: DuplexLink | None = None
         """A modeled link under the host<->device copies of a CPU engine ([Note: the modeled
-        link] in infinity/_modeled_link.py); None: copies take the time they take."""
+        link] in infinity/_modeled_link.py): moves and write-backs between HOST and DEVICE;
+        None: copies take the time they take."""
+        self._modeled_lanes = {Tier.DEVICE: CopyLane("infinity-link-to-device"),
+                               Tier.HOST: CopyLane("infinity-link-to-host")}
+        """Land the modeled copies, one lane per direction: a copy into HOST that the link
+        finished first must not wait behind one into DEVICE still on the wire (and the shared
+        copy lane above keeps its own order for real device copies)."""
         self._closed = False
         self.before_read: Callable[[str], None] | None = None
         """Called with the key, in the caller's thread and without the lock, before every fetch
@@ -382,9 +388,12 @@ class TieredStore:
             self._submit(self._copy_then_finish, shard, src, dst, ready, None)
 
     def _copy_then_finish(self, shard, src: Tier, dst: Tier, ready, error) -> None:
-        if error is None and self.copy_link is not None and not self._cuda:
-            self._modeled_copy(shard, src, dst)
-            return
+        if error is None and self._modeled(src, dst):
+            try:
+                self._modeled_copy(shard, src, dst)
+                return
+            except BaseException as e:  # noqa: BLE001 - delivered through the handle
+                error = e
         done = None
         if error is None:
             try:
@@ -405,7 +414,7 @@ class TieredStore:
     def _modeled_copy(self, shard, src: Tier, dst: Tier) -> None:
         """A CPU engine's copy under ``copy_link``: queued on the link, its bytes land at its
         modeled end on the copy lane (NaN until then where the link asks for it)."""
-        link = self.copy_link
+        link = self.copy_link.toward(device=dst is Tier.DEVICE)
         dst_t, src_t = shard.copies[dst].tensor, shard.copies[src].tensor
         done_at = link.reserve(shard.nbytes, f"{src.name}->{dst.name}")
         if link.model.poison_until_wait and dst_t.is_floating_point():
@@ -418,7 +427,24 @@ class TieredStore:
             except BaseException as e:  # noqa: BLE001 - delivered through the handle
                 error = e
             self._finish_move(shard, src, dst, error)
-        self._lane.submit(lambda: link.wait_until(done_at), land)
+        self._modeled_lanes[dst].submit(lambda: link.wait_until(done_at), land)
+
+    def _modeled(self, src: Tier, dst: Tier) -> bool:
+        """A copy between HOST and DEVICE that ``copy_link`` times (a CPU engine's)."""
+        return (self.copy_link is not None and not self._cuda
+                and {src, dst} == {Tier.HOST, Tier.DEVICE})
+
+    def _writeback_copy(self, shard: _Shard, src: Tier, dst: Tier, ready) -> None:
+        """A write-back's copy, complete on return. Under ``copy_link`` this copy thread waits for
+        the copy's modeled end, as it waits for a real one's event (:meth:`_copy`); the
+        destination is INFLIGHT meanwhile, so nobody reads it early."""
+        dst_t, src_t = shard.copies[dst].tensor, shard.copies[src].tensor
+        if self._modeled(src, dst):
+            link = self.copy_link.toward(device=dst is Tier.DEVICE)
+            link.wait_until(link.reserve(shard.nbytes, f"{src.name}->{dst.name}"))
+            host_copy(dst_t, src_t)
+        else:
+            self._copy(dst_t, src_t, ready)
 
     def _release_source(self, shard: _Shard, src: Tier) -> None:
         """The copy out of ``src`` has run: the source copy may be evicted or changed again."""
@@ -605,7 +631,7 @@ class TieredStore:
         home = shard.home
         try:
             if staged:  # DEVICE -> HOST extent -> NVME
-                self._copy(shard.copies[Tier.HOST].tensor, shard.copies[Tier.DEVICE].tensor, ready)
+                self._writeback_copy(shard, Tier.DEVICE, Tier.HOST, ready)
                 self.counters.add_moved(Tier.DEVICE, Tier.HOST, shard.nbytes)
                 with self._lock:
                     shard.set_state(Tier.HOST, _R)
@@ -617,7 +643,7 @@ class TieredStore:
                 self.swapper.swap_out(shard.key, self.arena.raw(extent)).wait()
                 self.counters.add_moved(Tier.HOST, Tier.NVME, shard.nbytes, shard.key)
             else:
-                self._copy(shard.copies[home].tensor, shard.copies[src].tensor, ready)
+                self._writeback_copy(shard, src, home, ready)
                 self.counters.add_moved(src, home, shard.nbytes)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             error = e
@@ -787,6 +813,8 @@ class TieredStore:
             self.budgets.used = {Tier.DEVICE: 0, Tier.HOST: 0}
         self._pool.shutdown(wait=True)
         self._lane.close()
+        for lane in self._modeled_lanes.values():
+            lane.close()
         for key in keys:
             try:
                 self.swapper.remove(key)

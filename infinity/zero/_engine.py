@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from infinity._modeled_link import LinkModel, ModeledLink
+from infinity._modeled_link import DuplexLink, LinkModel, ModeledLink
 from infinity._timing import timer_for
 from infinity.checkpoint import check_save_name, load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, MeshConfig, load_config
@@ -266,7 +266,7 @@ class InfinityEngine:
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
         if copy_link is not None:
             _check_copy_link(config, self.store, self.device)
-            self.store.copy_link = ModeledLink(copy_link)
+            self.store.copy_link = DuplexLink(copy_link)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None:
             check_nvme_space_for(units_of(model, config.zero), config, self.offload,
@@ -295,6 +295,10 @@ class InfinityEngine:
             on_backward_begin=self._before_backward, on_backward_end=self._after_backward)
         register_engine(self, [s.param for u in self.manager.units for g in u.groups
                                for s in g.slots])  # infinity.deepspeed.zero.GatheredParameters
+        if copy_link is not None and self.device.type == "cpu":  # a GPU's copies are real
+            # [Note: gradients down a modeled link] in infinity/zero/_grad_reducer.py
+            self.manager.reducer.attach_down_link(self.store.copy_link.to_host,
+                                                  self.store.counters.add_wait)
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
         if data_parallel > 1:
@@ -648,7 +652,10 @@ class InfinityEngine:
                      **({"link_busy_s": None, "link_bytes": None} if self.store is None
                         or self.store.copy_link is None else
                         {"link_busy_s": self.store.copy_link.busy_s,
-                         "link_bytes": self.store.copy_link.bytes})},
+                         "link_bytes": self.store.copy_link.bytes,
+                         # Per direction (the link's busy seconds and bytes: the busier one's)
+                         **{k: v for k, v in self.store.copy_link.stats().items()
+                            if k.endswith(("_to_device", "_to_host"))}})},
             "stall_s": store.get("wait_s", 0.0),
             "prefetch": self.manager.prefetch_stats(),
             "num_gathers": self.manager.storage.num_gathers,
@@ -807,6 +814,7 @@ class InfinityEngine:
         try:
             self._settle()  # write-backs and gathers in flight end before the store closes
         finally:
+            self.manager.reducer.close()
             self._finalizer()
         self.store, self._swapper = None, None
 

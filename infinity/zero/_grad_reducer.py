@@ -43,14 +43,16 @@ NVMe traffic against the optimizer's 24), paid only where the host cannot hold t
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Iterable
 
 import torch
 
 from infinity._async_copy import SideStream, StagingRing
+from infinity._modeled_link import ModeledLink
 from infinity.io import advise_huge_pages, engine_buffers, pinned_staging_ring
 from infinity.optim import StoredGrad
-from infinity.tiers import Tier, TieredStore, TierHandle
+from infinity.tiers import CopyLane, Tier, TieredStore, TierHandle
 from infinity.zero._collectives import DONE, CommHandle, Collectives, Phase
 from infinity.zero._flat_group import FlatGroup, ParamSlot
 from infinity.zero._grad_norm import sum_of_squares
@@ -107,6 +109,18 @@ class GradientReducer:
         self._writebacks: list[TierHandle] = []
         """Write-backs of stored gradient slices issued in this accumulation window (their
         errors are raised by :meth:`partitions`)."""
+        self._down_link: ModeledLink | None = None
+        """[Note: gradients down a modeled link]; None: copies take the time they take."""
+        self._landing: CopyLane | None = None
+        self._landing_errors: list[BaseException] = []
+        self._on_wait: Callable[[float], None] = lambda seconds: None
+
+    def attach_down_link(self, link: ModeledLink, on_wait: Callable[[float], None]) -> None:
+        """[Note: gradients down a modeled link]: the copies down to host accumulators go on
+        ``link`` (a CPU engine's device->host direction); ``on_wait`` gets the seconds the
+        training thread waited for them."""
+        self._down_link, self._on_wait = link, on_wait
+        self._landing = CopyLane("infinity-link-grads-down")
 
     @property
     def offloaded(self) -> bool:
@@ -183,6 +197,7 @@ class GradientReducer:
         the accumulator itself, so the reduce and the host copy are no-ops (two full fp32 copies
         of the gradients a step saved)."""
         return (self.data_parallel_size == 1 and g.grad_host is not None and g.grad_acc is None
+                and self._down_link is None  # modeled: staged "on the device", then copied
                 and g.grad_host.device == self.config.device
                 and g.grad_host.numel() == g.padded_numel)
 
@@ -290,6 +305,9 @@ class GradientReducer:
         """Add one micro-batch's reduced gradient into the accumulator: on the device, or, with an
         offloaded optimizer, into the host buffer, dropping the device copy
         ([Note: gradient placement] in infinity/ledger/_estimate.py), or into its stored slices."""
+        if self._down_link is not None and (g.grad_stored is not None or g.grad_host is not None):
+            self._accumulate_over_link(g, part)
+            return
         if g.grad_stored is not None:
             self._accumulate_stored(g.grad_stored, part)
             return
@@ -315,6 +333,54 @@ class GradientReducer:
                 g.grad_acc = g.grad_host
             else:
                 self._add_from_device(g.grad_acc, part)
+
+    def _accumulate_over_link(self, g: FlatGroup, part: torch.Tensor) -> None:
+        """[Note: gradients down a modeled link]
+        A CPU engine under a modeled host<->device link (``initialize(copy_link=...)``) copies
+        each reduced gradient to its host accumulator as a GPU would: ``part`` is the device's
+        buffer (never the accumulator itself: :meth:`_stages_in_host` is off), queued on the
+        link's device->host direction, and its bytes land in the accumulator at the copy's
+        modeled end, on a lane thread of its own; :meth:`partitions` waits for the landings
+        before the optimizer reads them (the wait a GPU does on the side stream), and counts
+        that wait as exposed. With ``poison_until_wait`` an accumulator a copy overwrites holds
+        NaN from the issue until the landing, so a read that skips the wait is a wrong number.
+        ``part`` is a fresh buffer per reduction, kept alive by the landing until it has run."""
+        link = self._down_link
+        done_at = link.reserve(part.numel() * part.element_size(), "grad DEVICE->HOST")
+        if g.grad_stored is not None:
+            stored = g.grad_stored
+            land: Callable[[], None] = lambda: self._accumulate_stored(stored, part)
+        elif g.grad_acc is None:
+            host = g.grad_acc = g.grad_host
+            if link.model.poison_until_wait and host.is_floating_point():
+                host.fill_(float("nan"))
+            land = lambda: host.copy_(part)
+        else:
+            acc = g.grad_acc
+            land = lambda: acc.add_(part)
+
+        def landed() -> None:
+            try:
+                land()
+            except BaseException as e:  # noqa: BLE001 - raised by partitions()
+                self._landing_errors.append(e)
+        self._landing.submit(lambda: link.wait_until(done_at), landed)
+
+    def _wait_landings(self) -> None:
+        """The modeled copies down have landed; raises the first that failed."""
+        if self._landing is None:
+            return
+        start = time.perf_counter()
+        self._landing.drain()
+        self._on_wait(time.perf_counter() - start)
+        if self._landing_errors:
+            errors, self._landing_errors = self._landing_errors, []
+            raise errors[0]
+
+    def close(self) -> None:
+        """Stop the landing thread of a modeled link (after its last landing)."""
+        if self._landing is not None:
+            self._landing.close()
 
     def _add_from_device(self, acc: torch.Tensor, part: torch.Tensor) -> None:
         """``acc += part`` for a host accumulator and a GPU ``part`` without stalling backward:
@@ -365,6 +431,7 @@ class GradientReducer:
         if self.offloaded and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
             self._down.synchronize()  # the copies down have landed
+        self._wait_landings()
         self._drain_ring()
         writebacks, self._writebacks = self._writebacks, []
         for handle in writebacks:
@@ -393,7 +460,8 @@ class GradientReducer:
     def zero(self, groups: Iterable[FlatGroup]) -> None:
         """Forget the accumulated gradients (the host buffers stay allocated, to be overwritten;
         stored slices are overwritten unread by the next micro-batch)."""
-        self._drain_ring()  # a late addition must not land in the next window's sums
+        self._wait_landings()  # a late addition must not land in the next window's sums
+        self._drain_ring()
         for g in groups:
             g.grad_acc = None
             if g.grad_stored is not None:

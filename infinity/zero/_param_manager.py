@@ -136,8 +136,12 @@ class ParameterManager:
         which a deferred optimizer step updates them, see forward_keys)."""
         self.param_names = choice.param_names
         self._read_tier = Tier.HOST if config.params_read_on_host else Tier.DEVICE
-        """Where gathers read, and the optimizer writes, offloaded shards ([Note: a CPU engine
-        reads parameter shards from HOST] in infinity/zero/_engine.py)."""
+        """Where gathers read offloaded shards ([Note: a CPU engine reads parameter shards from
+        HOST] in infinity/zero/_engine.py)."""
+        self._write_tier = (Tier.HOST if config.optimizer_offloaded
+                            and not config.device_holds_params else self._read_tier)
+        """Where the optimizer, and checkpoint loads, write offloaded shards: [Note: updated
+        shards are written where the optimizer runs]."""
         self.hpz = (SecondaryPartition(collectives, config.hpz_partition_size)
                     if config.hpz_partition_size > 1 else None)
         """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
@@ -260,11 +264,20 @@ class ParameterManager:
     @contextlib.contextmanager
     def _open_stored_shard(self, group: FlatGroup, *, overwrite: bool = False
                            ) -> Iterator[torch.Tensor]:
-        """The shard on the device (on HOST where gathers read it there: [Note: a CPU engine
-        reads parameter shards from HOST] in infinity/zero/_engine.py) for writing.
-        ``overwrite``: the caller writes every element (the optimizer step), so an absent copy is
-        not read first (``store.acquire``)."""
-        key, tier = group.store_key, self._read_tier
+        """[Note: updated shards are written where the optimizer runs]
+        The shard for writing, on the write tier. An offloaded optimizer makes the new values in
+        host memory (its fp32 masters live there): writing them into a DEVICE copy crossed the
+        host<->device link once for the copy-out and once more for the write-back to the HOST
+        or NVMe home, and the DEVICE copy the next forward may find still resident was at most
+        the device budget's worth. Written on HOST they cross nothing; the forward's prefetch
+        carries each shard to the device once, as DeepSpeed's CPU Adam writing the pinned fp16
+        partition does. (The 350m GPT, one rank, half its shards fitting the device budget:
+        676 MiB down and 676 MiB up per step beside the reads, now none.) Where every shard
+        stays on the device (``device_holds_params``), or the optimizer runs on the device, the
+        DEVICE copy is the one written, and the home is written back from it. ``overwrite``: the
+        caller writes every element (the optimizer step), so an absent copy is not read first
+        (``store.acquire``)."""
+        key, tier = group.store_key, self._write_tier
         tensor = self.store.acquire(key, tier, overwrite=overwrite).wait()
         written = False
         try:

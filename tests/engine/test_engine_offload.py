@@ -277,3 +277,28 @@ def test_optimizer_step_does_not_read_the_parameter_shards_it_replaces(tmp_path,
         assert torch.equal(state[k], ref_state[k]), k
     assert stats["store"]["fetch_overwrites"] > 0 and ref_stats["store"]["fetch_overwrites"] == 0
     assert stats["bytes_moved"]["NVME->HOST"] < ref_stats["bytes_moved"]["NVME->HOST"]
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_an_offloaded_optimizer_writes_updated_shards_on_the_host(tmp_path, param):
+    """[Note: updated shards are written where the optimizer runs] in
+    infinity/zero/_param_manager.py (#31 item 5): with the DEVICE tier in the read path (a
+    bounded device budget, as on a GPU) and the optimizer on the host, the new values go to the
+    HOST copy once; no shard comes back from the device (no write-back of values the host had
+    just made), and each step reads the shards up again. Training matches plain PyTorch."""
+    from tests._support.models import FOUR, four_gpt, unit_numels
+
+    steps = 3
+    data = batches(steps, 1, config=FOUR)
+    ref_losses, ref_state = reference_train(four_gpt(), data)
+    numels = unit_numels(four_gpt())
+    config = offload_config(tmp_path / "swap", stage=3, opt="cpu", param=param,
+                            memory={"device_budget_bytes": 3 * max(numels) * 4})
+    engine = infinity.initialize(four_gpt(), config)
+    losses = engine_train(engine, data)
+    state = engine.full_state_dict()
+    moved = engine.stats()["bytes_moved"]
+    engine.close()
+    assert moved["DEVICE->HOST"] == 0
+    assert moved["HOST->DEVICE"] >= steps * sum(numels) * 4  # the forward reads every shard
+    assert_close_run(losses, state, ref_losses, ref_state, "fp32")

@@ -101,3 +101,19 @@ def test_schedule_bound_puts_an_overlapped_after_step_gather_in_the_forward():
     linked["comm_link_busy_s_by_phase_per_step"]["step-gather"] = 1.4  # longer than the forward
     assert schedule_bound_s(free, linked, step_gather_in_forward=True) == pytest.approx(
         1.4 + 2.5 + 0.2)
+
+
+def test_schedule_bound_of_the_copies_puts_updated_shards_between_step_and_forward():
+    """[Note: the schedule bound]: with a host<->device copy link, the updated shards cross
+    between their update (the step) and their read (the forward), the gradients come down in the
+    backward, and the busier direction bounds the whole step."""
+    from infinity.bench.overlap import schedule_bound_s
+
+    free = {"phase_s": {"forward": 1.0, "backward": 2.0, "optimizer": 0.5}}
+    linked = {"copy_link_busy_s_per_step": 4.0, "copy_link_bytes_per_step": 4e9,  # 1 ns a byte
+              "updated_shard_bytes": 3e9, "copy_bytes_to_host_per_step": 2.5e9}
+    assert schedule_bound_s(free, linked) == pytest.approx(3.0 + 2.5)
+    linked["updated_shard_bytes"] = 1e9  # fits in the step and the forward: compute bounds them
+    assert schedule_bound_s(free, linked) == pytest.approx(max(0.5 + 1.0 + 2.5, 4.0))
+    linked["copy_link_busy_s_per_step"], linked["copy_link_bytes_per_step"] = 8.0, 8e9
+    assert schedule_bound_s(free, linked) == pytest.approx(8.0)  # the link is busier than all

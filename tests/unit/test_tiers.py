@@ -125,8 +125,8 @@ def test_overwrite_acquire_reads_nothing_and_the_written_bytes_reach_nvme(tmp_pa
 @pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.HOST])
 def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path, tier):
     """The parameter manager's write path (overwrite): a write that raises half way evicts the
-    copy written (DEVICE; HOST where a CPU engine reads and writes shards there), so the next read
-    sees the shard's previous bytes, never the half-written ones."""
+    copy written (DEVICE; HOST where an offloaded optimizer, or a CPU engine reading shards there,
+    writes them), so the next read sees the shard's previous bytes, never the half-written ones."""
     from types import SimpleNamespace
 
     from infinity.zero._param_manager import ParameterManager
@@ -137,7 +137,7 @@ def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path, ti
         store.register("w", numel, torch.float32, Tier.NVME, initial=old)
         store.flush()
         store.evict("w", Tier.HOST)
-        manager = SimpleNamespace(store=store, _read_tier=tier,
+        manager = SimpleNamespace(store=store, _write_tier=tier,
                                   storage=SimpleNamespace(borrowed={}),  # no unit gathered
                                   config=SimpleNamespace(param_home=Tier.NVME))
         group = SimpleNamespace(store_key="w")
