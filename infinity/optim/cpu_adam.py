@@ -191,7 +191,7 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     hyper = _ext.AdamHyper(
         beta1=beta1, beta2=beta2, one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2,
         eps=float(eps), step_size=lr / bc1, bc2_sqrt=math.sqrt(bc2), decay=1.0 - lr * wd, l2=wd,
-        grad_scale=float(grad_scale), seed=_rounding_seed(seed, int(step)),
+        grad_scale=float(grad_scale), seed=rounding_seed(seed, int(step)),
         flags=(1 if adamw_mode and wd != 0.0 else 0) | (2 if not adamw_mode and wd != 0.0 else 0))
     threads = max(1, int(num_threads or torch.get_num_threads()))
     lib = _kernel()
@@ -210,7 +210,8 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                            f"{_ext.cache_dir()}")
 
 
-def _rounding_seed(seed: int, step: int) -> int:
+def rounding_seed(seed: int, step: int) -> int:
+    """The rounding stream of bf16 moments at ``step`` (the kernel's ``hash32`` mixing)."""
     x = (int(seed) * 0x85EBCA77 + step * 0xC2B2AE3D + 0x27D4EB2F) & 0xFFFFFFFF
     for mul in (0x7FEB352D, 0x846CA68B):  # same mixing as hash32 in the kernel
         x ^= x >> 16
@@ -242,17 +243,19 @@ def _adam_step_torch(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
         torch.sqrt(vc, out=dc).div_(h.bc2_sqrt).add_(h.eps)
         pc.addcdiv_(mc, dc, value=-h.step_size)
         if low_state:
-            _store_stochastic_bf16(m[start:start + k], mc, gen)
-            _store_stochastic_bf16(v[start:start + k], vc, gen)
+            store_stochastic_bf16(m[start:start + k], mc, gen)
+            store_stochastic_bf16(v[start:start + k], vc, gen)
         if out is not None:
             out[start:start + k].copy_(pc)
 
 
-def _store_stochastic_bf16(dst: torch.Tensor, src_fp32: torch.Tensor, gen: torch.Generator) -> None:
-    """bf16 stochastic rounding in torch ops (clobbers ``src_fp32``); NaN stays NaN."""
+def store_stochastic_bf16(dst: torch.Tensor, src_fp32: torch.Tensor, gen: torch.Generator) -> None:
+    """bf16 stochastic rounding in torch ops on any device (``gen`` on that device; clobbers
+    ``src_fp32``); NaN stays NaN."""
     nan = torch.isnan(src_fp32)
     bits = src_fp32.view(torch.int32)
-    bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=gen)).bitwise_and_(-65536)
+    bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device,
+                            generator=gen)).bitwise_and_(-65536)
     src_fp32.masked_fill_(nan, float("nan"))
     dst.copy_(src_fp32)  # exact: the low 16 bits are zero
 

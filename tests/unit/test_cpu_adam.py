@@ -508,3 +508,38 @@ def test_optimizer_large_parameter_with_host_state_matches_torch():
     ob2 = torch.optim.AdamW([torch.nn.Parameter(p0.clone())])
     ob2.load_state_dict(oa.state_dict())  # mmap-backed state tensors serialize like any other
     assert torch.equal(ob2.state[ob2.param_groups[0]["params"][0]]["exp_avg"], oa.state[a]["exp_avg"])
+
+
+# ------------------------------------------------------------------------------------------ device path
+def test_the_device_step_rounds_bf16_moments_as_the_cpu_kernel_does():
+    """``adam_step_flat_reference`` is the step a GPU runs (``adam_kernel_for``); here on CPU
+    tensors. With bf16 moments it must not round to nearest (exp_avg_sq would stall at
+    beta2 = 0.999): its run tracks fp32 like the CPU kernel's, unbiased."""
+    from infinity.optim import adam_step_flat_reference
+
+    n, steps = 512, 1500
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.randn(n, generator=gen)
+    drift = torch.randn(n, generator=gen) * 0.3
+    grads = [drift + torch.randn(n, generator=gen) for _ in range(steps)]
+    hp = flat_hp(lr=1e-3, weight_decay=0.01)
+    p32, m32, v32, _ = run_flat(p0, grads, **hp)
+    p, m = p0.clone(), torch.zeros(n, dtype=torch.bfloat16)
+    v = torch.zeros(n, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for t, g in enumerate(grads, start=1):
+        adam_step_flat_reference(p, g, m, v, step=t, out=out, **hp)
+    assert m.dtype == v.dtype == torch.bfloat16 and torch.equal(out, p.to(torch.bfloat16))
+    rel_v = (v.double() - v32.double()) / v32.double()
+    assert abs(rel_v.mean().item()) < 0.005  # round-to-nearest: a one-sided stall, > 0.1
+    assert rel_v.abs().mean().item() < 0.06
+    moved = (p32 - p0).abs().mean().item()
+    assert (p - p32).abs().mean().item() < 0.015 * moved
+    # One step from zero moments: both bf16 neighbours of 0.1 * g occur, averaging to it.
+    k = 1 << 16
+    g = torch.full((k,), 1.0 / 3.0)
+    m1, v1 = torch.zeros(k, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.bfloat16)
+    adam_step_flat_reference(torch.zeros(k), g, m1, v1, step=1, **flat_hp())
+    exact = (torch.tensor(0.1, dtype=torch.float32) * g[0]).item()
+    assert len(torch.unique(m1)) == 2
+    assert abs(m1.double().mean().item() - exact) < 1e-3 * exact
