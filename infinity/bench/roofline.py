@@ -33,7 +33,7 @@ import torch
 from infinity.bench.io import raw_probe
 from infinity.io import aligned_empty
 from infinity.models.gpt import Block, GPTConfig
-from infinity.optim.cpu_adam import adam_step_flat
+from infinity.optim import adam_kernel_for
 
 PROBE_BYTES = 256 << 20
 """Bytes moved by each direction of the disk probe (a few times the largest single swap file of
@@ -71,36 +71,50 @@ def probe_disk(directory: str, *, nbytes: int = PROBE_BYTES) -> DiskBandwidth:
                          direct=direct)
 
 
-def _median_s(fn, repeats: int) -> float:
+def _median_s(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
+    """Median seconds of ``fn`` on ``device`` (a GPU's work waited for: launches return early)."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()  # warm-up: first-touch of the activations, kernel selection
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: torch.dtype,
-                  trainable_numel: int | None = None, repeats: int = 3) -> dict[str, float]:
-    """Seconds of CPU work in one step of :class:`~infinity.models.gpt.GPT` ``config`` with its
-    weights in memory, measured per unit (see the module docstring): ``forward_backward_s``,
-    ``adam_s`` and their sum ``cpu_s``. ``trainable_numel`` defaults to every parameter."""
+                  trainable_numel: int | None = None, repeats: int = 3,
+                  device: torch.device | str = "cpu",
+                  optimizer_device: torch.device | str | None = None) -> dict[str, float]:
+    """Seconds of compute in one step of :class:`~infinity.models.gpt.GPT` ``config`` with its
+    weights in memory, measured per unit (see the module docstring): ``forward_backward_s`` on
+    ``device`` (the engine's: a GPU run's roofline is the GPU's compute, not the CPU's),
+    ``adam_s`` on ``optimizer_device`` (default ``device``; the host for an offloaded optimizer)
+    and their sum ``cpu_s`` (the name kept: the compute side of the roofline).
+    ``trainable_numel`` defaults to every parameter."""
     torch.manual_seed(0)
+    device = torch.device(device)
+    opt_device = device if optimizer_device is None else torch.device(optimizer_device)
     d = config.n_embd
-    block = Block(config).to(dtype)
+    block = Block(config).to(device=device, dtype=dtype)
     block_numel = sum(p.numel() for p in block.parameters())
-    x = torch.randn(batch_size, seq_len, d, dtype=dtype, requires_grad=True)
+    x = torch.randn(batch_size, seq_len, d, dtype=dtype, device=device, requires_grad=True)
 
     def block_step() -> None:
         block(x).float().sum().backward()
 
-    block_s = _median_s(block_step, repeats)
+    block_s = _median_s(block_step, repeats, device)
     del block
     # Embedding, final norm and head (tied or not, the matmul is the same), and the loss.
-    wte = torch.nn.Embedding(config.vocab_size, d).to(dtype)
-    ln_f = torch.nn.LayerNorm(d).to(dtype)
-    idx = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+    wte = torch.nn.Embedding(config.vocab_size, d).to(device=device, dtype=dtype)
+    ln_f = torch.nn.LayerNorm(d).to(device=device, dtype=dtype)
+    idx = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
 
     def ends_step() -> None:
         h = wte(idx)
@@ -108,20 +122,22 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
         torch.nn.functional.cross_entropy(logits.float().view(-1, config.vocab_size),
                                           idx.view(-1)).backward()
 
-    ends_s = _median_s(ends_step, repeats)
+    ends_s = _median_s(ends_step, repeats, device)
     del wte, ln_f
     forward_backward_s = config.n_layer * block_s + ends_s
     numel = config.num_params if trainable_numel is None else trainable_numel
     chunk = min(numel, block_numel)
-    master, grad = torch.randn(chunk), torch.randn(chunk)
-    m, v = torch.zeros(chunk), torch.zeros(chunk)
-    out = torch.empty(chunk, dtype=dtype) if dtype != torch.float32 else None
+    master, grad = (torch.randn(chunk, device=opt_device) for _ in range(2))
+    m, v = (torch.zeros(chunk, device=opt_device) for _ in range(2))
+    out = (torch.empty(chunk, dtype=dtype, device=opt_device) if dtype != torch.float32
+           else None)
+    kernel = adam_kernel_for(opt_device)  # the engine's: the CPU kernel, or the device's step
 
     def adam() -> None:
-        adam_step_flat(master, grad, m, v, step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                       weight_decay=0.01, out=out)
+        kernel(master, grad, m, v, step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+               weight_decay=0.01, out=out)
 
-    adam_s = _median_s(adam, repeats) * numel / max(chunk, 1)
+    adam_s = _median_s(adam, repeats, opt_device) * numel / max(chunk, 1)
     return {"forward_backward_s": forward_backward_s, "adam_s": adam_s,
             "cpu_s": forward_backward_s + adam_s}
 

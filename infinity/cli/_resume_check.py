@@ -8,6 +8,10 @@ the disk raises :class:`~infinity.errors.DiskSpaceError` before writing anything
 ([Note: space before a save] in infinity/checkpoint/_save.py); the check then reports that, with
 the bytes needed and free, instead of a result (at 3.3B a second copy of the state does not fit
 this machine's disk).
+
+Bitwise equality holds where the kernels are deterministic: on a CPU they are; on a GPU the check
+turns ``torch.use_deterministic_algorithms`` on first (:func:`deterministic_kernels`, with
+cuBLAS's workspace setting) and the summary says so.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import os
 import shutil
 import time
 from typing import Any, Callable
+
+import torch
 
 from infinity.errors import DiskSpaceError
 
@@ -30,8 +36,22 @@ def masters_digest(engine: Any) -> str:
     h = hashlib.sha256()
     for key in sorted(optimizer.keys()):
         h.update(key.encode())
-        h.update(optimizer.master_values(key).contiguous().view(-1).numpy().tobytes())
+        # The in-memory optimizer's master is the live tensor on the engine's device (a GPU's).
+        master = optimizer.master_values(key).detach().cpu()
+        h.update(master.contiguous().view(-1).numpy().tobytes())
     return h.hexdigest()
+
+
+def deterministic_kernels() -> str:
+    """Make the run's kernels deterministic where they may not be (CUDA), before the first
+    kernel runs; returns what the summary says about it. cuBLAS needs its workspace setting in
+    the environment before its first handle (torch's reproducibility notes)."""
+    if not torch.cuda.is_available():
+        return "CPU kernels (deterministic)"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    return ("torch.use_deterministic_algorithms on (CUBLAS_WORKSPACE_CONFIG="
+            f"{os.environ['CUBLAS_WORKSPACE_CONFIG']})")
 
 
 def run_steps(engine: Any, batch: Batch, first: int, end: int) -> list[float]:
@@ -50,12 +70,13 @@ class ResumeCheck:
     """Saves at ``save_after`` micro-steps (:meth:`maybe_save`, called after each), then
     :meth:`finish` replays the rest from the checkpoint and compares."""
 
-    def __init__(self, directory: str, save_after: int):
+    def __init__(self, directory: str, save_after: int, *, kernels: str):
         self.directory = os.path.abspath(directory)
         self.save_after = save_after
         """Micro-steps after which the checkpoint is saved."""
         self.saved = False
-        self.result: dict[str, Any] = {"save_after_micro_steps": save_after}
+        self.result: dict[str, Any] = {"save_after_micro_steps": save_after, "kernels": kernels}
+        """``kernels``: :func:`deterministic_kernels`'s words."""
 
     def maybe_save(self, engine: Any, micro_steps_done: int) -> bool:
         """Save (or record the refusal) when ``micro_steps_done`` is the point; True then."""

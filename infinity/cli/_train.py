@@ -31,7 +31,7 @@ from infinity.bench.report import format_table, peak_rss_bytes
 from infinity.bench.roofline import (gpt_compute_s, init_roofline, nvme_moved_bytes, nvme_per_step,
                                      probe_disk, roofline)
 from infinity.cli._consolidate import parse_bytes
-from infinity.cli._resume_check import ResumeCheck
+from infinity.cli._resume_check import ResumeCheck, deterministic_kernels
 from infinity.config import load_config
 from infinity.ledger import Tier, estimate_from_config
 from infinity.models.data import VOCAB_SIZE, text_batch, text_corpus
@@ -171,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
             return text_batch(corpus, args.batch_size, args.seq_len, seed=seed)
         return synthetic_batch(gpt_config, args.batch_size, args.seq_len, seed=seed)
 
+    # Before the first kernel: bitwise resumption needs deterministic ones on a GPU.
+    kernels = deterministic_kernels() if args.resume_check else None
     torch.manual_seed(args.seed)
     t_init = time.perf_counter()
     with init() as recording:  # built on meta; initialize materialises it unit by unit (same values)
@@ -198,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
                                   sub_group_numel=stats["sub_group_numel"])
 
     micro_steps = args.steps * args.grad_accum
-    check = (ResumeCheck(os.path.join(args.dir, "checkpoint"), (args.steps // 2) * args.grad_accum)
-             if args.resume_check else None)
+    check = (ResumeCheck(os.path.join(args.dir, "checkpoint"), (args.steps // 2) * args.grad_accum,
+                         kernels=kernels) if args.resume_check else None)
     bar = progress(args.steps, desc="train")
     step_times: list[float] = []
     losses: list[float] = []
@@ -248,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             {"step_s": t, "read_bytes": r, "write_bytes": w, "by_kind": k}
             for t, (r, w), k in zip(step_times, step_moved, step_kinds)]
         if not args.no_roofline and args.offload == "nvme":
-            summary["roofline"] = _roofline(args, gpt_config, summary)
+            summary["roofline"] = _roofline(args, gpt_config, summary, engine)
         if check is not None:
             summary["resume_check"] = check.finish(engine, batch, losses, micro_steps)
     finally:
@@ -262,13 +264,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str, Any]
-              ) -> dict[str, Any]:
+def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str, Any],
+              engine: Any) -> dict[str, Any]:
     """The step against max(CPU time, disk time), both measured here ([roofline] module)."""
     disk = probe_disk(os.path.abspath(args.dir))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    # On the engine's devices: a GPU run's compute is the GPU's (the optimizer's the host's when
+    # it is offloaded), not this host's CPU time.
+    config = engine.config
     compute = gpt_compute_s(gpt_config, batch_size=args.batch_size, seq_len=args.seq_len,
-                            dtype=dtype)
+                            dtype=dtype, device=engine.device,
+                            optimizer_device="cpu" if config.offload_optimizer.device != "none"
+                            else engine.device)
     per_step = summary["nvme_per_step"]
     cpu_s = compute["forward_backward_s"] * args.grad_accum + compute["adam_s"]
     line = roofline(cpu_s=cpu_s, read_bytes=per_step["read_bytes"],
@@ -379,4 +386,5 @@ def _print_summary(summary: dict[str, Any]) -> None:
                   f"{c['save_s']:.1f} s after micro-step {c['save_after_micro_steps']}, loaded in "
                   f"{c['load_s']:.1f} s; the resumed steps are "
                   f"{'bitwise equal' if c['bitwise_equal'] else 'DIFFERENT'} "
-                  f"(losses {c['resumed_losses']}, masters sha256 {c['resumed_masters_sha256'][:12]})")
+                  f"(losses {c['resumed_losses']}, masters sha256 {c['resumed_masters_sha256'][:12]}; "
+                  f"{c['kernels']})")

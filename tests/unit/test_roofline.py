@@ -74,6 +74,32 @@ def test_gpt_compute_is_measured_per_unit_and_summed():
     assert c["cpu_s"] == pytest.approx(c["forward_backward_s"] + c["adam_s"])
 
 
+def test_gpt_compute_runs_on_the_engines_devices(monkeypatch):
+    """[#31 item 4] A GPU run's roofline is the GPU's compute: the units run on ``device`` (here
+    'meta', standing in for one: the work is placed there, not on the CPU), the optimizer on
+    ``optimizer_device`` (the host, for an offloaded one)."""
+    import torch
+
+    from infinity.bench import roofline as rl
+
+    ran = []
+
+    def spy(fn, repeats, device):
+        fn()  # the work really runs where it was put (meta tensors: no data, shapes checked)
+        ran.append(device)
+        return 1.0
+
+    monkeypatch.setattr(rl, "_median_s", spy)
+    c = rl.gpt_compute_s(PRESETS["tiny"], batch_size=2, seq_len=16, dtype=torch.float32,
+                         repeats=1, device="meta", optimizer_device="cpu")
+    assert [d.type for d in ran] == ["meta", "meta", "cpu"]
+    assert c["forward_backward_s"] == PRESETS["tiny"].n_layer + 1.0
+    ran.clear()
+    rl.gpt_compute_s(PRESETS["tiny"], batch_size=2, seq_len=16, dtype=torch.float32, repeats=1,
+                     device="meta")
+    assert [d.type for d in ran] == ["meta", "meta", "meta"]  # not offloaded: on the device
+
+
 def test_gpt_for_params_at_a_fixed_width_varies_the_layers_alone():
     small, large = gpt_for_params(1e9, width=2560), gpt_for_params(3.3e9, width=2560)
     assert small.n_embd == large.n_embd == 2560 and small.n_head == 20
