@@ -47,6 +47,10 @@ class WallTimer:
         out, self._intervals = self._intervals, []
         return out
 
+    def take_carried(self) -> list[tuple[Hashable, float]]:
+        """Nothing: the wall clock knows every interval at its stop (see EventTimer's)."""
+        return []
+
 
 class EventTimer:
     """Intervals by event pairs on the current stream of ``device``; read when complete.
@@ -64,6 +68,8 @@ class EventTimer:
         """Stopped intervals whose events may not have run yet: (label, start, end)."""
         self._total_s = 0.0
         self._done: list[tuple[Hashable, float | None]] = []
+        self._carried: list[tuple[Hashable, Any, Any]] = []
+        """Intervals a :meth:`take` returned as unknown, read by :meth:`take_carried` once run."""
 
     def _record(self) -> Any:
         event = self._new_event()
@@ -102,7 +108,24 @@ class EventTimer:
         complete yet have None unless ``wait`` (then the host waits for them)."""
         self._resolve(wait=wait)
         out = self._done + [(label, None) for label, _s, _e in self._pending]
+        self._carried.extend(self._pending)  # not lost: take_carried() reads them once run
         self._done, self._pending = [], []
+        return out
+
+    def take_carried(self) -> list[tuple[Hashable, float]]:
+        """The intervals earlier :meth:`take` calls returned as unknown (None) whose work has
+        completed since, ``(label, seconds)`` in order; the rest stay carried. A backward's units
+        are still running on the GPU when the step's trace is committed (right after the
+        backward is launched): their times arrive here during the next step."""
+        out = []
+        while self._carried:
+            label, start, end = self._carried[0]
+            if not end.query():
+                break
+            seconds = start.elapsed_time(end) / 1e3
+            self._total_s += seconds
+            out.append((label, seconds))
+            self._carried.pop(0)
         return out
 
 
@@ -111,6 +134,23 @@ def timer_for(device: torch.device | str | None) -> WallTimer | EventTimer:
     if device is not None and torch.device(device).type == "cuda":
         return EventTimer(torch.device(device))
     return WallTimer()
+
+
+def fill_unknown_times(measured: Sequence[tuple[Hashable, float | None]],
+                       carried: Sequence[tuple[Hashable, float]]
+                       ) -> list[tuple[Hashable, float | None]]:
+    """``measured`` with each unknown (None) time of a unit replaced by that unit's next time in
+    ``carried`` (:meth:`EventTimer.take_carried`: the same units of an earlier step, measured
+    late), matched in order per unit."""
+    late: dict[Hashable, list[float]] = {}
+    for label, seconds in carried:
+        late.setdefault(label, []).append(seconds)
+    out = []
+    for label, seconds in measured:
+        if seconds is None and late.get(label):
+            seconds = late[label].pop(0)
+        out.append((label, seconds))
+    return out
 
 
 def apply_unit_times(entries: Sequence[Any], measured: Sequence[tuple[Hashable, float | None]]

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Protocol
 
 from infinity._common import warn_once
-from infinity._timing import EventTimer, WallTimer, apply_unit_times
+from infinity._timing import EventTimer, WallTimer, apply_unit_times, fill_unknown_times
 from infinity.errors import TierCapacityError
 from infinity.prefetch._planner import (Bandwidths, FetchAction, FetchQuery, Hop, hop_chain,
                                         plan_fetches)
@@ -575,7 +575,11 @@ class PrefetchExecutor:
         rec, self._recorder = self._recorder, None
         entries = rec.finish()
         if self._unit_timer is not None:  # GPU times of the units whose work has completed
-            entries = apply_unit_times(entries, self._unit_timer.take())
+            timer = self._unit_timer
+            # The backward's units are still running on the GPU: their times come from the
+            # previous step's, carried over and read now, rather than from the launch clock.
+            measured = fill_unknown_times(timer.take(), timer.take_carried())
+            entries = apply_unit_times(entries, measured)
         trace = self.store.commit(rec.phase, entries)
         self._current, self._open_unit = None, None
         self._count("steps")

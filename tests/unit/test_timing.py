@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from infinity._timing import EventTimer, WallTimer, apply_unit_times, timer_for
+from infinity._timing import (EventTimer, WallTimer, apply_unit_times, fill_unknown_times,
+                             timer_for)
 from infinity.prefetch._trace import Level, TraceEntry
 
 
@@ -75,3 +76,27 @@ def test_measured_unit_times_replace_the_clocks():
     got = apply_unit_times(entries, measured)
     assert [e.compute_s for e in got] == [0.5, 0.001, 0.7, 0.001]
     assert [e.unit for e in got] == [0, 1, 0, 2]
+
+
+def test_times_unknown_at_the_end_of_a_step_are_carried_into_the_next():
+    """[#31 item 3] The trace is committed right after the backward is launched: its units'
+    events have not run. Their times are not dropped: the next step's take_carried() has them,
+    and they fill that step's unknown times of the same units (not the launch clock's)."""
+    gpu = {"clock_ms": 0.0, "step_ms": 100.0, "done_upto": 0.0, "synced": 0}
+    t = EventTimer(torch.device("cuda", 0), new_event=lambda: FakeEvent(gpu),
+                   current_stream=lambda device: "stream")
+    t.start(); t.stop("fwd")   # 100, 200 ms
+    gpu["done_upto"] = 250.0
+    t.start(); t.stop("bwd")   # 300, 400 ms: launched, not run at the step's end
+    first = t.take()
+    assert first == [("fwd", 0.1), ("bwd", None)] and t.take_carried() == []
+    gpu["done_upto"] = 450.0   # the GPU ran it during the next step
+    gpu["step_ms"] = 50.0
+    t.start(); t.stop("fwd")   # 450, 500
+    t.start(); t.stop("bwd")   # 550, 600: again not run at this step's end
+    gpu["done_upto"] = 520.0
+    second = fill_unknown_times(t.take(), t.take_carried())
+    assert second == [("fwd", 0.05), ("bwd", 0.1)]  # bwd: the previous step's, measured late
+    assert t.total_s() == 0.1 + 0.1 + 0.05 and gpu["synced"] == 0
+    entries = apply_unit_times([_entry("fwd", 1e-6), _entry("bwd", 1e-6)], second)
+    assert [e.compute_s for e in entries] == [0.05, 0.1]
