@@ -165,6 +165,8 @@ def test_train_cli_three_steps_on_cuda(tmp_path):
 def test_cpu_adam_runs_the_cpp_kernel():
     """The offloaded optimizer's Adam is the compiled kernel (gpu_check.sh builds it with the
     local toolchain), not the pure-torch fallback."""
-    from infinity.optim import cpu_adam
+    from infinity.optim import _cpu_adam_ext, cpu_adam
 
+    if _cpu_adam_ext._compiler() is None:  # nothing to build it with: not this machine's defect
+        pytest.skip("no C++ compiler (CXX, g++, c++, clang++): the kernel cannot be built here")
     assert cpu_adam.backend() in ("native-avx512", "native-scalar"), cpu_adam.backend()

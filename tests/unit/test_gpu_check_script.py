@@ -61,3 +61,41 @@ def test_the_fallback_runs_no_file_that_imports_pytest():
     text = SCRIPT.read_text()
     assert "-m tests.gpu" not in text
     assert "the GPU tests (which import pytest) were not run" in text
+
+
+DISK_BYTES_PER_S = 1e9
+"""An ordinary NVMe drive's sustained rate, the slow end (the lent GPU machine's is unknown)."""
+START_S = 15.0
+"""A mode's process: torch and CUDA start-up, building the model, the first step's compilation."""
+DISK_BYTES = 64 * 2**30
+"""The lent GPU machine's disk."""
+
+
+def test_the_benchmark_is_sized_to_finish_in_the_time_it_is_left():
+    """[#31 item 6] The script's plan (GPU_CHECK_PLAN_ONLY=1) fits its 8 minutes: picking, the
+    build and the tests at their limits leave the bench its share, and each mode fits its part
+    of that share at ordinary disk speed: the NVMe mode writes the state once at set-up and
+    moves about the state each step (half of it read, half written: the host budget holds the
+    other half). The state fits the disk with room to spare."""
+    from infinity.models.gpt import PRESETS
+
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, GPU_CHECK_PLAN_ONLY="1"))
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip()
+    assert line.startswith("plan: "), line
+    plan = dict(item.split("=", 1) for item in line[len("plan: "):].split())
+    n = {k: int(v) for k, v in plan.items() if v.isdigit()}
+    assert n["total_s"] <= 480  # 8 minutes
+    assert n["pick_max_s"] + n["build_max_s"] + n["tests_max_s"] + n["bench_min_s"] + 10 \
+        <= n["total_s"]
+    modes = plan["modes"].split(",")
+    assert "stage3-nvme" in modes and "plain" in modes
+    assert n["mode_min_s"] * len(modes) + 20 <= n["bench_min_s"]
+    numel = PRESETS[plan["model"]].num_params
+    state_bytes = numel * (2 + 2 + 12)  # bf16 parameters and gradients, fp32 master and moments
+    steps = n["steps"] + n["warmup"]
+    nvme_s = START_S + state_bytes * (1 + steps) / DISK_BYTES_PER_S
+    assert nvme_s <= n["mode_min_s"], (plan["model"], nvme_s, n["mode_min_s"])
+    assert state_bytes <= DISK_BYTES / 4
+    assert n["steps"] >= 2  # a median of something
