@@ -72,7 +72,9 @@ class OffloadedShardOptimizer:
     engine calls it before the next backward (the gradients are about to be overwritten) and
     before anything reads or replaces state (``full_state_dict``, checkpoints, weights). Every
     update is the same arithmetic on the same bytes as in ``step(defer=False)``, so training is
-    bitwise the same (tests/engine/test_deferred_step.py).
+    bitwise the same (tests/engine/test_deferred_step.py). A HOST home defers too where the
+    updated shards cross to a device each step: then the copies up overlap the updates ([Note: a
+    deferred step overlaps the copies up] in infinity/zero/_engine.py).
 
     Each sub-group is a :class:`~infinity.optim._sub_group.SubGroup` record with a state
     (AT_REST, READING, UPDATING, WRITING); the step under way is a
@@ -475,7 +477,7 @@ class OffloadedShardOptimizer:
         """One Adam step. ``runs``: per key, the slices to update with their step numbers and
         hyperparameters ([Note: runs of a flat partition]); keys absent are not updated, and
         sub-groups no run reaches are not read. None: :meth:`default_runs` (every key, one run).
-        ``defer`` (NVME home): [Note: deferred optimizer step]:
+        ``defer``: [Note: deferred optimizer step]:
         only the keys whose parameter partition is not a stored shard (nothing guards their reads)
         are updated now; the others wait for :meth:`apply_before_read` (the store calls it when a
         parameter shard is about to be read) or :meth:`drain`, in ``order`` (the keys in the order
@@ -493,7 +495,7 @@ class OffloadedShardOptimizer:
         self._read_ahead.clear()
         self._run = run
         self._to(StepState.PENDING)
-        if not (defer and self.home is Tier.NVME):
+        if not defer:
             self.drain()
             return
         # Keys without a stored parameter shard come first in the run (_run_order): nothing

@@ -350,8 +350,9 @@ class InfinityEngine:
             sub_group_numel=self.offload.sub_group_numel,
             window_sub_groups=self.offload.optimizer_window_sub_groups,
             host_resident_bytes=self.offload.optimizer_host_resident_bytes)
-        if config.offload_optimizer.device == "nvme":  # [Note: deferred optimizer step]
-            self.store.before_read = optimizer.apply_before_read
+        # [Note: deferred optimizer step] in infinity/optim/_offloaded.py (a no-op while no step
+        # is deferred)
+        self.store.before_read = optimizer.apply_before_read
         return optimizer
 
     def _build_optimizer(self, streaming: OffloadedShardOptimizer | None
@@ -374,8 +375,29 @@ class InfinityEngine:
 
     @property
     def _deferring(self) -> bool:
-        """The optimizer step is deferred into the next forward ([Note: deferred optimizer step])."""
-        return self.defer_optimizer_step and self.config.offload_optimizer.device == "nvme"
+        """The optimizer step is deferred into the next forward ([Note: deferred optimizer step]
+        in infinity/optim/_offloaded.py): with the optimizer's state on NVMe, and with it in host
+        memory where the updated shards cross to the device every step ([Note: a deferred step
+        overlaps the copies up])."""
+        home = self.config.offload_optimizer.device
+        return self.defer_optimizer_step and (
+            home == "nvme" or (home == "cpu" and self._updates_cross_to_device))
+
+    @property
+    def _updates_cross_to_device(self) -> bool:
+        """[Note: a deferred step overlaps the copies up]
+        With parameters offloaded and read through the DEVICE tier (a GPU; a CPU engine with a
+        device budget) that cannot keep every shard, each updated shard is copied up between its
+        update and the forward's read of it ([Note: updated shards are written where the optimizer
+        runs] in infinity/zero/_param_manager.py). Run in ``step()``, every update comes first and
+        the copies only after: the forward then waits for the link, whose work the step could
+        have started. Deferred into the next forward, each shard's update runs as its read is
+        issued, so the copy of unit k runs while the updates of the units after it compute, and the
+        step's compute and the copies up overlap. (The 350m GPT, one rank, the modeled link at
+        L = T0: see the closing note of #30 for the figures.)"""
+        return (self.store is not None and self.config.offload_param.device != "none"
+                and not self.manager.config.params_read_on_host
+                and not self.offload.device_holds_params)
 
     def _on_grad_ready(self, key: str) -> None:
         if not self._deferring:  # deferred: the read-ahead runs in the next forward's order

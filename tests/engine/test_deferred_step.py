@@ -206,3 +206,64 @@ def test_each_sub_group_is_acquired_once_per_step(tmp_path, slow_reads):
         assert acquires and set(acquires.values()) == {STEPS}, acquires.most_common(3)
     finally:
         engine.close()
+
+
+def _host_engine(tmp_path, name: str, *, defer: bool, gas: int = 1, device_budget="auto",
+                 copy_link=None):
+    from tests._support.models import four_gpt
+
+    path = str(tmp_path / name)
+    engine = infinity.initialize(four_gpt(), engine_config(
+        stage=3, dtype="bf16", gas=gas, clip=0.05,
+        offload_optimizer={"device": "cpu", "nvme_path": path},
+        offload_param={"device": "cpu", "nvme_path": path},
+        memory={"device_budget_bytes": device_budget}, zero={"sub_group_numel": 300}),
+        copy_link=copy_link)
+    engine.defer_optimizer_step = defer
+    return engine
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_a_host_optimizer_defers_where_updated_shards_cross_to_the_device(tmp_path, gas):
+    """[Note: a deferred step overlaps the copies up] in infinity/zero/_engine.py: a HOST
+    optimizer with parameters read through a bounded DEVICE tier defers its updates into the next
+    forward; under a slow, poisoned copy link (a shard read up before its update, or before its
+    copy lands, is a wrong number) training is bitwise the step run in place, and plain PyTorch's.
+    Where gathers read the HOST copies (an 'auto' device budget on a CPU), nothing crosses: the
+    step runs in place."""
+    from infinity import LinkModel
+    from tests._support.models import FOUR, four_gpt, unit_numels
+
+    link = LinkModel(bandwidth_gbytes_per_s=0.05, latency_us=200.0, poison_until_wait=True)
+    budget = 3 * max(unit_numels(four_gpt())) * 2
+    data = batches(STEPS, gas, config=FOUR)
+    ref_losses, ref_state = reference_train(four_gpt(), data, dtype="bf16", clip=0.05)
+    in_place = _host_engine(tmp_path, "in-place", defer=False, gas=gas, device_budget=budget,
+                            copy_link=link)
+    try:
+        assert not in_place._deferring
+        want_losses = engine_train(in_place, data)
+        want_state = in_place.full_state_dict()
+    finally:
+        in_place.close()
+    deferred = _host_engine(tmp_path, "deferred", defer=True, gas=gas, device_budget=budget,
+                            copy_link=link)
+    try:
+        assert deferred._deferring
+        pending = _record_pending(deferred)
+        losses = engine_train(deferred, data)
+        state = deferred.full_state_dict()
+    finally:
+        deferred.close()
+    assert losses == want_losses
+    for k in want_state:
+        assert torch.equal(state[k], want_state[k]), k
+    assert_close_run(losses, state, ref_losses, ref_state, "bf16")
+    after_step = [n for n in pending if n >= 0]
+    assert after_step and min(after_step) > 0, pending  # the updates waited for the forward
+    assert max(-n - 1 for n in pending if n < 0) == 0, pending
+    on_host = _host_engine(tmp_path, "on-host", defer=True)
+    try:
+        assert not on_host._deferring  # the auto budget reads HOST copies: nothing crosses
+    finally:
+        on_host.close()
