@@ -15,8 +15,13 @@ buffer at its own offset (see [Note: state memory layout] in ``infinity/optim/cp
 default is plain torch allocations, as a user's tensors would be.
 "GB/s" counts the bytes each variant must move (fp32 Adam: 28 per parameter; our bf16 copy-out
 adds 2; a separate ``.to(bfloat16)`` adds 6; bf16 moments take 20 instead of 28), so it shows how
-close each is to the copy probe's bandwidth. DeepSpeed's ``DeepSpeedCPUAdam`` runs in a subprocess
-of ``/root/dsvenv/bin/python`` (``DS_ACCELERATOR=cpu``; its op is JIT-built and cached on first use).
+close each is to the copy probe's bandwidth. The step's own memory probe ([memory probe] in
+``csrc/cpu_adam.cpp``: the four fp32 streams read and three written, 28 bytes a parameter, no
+arithmetic) is the limit the fp32 step is measured against ("at the memory limit": 1.0).
+DeepSpeed's ``DeepSpeedCPUAdam`` runs in a subprocess of ``/root/dsvenv/bin/python``
+(``DS_ACCELERATOR=cpu``; its op is JIT-built and cached on first use), interleaved there round by
+round with our fp32 step, torch's fused AdamW and the memory probe, so its ratios are per-round
+ratios too (the same medians of ratios as the in-process rows).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from infinity.optim import cpu_adam
 DS_PYTHON = "/root/dsvenv/bin/python"
 _HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PROBE_VARIANT = "memory probe: copy_ fp32"
+STEP_PROBE_VARIANT = "memory probe: the step's 28 B (fp32)"
 # `infinity bench all --quick`: 4M parameters (64 MiB of fp32 state, past the caches), no subprocess.
 QUICK_ARGS = ("--numel", str(1 << 22), "--repeats", "3", "--no-deepspeed")
 
@@ -105,8 +111,11 @@ def _measure(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         fused_param.detach().to(torch.bfloat16)  # allocates, as `param.to(bf16)` in user code does
 
     src, dst = alloc(n, torch.float32), alloc(n, torch.float32)
+    probe = [alloc(n, torch.float32) for _ in range(4)]
     variants: list[tuple[str, Callable[[], None], int, str]] = [
         (PROBE_VARIANT, lambda: dst.copy_(src), 8, "-"),
+        *([(STEP_PROBE_VARIANT, lambda: cpu_adam.memory_probe(*probe, num_threads=threads), 28,
+            "-")] if cpu_adam.memory_probe(*(t[:1] for t in probe)) else []),
         ("torch AdamW fused", fused.step, 28, "fused"),
         ("torch AdamW foreach", foreach.step, 28, "fused"),
         ("ours fp32", _ours(p, g, m32, v32, threads), 28, "fused"),
@@ -184,23 +193,40 @@ def _with_backend(name: str, fn: Callable[[], None]) -> Callable[[], None]:
 
 
 _DS_SCRIPT = textwrap.dedent("""
-    import json, statistics, sys, time, torch
-    n, threads, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    # In DeepSpeed's venv, with this repository on PYTHONPATH: DeepSpeedCPUAdam, our fp32 step,
+    # torch's fused AdamW and the step's memory probe, each on its own buffers, one call of each
+    # per round (after a warm-up call each), a settling pause before every call.
+    import json, sys, time, torch
+    n, threads, repeats, settle = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                                   float(sys.argv[4]))
     torch.set_num_threads(threads)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from infinity.optim import cpu_adam
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(n)); p.grad = torch.randn(n) * 1e-2
-    opt = DeepSpeedCPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw_mode=True)
-    fused = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True)
-    def timed(fn):
+    def param():
+        p = torch.nn.Parameter(torch.randn(n)); p.grad = torch.randn(n) * 1e-2
+        return p
+    ds = DeepSpeedCPUAdam([param()], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                          adamw_mode=True)
+    fused = torch.optim.AdamW([param()], lr=1e-3, weight_decay=0.01, fused=True)
+    mine = [torch.randn(n), torch.randn(n) * 1e-2, torch.zeros(n), torch.zeros(n)]
+    step = [0]
+    def ours():
+        step[0] += 1
+        cpu_adam.adam_step_flat(*mine, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                weight_decay=0.01, num_threads=threads)
+    probe = [torch.zeros(n) for _ in range(4)]
+    variants = {"ds": ds.step, "ours": ours, "fused": fused.step}
+    if cpu_adam.memory_probe(*(t[:1] for t in probe)):
+        variants["probe"] = lambda: cpu_adam.memory_probe(*probe, num_threads=threads)
+    for fn in variants.values():
         fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-    ds_t = timed(opt.step)
-    fused_t = timed(fused.step)
-    print("RESULT " + json.dumps({"ds_s": ds_t, "fused_s": fused_t}))
+    samples = {k: [] for k in variants}
+    for _ in range(repeats):
+        for k, fn in variants.items():
+            time.sleep(settle)
+            t0 = time.perf_counter(); fn(); samples[k].append(time.perf_counter() - t0)
+    print("RESULT " + json.dumps(samples))
 """)
 
 
@@ -209,17 +235,21 @@ def _deepspeed(args: Any) -> tuple[dict[str, Any] | None, str]:
         return None, "DeepSpeed skipped (--no-deepspeed)"
     if not os.path.exists(DS_PYTHON):
         return None, f"DeepSpeed skipped: {DS_PYTHON} not found"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(args.threads))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(args.threads),
+               PYTHONPATH=os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH")))))
     if args.hugepages:  # the same memory as ours: torch's allocator madvises huge pages
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     try:
-        proc = subprocess.run([DS_PYTHON, "-c", _DS_SCRIPT, str(args.numel), str(args.threads), str(args.repeats)],
+        proc = subprocess.run([DS_PYTHON, "-c", _DS_SCRIPT, str(args.numel), str(args.threads),
+                               str(args.repeats), str(SETTLE_S)],
                               capture_output=True, text=True, timeout=args.ds_timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return None, f"DeepSpeed skipped: no result within {args.ds_timeout_s:.0f} s"
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):]), "DeepSpeed DeepSpeedCPUAdam in its own process"
+            return (json.loads(line[len("RESULT "):]), "DeepSpeed DeepSpeedCPUAdam in its own "
+                    "process, interleaved there with our fp32 step, torch fused and the probe")
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     return None, f"DeepSpeed skipped: subprocess failed ({tail[0][:200]})"
 
@@ -265,13 +295,19 @@ def run(args: Any) -> int:
         rows, times, samples = _measure(args)
         per_process = []
     ds, ds_note = _deepspeed(args)
-    if ds is not None:
-        n = args.numel
-        rows.append({"variant": "DeepSpeed CPUAdam (subprocess)", "time_ms": ds["ds_s"] * 1e3,
-                     "Gupdates/s": n / ds["ds_s"] / 1e9, "GB/s": n * 28 / ds["ds_s"] / 1e9,
-                     "bytes/param": 28, "speedup": ds["fused_s"] / ds["ds_s"], "vs": "fused (in its process)"})
     if not per_process:
         targets = _targets(samples)
+    if ds is not None:
+        n, ds_s = args.numel, statistics.median(ds["ds"])
+        rows.append({"variant": "DeepSpeed CPUAdam (subprocess)", "time_ms": ds_s * 1e3,
+                     "Gupdates/s": n / ds_s / 1e9, "GB/s": n * 28 / ds_s / 1e9,
+                     "bytes/param": 28, "speedup": _round_ratio(ds["fused"], ds["ds"]),
+                     "vs": "fused (in its process)"})
+        targets["fp32 vs DeepSpeedCPUAdam, interleaved in its process (target >= 1.0)"] = \
+            _round_ratio(ds["ds"], ds["ours"])
+        if "probe" in ds:
+            targets["DeepSpeedCPUAdam at the memory limit (probe / step, 1.0: at it)"] = \
+                _round_ratio(ds["probe"], ds["ds"])
     notes = [f"{k}: {v:.2f}x" + (f" (median of {len(per_process)} processes: "
                                   + ", ".join(f"{p[k]:.2f}" for p in per_process) + ")"
                                   if per_process else "")
@@ -297,13 +333,20 @@ def run(args: Any) -> int:
     return 0
 
 
+def _round_ratio(ref: list[float], variant: list[float]) -> float:
+    """Median over rounds of the per-round ratio ref / variant: a slow stretch of the shared
+    machine hits both variants of a round, so it cancels here rather than in the medians'
+    quotient."""
+    return statistics.median(a / b for a, b in zip(ref, variant))
+
+
 def _targets(samples: dict[str, list[float]]) -> dict[str, float]:
     def ratio(ref: str, variant: str) -> float:
-        """Median over rounds of the per-round ratio: a slow stretch of the shared machine hits
-        both variants of a round, so it cancels here rather than in the medians' quotient."""
-        return statistics.median(a / b for a, b in zip(samples[ref], samples[variant]))
+        return _round_ratio(samples[ref], samples[variant])
 
-    return {
+    at_limit = ({"fp32 at the memory limit (the step's probe / the step, 1.0: at it)":
+                 ratio(STEP_PROBE_VARIANT, "ours fp32")} if STEP_PROBE_VARIANT in samples else {})
+    return {**at_limit,
         "fp32 vs torch fused AdamW (target >= 1.0)": ratio("torch AdamW fused", "ours fp32"),
         "bf16 out vs fused + copy_ (target >= 1.25)": ratio("torch fused + copy_ to bf16",
                                                             "ours fp32 + bf16 out"),

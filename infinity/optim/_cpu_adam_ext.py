@@ -112,6 +112,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.infinity_adam_step.restype = ci
     lib.infinity_adam_isa.argtypes = []
     lib.infinity_adam_isa.restype = ci
+    lib.infinity_memory_probe.argtypes = [vp, vp, vp, vp, i64, ci]
+    lib.infinity_memory_probe.restype = None
     return lib
 
 

@@ -88,6 +88,25 @@ def backend() -> str:
     return "native-avx512" if lib.infinity_adam_isa() else "native-scalar"
 
 
+def memory_probe(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, *, num_threads: int | None = None) -> bool:
+    """[memory probe] in csrc/cpu_adam.cpp: the fp32 step's memory traffic without its
+    arithmetic (read the four fp32 streams, write three back: 28 bytes a parameter, over the
+    kernel's threads and chunks), so ``infinity bench adam`` can say how close the step is to
+    the memory's limit. Changes the tensors (adds ``grad`` to the other three). Returns False,
+    doing nothing, without the compiled kernel (the pure-torch path has no such loop)."""
+    lib = _kernel()
+    if lib is None:
+        return False
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg),
+                    ("exp_avg_sq", exp_avg_sq)):
+        _check_tensor(name, t, param.numel(), {torch.float32: 0}, "memory_probe")
+    threads = max(1, int(num_threads or torch.get_num_threads()))
+    lib.infinity_memory_probe(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                              exp_avg_sq.data_ptr(), param.numel(), threads)
+    return True
+
+
 # ------------------------------------------------------------------------------------------ memory
 # [Note: state memory layout] Measured here (one core, 64M parameters, CPU time, same process):
 #   fp32 moments: 49 ms on 4 KiB pages, 69 ms on 2 MiB pages all aligned alike, 40 ms on 2 MiB

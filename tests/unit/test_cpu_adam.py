@@ -543,3 +543,24 @@ def test_the_device_step_rounds_bf16_moments_as_the_cpu_kernel_does():
     exact = (torch.tensor(0.1, dtype=torch.float32) * g[0]).item()
     assert len(torch.unique(m1)) == 2
     assert abs(m1.double().mean().item() - exact) < 1e-3 * exact
+
+
+def test_the_memory_probe_moves_the_steps_bytes(monkeypatch):
+    """[memory probe] (``infinity bench adam``'s limit for the fp32 step): it reads the four fp32
+    streams and writes three, each the input plus the gradient; without the compiled kernel it
+    says so (False) and touches nothing."""
+    n = 1000 + 13  # not a multiple of any vector width
+    gen = torch.Generator().manual_seed(3)
+    p, g, m, v = (torch.randn(n, generator=gen) for _ in range(4))
+    want = (p + g, g.clone(), m + g, v + g)
+    if cpu_adam.backend() == "torch":
+        pytest.skip("no compiled kernel here")
+    assert cpu_adam.memory_probe(p, g, m, v, num_threads=2) is True
+    for got, expected in zip((p, g, m, v), want):
+        assert torch.equal(got, expected)
+    monkeypatch.setenv(cpu_adam.BACKEND_ENV, "torch")
+    before = p.clone()
+    assert cpu_adam.memory_probe(p, g, m, v) is False and torch.equal(p, before)
+    with pytest.raises(ValueError, match="exp_avg"):
+        monkeypatch.setenv(cpu_adam.BACKEND_ENV, "auto")
+        cpu_adam.memory_probe(p, g, m[:5], v)

@@ -497,6 +497,22 @@ int infinity_adam_step(float* param, const void* grad, int grad_dtype, void* exp
   });
 }
 
+// [memory probe] The fp32 step's memory traffic without its arithmetic: read param, grad and
+// the two moments, write param and the moments back (28 bytes a parameter), over the same
+// threads and chunks as infinity_adam_step. `infinity bench adam` divides its time by the step's
+// to say how close the step is to the memory's limit on this machine.
+void infinity_memory_probe(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                           int64_t n, int threads) {
+  parallel_chunks(n, threads, [&](int64_t, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float g = grad[i];
+      param[i] += g;
+      exp_avg[i] += g;
+      exp_avg_sq[i] += g;
+    }
+  });
+}
+
 // 1 when the AVX-512 path was compiled in, 0 for the portable scalar loop.
 int infinity_adam_isa(void) {
 #ifdef INFINITY_AVX512
