@@ -338,7 +338,20 @@ def run(args: argparse.Namespace) -> int:
              "ours/ref write": _ratio(ours["write"], m["write"]) if i else None,
              "ours/ref read": _ratio(ours["read"], m["read"]) if i else None}
             for i, (name, m) in enumerate(med.items())]
-    extra: dict[str, Any] = {"runs_GBps": {e.name: e.runs for e in engines}}
+    # The disk's mixed figure ([Note: the mixed disk roofline] in infinity/bench/roofline.py):
+    # the raw probe reading one file while it writes another, each direction from one start.
+    from infinity.bench.roofline import probe_disk
+    disk = probe_disk(args.dir, nbytes=args.size_bytes)
+    rows.append({"engine": "raw, reads and writes at once", "write_GBps":
+                 disk.mixed_write_bytes_per_s / 1e9, "read_GBps": disk.mixed_read_bytes_per_s / 1e9,
+                 "ours/ref write": None, "ours/ref read": None})
+    serial_s = 1e9 / disk.read_bytes_per_s + 1e9 / disk.write_bytes_per_s
+    notes.append(f"reads and writes at once (raw, {format_bytes(args.size_bytes)} each way): "
+                 f"equal bytes both ways take {disk.seconds(1e9, 1e9) / serial_s:.2f}x the time "
+                 "of one direction after the other (the roofline takes the lesser)")
+    extra: dict[str, Any] = {"runs_GBps": {e.name: e.runs for e in engines},
+                             "mixed_GBps": {"read": disk.mixed_read_bytes_per_s / 1e9,
+                                            "write": disk.mixed_write_bytes_per_s / 1e9}}
     if args.sweep or args.plot:
         extra["sweep"] = _sweep(args, src, dst)
         if args.plot:

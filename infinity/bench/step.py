@@ -34,8 +34,9 @@ plain,user-config,stage3 --rounds 2``. The DeepSpeed reference (``ds-*``) builds
 The roofline (issue #16; the formula and its functions are :mod:`infinity.bench.roofline`'s, the
 same ``infinity train`` and ``infinity bench scale`` use): every row reports the NVMe bytes it read
 and wrote per timed step (``nvme_read_mib_per_step``, ``nvme_write_mib_per_step``, from
-``engine.stats()``), ``disk_s`` = those bytes at the raw direct-I/O read and write bandwidths of
-``--dir``, probed once in the same run (:func:`~infinity.bench.roofline.probe_disk`, after the
+``engine.stats()``), ``disk_s`` = the least time the disk reads and writes those bytes at the raw
+direct-I/O bandwidths of ``--dir``, alone or both at once ([Note: the mixed disk roofline] in
+infinity/bench/roofline.py), probed once in the same run (:func:`~infinity.bench.roofline.probe_disk`, after the
 modes, only when one of them moved NVMe bytes), ``cpu_s`` = plain PyTorch's median step (the
 same model's forward, backward and optimizer with everything in memory), ``roofline_s`` =
 max(cpu_s, disk_s), ``bound`` (which side is larger) and ``x_roofline`` = step_s / roofline_s. A
@@ -452,17 +453,27 @@ def _disk_record(disk: DiskBandwidth | None, error: str | None) -> dict[str, Any
     if disk is None:
         return {"error": error} if error else None
     return {"read_bytes_per_s": disk.read_bytes_per_s, "write_bytes_per_s": disk.write_bytes_per_s,
-            "direct_io": disk.direct}
+            "mixed_read_bytes_per_s": disk.mixed_read_bytes_per_s,
+            "mixed_write_bytes_per_s": disk.mixed_write_bytes_per_s, "direct_io": disk.direct}
+
+
+def _mixed_words(disk: DiskBandwidth) -> str:
+    if not (disk.mixed_read_bytes_per_s and disk.mixed_write_bytes_per_s):
+        return "both at once not probed"
+    return (f"{disk.mixed_read_bytes_per_s / 1e9:.2f} read + "
+            f"{disk.mixed_write_bytes_per_s / 1e9:.2f} write GB/s both at once")
 
 
 def _roofline_notes(disk: DiskBandwidth | None, error: str | None, plain: dict[str, Any] | None) -> list[str]:
     probed = (f"{disk.read_bytes_per_s / 1e9:.2f} GB/s read, {disk.write_bytes_per_s / 1e9:.2f} "
-              f"GB/s write{'' if disk.direct else ' (buffered: O_DIRECT refused)'}, raw probe of "
+              f"GB/s write alone, {_mixed_words(disk)}"
+              f"{'' if disk.direct else ' (buffered: O_DIRECT refused)'}, raw probe of "
               f"--dir in this run" if disk is not None else
               error or "not probed: no mode moved NVMe bytes")
     return ["x_roofline: step_s / roofline_s, roofline_s = max(cpu_s, disk_s); cpu_s: plain "
-            "PyTorch's median step (everything in memory); disk_s: NVMe bytes read / read "
-            f"bandwidth + bytes written / write bandwidth per step ({probed})"
+            "PyTorch's median step (everything in memory); disk_s: the least time the disk reads "
+            "and writes a step's NVMe bytes, one direction after the other or both at once "
+            f"(the mixed disk roofline) ({probed})"
             + ("" if plain else "; no roofline without the plain mode: add plain to --modes"),
             "x_staging_bound: step_s / staging_bound_s (optimizer on NVMe): with exact clipping "
             "every update falls between the end of a backward and the end of the next forward, "

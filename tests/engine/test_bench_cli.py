@@ -141,7 +141,11 @@ def test_io_json_sweep_plot_and_saved_file(tmp_path, capsys):
     record = parse_single_json(out)
     check_record(record, "io")
     assert "bench io:" in err and "bench io sweep:" in err
-    assert [r["engine"] for r in record["rows"]] == ["infinity swapper", "raw direct I/O probe"]
+    assert [r["engine"] for r in record["rows"]] == ["infinity swapper", "raw direct I/O probe",
+                                                     "raw, reads and writes at once"]
+    mixed = record["rows"][-1]  # [Note: the mixed disk roofline]
+    assert mixed["read_GBps"] > 0 and mixed["write_GBps"] > 0
+    assert record["mixed_GBps"] == {"read": mixed["read_GBps"], "write": mixed["write_GBps"]}
     grid = {(r["block_size_bytes"], r["queue_depth"]) for r in record["sweep"]}
     assert grid == {(b, q) for b in bench_io.SWEEP_BLOCK_BYTES for q in bench_io.SWEEP_QUEUE_DEPTHS}
     assert all(r["write_GBps"] > 0 and r["read_GBps"] > 0 for r in record["sweep"])
@@ -294,8 +298,18 @@ def test_step_roofline_columns_tie_to_the_recorded_numbers(tmp_path, capsys):
         moved = raw[mode]["nvme_per_step"]
         assert row["nvme_read_mib_per_step"] == moved["read_bytes"] / 2**20
         assert row["nvme_write_mib_per_step"] == moved["write_bytes"] / 2**20
-        assert row["disk_s"] == pytest.approx(moved["read_bytes"] / disk["read_bytes_per_s"]
-                                              + moved["write_bytes"] / disk["write_bytes_per_s"])
+        serial = (moved["read_bytes"] / disk["read_bytes_per_s"]
+                  + moved["write_bytes"] / disk["write_bytes_per_s"])
+        # [Note: the mixed disk roofline]: both directions at once where that is sooner
+        assert disk["mixed_read_bytes_per_s"] > 0 and disk["mixed_write_bytes_per_s"] > 0
+        from infinity.bench.roofline import DiskBandwidth
+
+        assert row["disk_s"] == pytest.approx(DiskBandwidth(
+            read_bytes_per_s=disk["read_bytes_per_s"], write_bytes_per_s=disk["write_bytes_per_s"],
+            direct=True, mixed_read_bytes_per_s=disk["mixed_read_bytes_per_s"],
+            mixed_write_bytes_per_s=disk["mixed_write_bytes_per_s"]).seconds(
+                moved["read_bytes"], moved["write_bytes"]))
+        assert row["disk_s"] <= serial * (1 + 1e-12)
         assert row["cpu_s"] == plain["step_s"]  # plain PyTorch's step: the model in memory
         assert row["roofline_s"] == max(row["cpu_s"], row["disk_s"])
         assert row["bound"] == ("disk" if row["disk_s"] >= row["cpu_s"] else "cpu")

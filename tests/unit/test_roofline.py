@@ -146,3 +146,30 @@ def test_init_roofline_is_random_values_once_plus_the_state_written():
     assert line["init_rng_s"] == pytest.approx(1e8 / line["rng_numel_per_s"])
     assert line["init_roofline_s"] == pytest.approx(line["init_rng_s"] + 2.0)
     assert line["init_x"] == pytest.approx(9.0 / line["init_roofline_s"])
+
+
+def test_the_disk_time_is_the_least_of_serial_and_both_at_once():
+    """[Note: the mixed disk roofline]: this VM's disk as fio measured it (alone 1.0 read, 1.5
+    write GB/s; beside each other 0.8 read, 0.75 write): equal bytes go sooner both at once, a
+    step that only reads goes at the lone rate, and a disk that gains nothing from mixing keeps
+    the serial sum."""
+    import dataclasses
+
+    disk = DiskBandwidth(read_bytes_per_s=1.0e9, write_bytes_per_s=1.5e9, direct=True,
+                         mixed_read_bytes_per_s=0.8e9, mixed_write_bytes_per_s=0.75e9)
+    serial = 3e9 / 1.0e9 + 3e9 / 1.5e9  # 5.0 s
+    # 3 GB each way: both stream until the reads end (3.75 s; 2.8125 GB written by then), then
+    # the last 0.1875 GB are written alone (0.125 s).
+    assert disk.seconds(3e9, 3e9) == pytest.approx(3.75 + 0.1875e9 / 1.5e9)
+    assert disk.seconds(3e9, 0) == pytest.approx(3.0)  # nothing to mix with
+    # 4 GB read, 1 GB written: both stream 1.333 s (the writes end), then 2.933 GB read alone.
+    assert disk.seconds(4e9, 1e9) == pytest.approx(4 / 3 + (4e9 - 4 / 3 * 0.8e9) / 1.0e9)
+    slow_mix = dataclasses.replace(disk, mixed_read_bytes_per_s=0.4e9,
+                                   mixed_write_bytes_per_s=0.4e9)
+    assert slow_mix.seconds(3e9, 3e9) == pytest.approx(serial)  # serial is sooner
+    unprobed = DiskBandwidth(read_bytes_per_s=1.0e9, write_bytes_per_s=1.5e9, direct=True)
+    assert unprobed.seconds(3e9, 3e9) == pytest.approx(serial)
+    line = roofline(cpu_s=1.0, read_bytes=3e9, write_bytes=3e9, disk=disk, step_s=4.5)
+    assert line["disk_serial_s"] == pytest.approx(serial)
+    assert line["roofline_s"] == pytest.approx(3.875) and line["bound"] == "disk"
+    assert line["x_roofline"] == pytest.approx(4.5 / 3.875)
