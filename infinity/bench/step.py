@@ -95,7 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"micro-batch size; default {DEFAULT_BATCH_SIZE}, or the --ds-config "
                         "file's train_micro_batch_size_per_gpu")
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"tokens per sequence; default 256 ({GPU_PROXY_SEQ_LEN} with "
+                        "--gpu-proxy)")
+    parser.add_argument("--gpu-proxy", action="store_true",
+                        help="[GPU-proxy row] batch 1, a short sequence, the NVMe mode alone: "
+                        "compute all but vanishes, as on a GPU, so the step is the engine's I/O "
+                        "pipeline; reported against the disk's roofline (x_disk)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                         help=f"default {DEFAULT_DTYPE}, or the --ds-config file's precision")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
@@ -147,6 +153,25 @@ def _worker_args(args: argparse.Namespace) -> dict[str, Any]:
             "host_budget_fraction": args.host_budget_fraction,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "ds_config": args.ds_config, "reduce_dtype": args.reduce_dtype}
+
+
+GPU_PROXY_SEQ_LEN = 16
+GPU_PROXY_MODES = "stage3-nvme"
+
+
+def apply_gpu_proxy(args: argparse.Namespace) -> None:
+    """[GPU-proxy row] On a GPU a step's compute is ~100x faster than on these cores, so an
+    offloaded step there is the engine's I/O pipeline: its NVMe reads and writes, per-request
+    and per-sub-group costs included, that hide behind a CPU's compute here. ``--gpu-proxy``
+    makes that step on this machine: batch 1, a short sequence, the NVMe mode alone (plain
+    PyTorch is not run: a 3B model's state does not fit in memory), each row's step against
+    its disk time (``x_disk``: step_s / disk_s, the mixed disk roofline). The compute left
+    still counts in step_s, so x_disk is if anything high."""
+    args.seq_len = args.seq_len or (GPU_PROXY_SEQ_LEN if args.gpu_proxy else 256)
+    if not args.gpu_proxy:
+        return
+    args.batch_size = args.batch_size or 1
+    args.modes = args.modes or GPU_PROXY_MODES
 
 
 def _default_shape(args: argparse.Namespace) -> None:
@@ -234,6 +259,7 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_gpu_proxy(args)
     if args.link_gbps is not None or args.world_size > 1:
         from infinity.bench import overlap
 
@@ -426,6 +452,8 @@ def _roofline_columns(r: dict[str, Any], plain: dict[str, Any] | None,
     cols: dict[str, Any] = {"nvme_read_mib_per_step": read / 2**20,
                             "nvme_write_mib_per_step": write / 2**20}
     threads = {"io_threads_cpu_s": r.get("io_threads_cpu_s")}  # the last column
+    if disk is not None and (read or write):  # [GPU-proxy row]: the step against its disk time
+        cols["x_disk"] = r["step_s"] / disk.seconds(read, write)
     if plain is None or (disk is None and (read or write)):
         return cols | threads  # no CPU time to divide by, or no bandwidth (the probe failed)
     # CPU time: plain PyTorch's median step. It is this very model's forward, backward and

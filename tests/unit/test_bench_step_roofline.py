@@ -45,3 +45,26 @@ def test_unknown_inputs_leave_the_roofline_out():
     for plain, disk in ((None, DISK), (PLAIN, None)):  # no plain mode; the probe failed
         cols = _roofline_columns(nvme, plain, disk)
         assert "x_roofline" not in cols and cols["nvme_read_mib_per_step"] == 1.0
+
+
+def test_gpu_proxy_rows_are_against_the_disk_alone():
+    """[GPU-proxy row] in infinity/bench/step.py: batch 1, a short sequence, the NVMe mode, no
+    plain PyTorch run (a 3B state does not fit in memory): the row still has its step against
+    its disk time, x_disk (the mixed disk roofline of its bytes)."""
+    import argparse
+
+    from infinity.bench.step import GPU_PROXY_MODES, GPU_PROXY_SEQ_LEN, apply_gpu_proxy
+
+    args = argparse.Namespace(gpu_proxy=True, seq_len=None, batch_size=None, modes=None)
+    apply_gpu_proxy(args)
+    assert (args.batch_size, args.seq_len, args.modes) == (1, GPU_PROXY_SEQ_LEN, GPU_PROXY_MODES)
+    kept = argparse.Namespace(gpu_proxy=True, seq_len=64, batch_size=2, modes="stage3-nvme")
+    apply_gpu_proxy(kept)
+    assert (kept.batch_size, kept.seq_len) == (2, 64)  # what the user gave stays
+    normal = argparse.Namespace(gpu_proxy=False, seq_len=None, batch_size=None, modes=None)
+    apply_gpu_proxy(normal)
+    assert (normal.seq_len, normal.batch_size, normal.modes) == (256, None, None)
+    cols = _roofline_columns(_record("stage3-nvme", 3.0, 2**30, 2**28), None, DISK)
+    assert cols["x_disk"] == pytest.approx(3.0 / 1.5) and "x_roofline" not in cols
+    with_plain = _roofline_columns(_record("stage3-nvme", 3.0, 2**30, 2**28), PLAIN, DISK)
+    assert with_plain["x_disk"] == pytest.approx(3.0 / with_plain["disk_s"])
