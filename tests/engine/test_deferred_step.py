@@ -59,21 +59,18 @@ host-resident sub-groups (the test asserts it). With two micro-batches (fp32 gra
 bytes hold the gradients on the host (45 056 bytes) beside a comfortable pipeline."""
 
 
-@pytest.mark.parametrize("gas, host", [(1, 120_000), (2, 120_000), (2, LEAST_HOST)])
-def test_deferred_step_trains_to_the_bits_of_the_step_run_in_place(tmp_path, slow_reads, gas,
-                                                                    host):
-    data = batches(STEPS, gas)
-    ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype="bf16", clip=0.05)
-    in_place = _engine(tmp_path, "in-place", defer=False, gas=gas, host=host)
-    assert (in_place.offload.optimizer_host_resident_bytes == 0) == (host == LEAST_HOST)
-    assert in_place.offload.grads_on_nvme == (host == LEAST_HOST)
+def _train_deferred_against_in_place(in_place, deferred, data, ref) -> dict:
+    """Train ``in_place`` (``defer_optimizer_step`` False) and then ``deferred`` (True) on
+    ``data``, closing each; assert the deferred run is bitwise the in-place one and close to
+    ``ref`` (plain PyTorch's losses and state), that every update with a stored shard waited for
+    the next forward and that forward ran them all. Returns the deferred engine's stats."""
     try:
         want_losses = engine_train(in_place, data)
         want_state = in_place.full_state_dict()
     finally:
         in_place.close()
-    deferred = _engine(tmp_path, "deferred", defer=True, gas=gas, host=host)
     try:
+        assert deferred._deferring
         pending = _record_pending(deferred)
         losses = engine_train(deferred, data)
         state = deferred.full_state_dict()
@@ -83,13 +80,25 @@ def test_deferred_step_trains_to_the_bits_of_the_step_run_in_place(tmp_path, slo
     assert losses == want_losses
     for k in want_state:
         assert torch.equal(state[k], want_state[k]), k
-    assert_close_run(losses, state, ref_losses, ref_state, "bf16")
-    assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
+    assert_close_run(losses, state, *ref, "bf16")
     after_step = [n for n in pending if n >= 0]
     after_forward = [-n - 1 for n in pending if n < 0]
-    # Every unit with a stored shard waits for the next forward, which runs them all.
     assert after_step and min(after_step) > 0, pending
     assert max(after_forward) == 0, pending
+    return stats
+
+
+@pytest.mark.parametrize("gas, host", [(1, 120_000), (2, 120_000), (2, LEAST_HOST)])
+def test_deferred_step_trains_to_the_bits_of_the_step_run_in_place(tmp_path, slow_reads, gas,
+                                                                    host):
+    data = batches(STEPS, gas)
+    ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype="bf16", clip=0.05)
+    in_place = _engine(tmp_path, "in-place", defer=False, gas=gas, host=host)
+    assert (in_place.offload.optimizer_host_resident_bytes == 0) == (host == LEAST_HOST)
+    assert in_place.offload.grads_on_nvme == (host == LEAST_HOST)
+    deferred = _engine(tmp_path, "deferred", defer=True, gas=gas, host=host)
+    stats = _train_deferred_against_in_place(in_place, deferred, data, (ref_losses, ref_state))
+    assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
 
 
 def test_reads_between_steps_see_the_updated_values(tmp_path, slow_reads):
@@ -240,28 +249,10 @@ def test_a_host_optimizer_defers_where_updated_shards_cross_to_the_device(tmp_pa
     ref_losses, ref_state = reference_train(four_gpt(), data, dtype="bf16", clip=0.05)
     in_place = _host_engine(tmp_path, "in-place", defer=False, gas=gas, device_budget=budget,
                             copy_link=link)
-    try:
-        assert not in_place._deferring
-        want_losses = engine_train(in_place, data)
-        want_state = in_place.full_state_dict()
-    finally:
-        in_place.close()
+    assert not in_place._deferring
     deferred = _host_engine(tmp_path, "deferred", defer=True, gas=gas, device_budget=budget,
                             copy_link=link)
-    try:
-        assert deferred._deferring
-        pending = _record_pending(deferred)
-        losses = engine_train(deferred, data)
-        state = deferred.full_state_dict()
-    finally:
-        deferred.close()
-    assert losses == want_losses
-    for k in want_state:
-        assert torch.equal(state[k], want_state[k]), k
-    assert_close_run(losses, state, ref_losses, ref_state, "bf16")
-    after_step = [n for n in pending if n >= 0]
-    assert after_step and min(after_step) > 0, pending  # the updates waited for the forward
-    assert max(-n - 1 for n in pending if n < 0) == 0, pending
+    _train_deferred_against_in_place(in_place, deferred, data, (ref_losses, ref_state))
     on_host = _host_engine(tmp_path, "on-host", defer=True)
     try:
         assert not on_host._deferring  # the auto budget reads HOST copies: nothing crosses

@@ -39,6 +39,33 @@ def _model():
     return tiny_gpt(config=DEEP)
 
 
+def train_and_check_nvme_gradients(engine, data, gas: int, ref) -> dict:
+    """Train ``engine`` (gradients on NVMe) on ``data``, closing it, against ``ref`` (plain
+    PyTorch's losses and state): every micro-batch writes each gradient slice, and the optimizer
+    reads each back (at least the gradient's bytes each way per step, on top of the optimizer's
+    own traffic); the host stays within its budget. Returns the engine's last stats. Also run
+    by the CUDA test (tests/gpu/test_coverage_cuda.py)."""
+    try:
+        assert engine.offload.grads_on_nvme
+        grad_bytes = engine.manager.grad_accumulator_bytes()
+        losses, moved = [], []
+        for micro in data:
+            before = engine.stats()["bytes_moved"]
+            losses += engine_train(engine, [micro])
+            after = engine.stats()["bytes_moved"]
+            moved.append({k: after[k] - before[k] for k in ("HOST->NVME", "NVME->HOST")})
+        state = engine.full_state_dict()
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_close_run(losses, state, *ref, "fp32")
+    assert stats["grads_on_nvme"]
+    for m in moved[1:]:
+        assert m["HOST->NVME"] >= gas * grad_bytes and m["NVME->HOST"] >= grad_bytes, m
+    assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
+    return stats
+
+
 def _least_config(tmp_path, *, stage: int, gas: int, clip: float):
     """Parameters (stage 3) and optimizer on NVMe at the least host budget, which holds the
     gradients only as slices."""
@@ -56,27 +83,8 @@ def test_gradients_on_nvme_train_like_pytorch(tmp_path, stage, gas, clip):
     data = batches(4, gas)
     ref_losses, ref_state = reference_train(_model(), data, clip=clip)
     config = _least_config(tmp_path, stage=stage, gas=gas, clip=clip)
-    engine = infinity.initialize(_model(), config)
-    try:
-        assert engine.offload.grads_on_nvme
-        grad_bytes = engine.manager.grad_accumulator_bytes()
-        losses, moved = [], []
-        for micro in data:
-            before = engine.stats()["bytes_moved"]
-            losses += engine_train(engine, [micro])
-            after = engine.stats()["bytes_moved"]
-            moved.append({k: after[k] - before[k] for k in ("HOST->NVME", "NVME->HOST")})
-        state = engine.full_state_dict()
-        stats = engine.stats()
-    finally:
-        engine.close()
-    assert_close_run(losses, state, ref_losses, ref_state, "fp32")
-    assert stats["grads_on_nvme"]
-    # Every micro-batch writes each gradient slice, and the optimizer reads each back: at least
-    # the gradient's bytes each way per step, on top of the optimizer's own traffic.
-    for m in moved[1:]:
-        assert m["HOST->NVME"] >= gas * grad_bytes and m["NVME->HOST"] >= grad_bytes, m
-    assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
+    stats = train_and_check_nvme_gradients(infinity.initialize(_model(), config), data, gas,
+                                           (ref_losses, ref_state))
     # The ledger, told the gradients are on NVMe, has the engine's NVMe bytes.
     numel = sum(p.numel() for p in _model().parameters())
     cfg = infinity.load_config(config)

@@ -69,6 +69,7 @@ def test_gradients_on_nvme_on_cuda_train_like_pytorch(tmp_path, stage, gas, clip
     come down from the GPU into NVMe slices (read back and added at gas 2), and training matches
     plain PyTorch on the GPU, clipping by the exact global norm included."""
     from infinity.zero import host_needs_of, least_host_budget_bytes
+    from tests.engine.test_grads_on_nvme import train_and_check_nvme_gradients
 
     exact_fp32()
     param = "nvme" if stage == 3 else "none"
@@ -81,25 +82,8 @@ def test_gradients_on_nvme_on_cuda_train_like_pytorch(tmp_path, stage, gas, clip
     data = batches(4, gas)
     ref_losses, ref_state = reference_train(_deep(), data, clip=clip, device=CUDA)
     engine = infinity.initialize(_deep(), config)
-    try:
-        _assert_on_cuda(engine)
-        assert engine.offload.grads_on_nvme
-        grad_bytes = engine.manager.grad_accumulator_bytes()
-        losses, moved = [], []
-        for micro in data:
-            before = engine.stats()["bytes_moved"]
-            losses += engine_train(engine, [micro])
-            after = engine.stats()["bytes_moved"]
-            moved.append({k: after[k] - before[k] for k in ("HOST->NVME", "NVME->HOST")})
-        state = engine.full_state_dict()
-        stats = engine.stats()
-    finally:
-        engine.close()
-    assert_close_run(losses, state, ref_losses, ref_state, "fp32")
-    assert stats["grads_on_nvme"]
-    for m in moved[1:]:  # every slice written per micro-batch, read back by the optimizer
-        assert m["HOST->NVME"] >= gas * grad_bytes and m["NVME->HOST"] >= grad_bytes, m
-    assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
+    _assert_on_cuda(engine)
+    train_and_check_nvme_gradients(engine, data, gas, (ref_losses, ref_state))
 
 
 # ------------------------------------------------------------------ fp16 with offload
@@ -211,22 +195,11 @@ def test_bf16_moments_engine_on_cuda_trains_like_fp32_moments():
 
 # ------------------------------------------------------------------ Hugging Face Trainer and peft
 
-TRAINER_CONFIGS = {
-    "llama-stage3": {"zero": {"stage": 3, "unit_class_names": ["LlamaDecoderLayer"],
-                              "unit_min_numel": 1, "persistence_threshold_numel": 64}},
-    "llama-deepspeed-auto-offload-host": {  # Hugging Face's example DeepSpeed config
-        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                  "weight_decay": "auto"}},
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                              "offload_param": {"device": "cpu"}}},
-}
-"""The Llama cases of tests/integrations/test_trainer.py."""
+TRAINER_CASES = ("llama-stage3", "llama-deepspeed-auto-offload-host")
+"""The Llama cases of tests/integrations/test_trainer.py (its ``CASES``)."""
 
 
-@pytest.mark.parametrize("case", sorted(TRAINER_CONFIGS))
+@pytest.mark.parametrize("case", TRAINER_CASES)
 def test_infinity_trainer_on_cuda_matches_plain_trainer_on_cuda(tmp_path, case):
     """``InfinityTrainer`` with ``use_cpu=False`` (the engine on the Trainer's device) against
     the plain ``transformers.Trainer`` on the GPU: the same logged losses, grad norms and lrs,
@@ -238,6 +211,10 @@ def test_infinity_trainer_on_cuda_matches_plain_trainer_on_cuda(tmp_path, case):
 
     from infinity.integrations.hf import InfinityTrainer
     from tests.integrations._hf import Tokens, assert_same_run, tiny, training_args
+    from tests.integrations.test_trainer import CASES
+
+    kind, infinity_config = CASES[case]
+    assert kind == "llama"
 
     exact_fp32()
     initial = {k: v.clone() for k, v in tiny("llama").state_dict().items()}
@@ -248,7 +225,7 @@ def test_infinity_trainer_on_cuda_matches_plain_trainer_on_cuda(tmp_path, case):
     assert all(p.is_cuda for p in plain.model.parameters())
     ours = InfinityTrainer(model=tiny("llama"),
                            args=training_args(str(tmp_path / "ours"), use_cpu=False),
-                           train_dataset=Tokens(), infinity_config=TRAINER_CONFIGS[case])
+                           train_dataset=Tokens(), infinity_config=infinity_config)
     ours.train()
     try:
         _assert_on_cuda(ours.engine)

@@ -192,12 +192,17 @@ def test_empty_tensors_are_a_no_op():
 
 
 # ------------------------------------------------------------------------------------------ bf16 states
-def test_bf16_states_track_fp32_over_thousands_of_steps(backend):
-    n, steps = 512, 3000
+def drifting_grads(n: int, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Initial parameters and ``steps`` noisy gradients with a per-element drift (seeded)."""
     gen = torch.Generator().manual_seed(7)
     p0 = torch.randn(n, generator=gen)
     drift = torch.randn(n, generator=gen) * 0.3
-    grads = [drift + torch.randn(n, generator=gen) for _ in range(steps)]
+    return p0, [drift + torch.randn(n, generator=gen) for _ in range(steps)]
+
+
+def test_bf16_states_track_fp32_over_thousands_of_steps(backend):
+    n, steps = 512, 3000
+    p0, grads = drifting_grads(n, steps)
     hp = flat_hp(lr=1e-3, weight_decay=0.01)
     p32, m32, v32, _ = run_flat(p0, grads, **hp)
     p16, m16, v16, _ = run_flat(p0, grads, state_dtype=torch.bfloat16, **hp)
@@ -518,10 +523,7 @@ def test_the_device_step_rounds_bf16_moments_as_the_cpu_kernel_does():
     from infinity.optim import adam_step_flat_reference
 
     n, steps = 512, 1500
-    gen = torch.Generator().manual_seed(7)
-    p0 = torch.randn(n, generator=gen)
-    drift = torch.randn(n, generator=gen) * 0.3
-    grads = [drift + torch.randn(n, generator=gen) for _ in range(steps)]
+    p0, grads = drifting_grads(n, steps)
     hp = flat_hp(lr=1e-3, weight_decay=0.01)
     p32, m32, v32, _ = run_flat(p0, grads, **hp)
     p, m = p0.clone(), torch.zeros(n, dtype=torch.bfloat16)
