@@ -22,119 +22,16 @@ step's bytes with :func:`nvme_moved_bytes` / :func:`nvme_per_step` and divide wi
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import statistics
 import time
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from infinity.bench.io import raw_probe
-from infinity.io import aligned_empty
+# The disk probe lives with the raw probe it runs; re-exported here, where rooflines use it.
+from infinity.bench.io import DiskBandwidth, probe_disk
 from infinity.models.gpt import Block, GPTConfig
 from infinity.optim import adam_kernel_for
-
-PROBE_BYTES = 256 << 20
-"""Bytes moved by each direction of the disk probe (a few times the largest single swap file of
-the presets; large enough that the drive's cache does not flatter the write)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DiskBandwidth:
-    read_bytes_per_s: float
-    write_bytes_per_s: float
-    direct: bool
-    """Measured with O_DIRECT (False where the file system refused it: buffered, then fsynced)."""
-    mixed_read_bytes_per_s: float | None = None
-    mixed_write_bytes_per_s: float | None = None
-    """Each direction's rate while the other streams too (the third measurement of
-    :func:`probe_disk`); None: not probed, and reads and writes add up."""
-
-    def seconds(self, read_bytes: float, write_bytes: float) -> float:
-        """[Note: the mixed disk roofline]
-        The least time this disk moves ``read_bytes`` in and ``write_bytes`` out. One after the
-        other: the sum of each alone. Both at once, where the probe measured it: while both
-        directions stream each goes at its mixed rate, and what is left of the longer one goes
-        alone; on this VM's disk (fio, 16 MiB blocks, depth 8) reads fell from 1.03-1.11 to
-        0.77-0.87 GB/s and writes from 1.53-1.98 to 0.71-0.78 GB/s beside each other, so a step
-        that reads and writes about equal bytes moves them 15-20 % sooner both at once. Whichever
-        is less is the bound (an engine may schedule either way). The mixed rates are each
-        direction's bytes over its own time from a common start, so the longer direction's
-        includes some time alone: optimistic, as a roofline must be."""
-        serial = read_bytes / self.read_bytes_per_s + write_bytes / self.write_bytes_per_s
-        if not (self.mixed_read_bytes_per_s and self.mixed_write_bytes_per_s):
-            return serial
-        both_s = min(read_bytes / self.mixed_read_bytes_per_s,
-                     write_bytes / self.mixed_write_bytes_per_s)
-        mixed = (both_s
-                 + (read_bytes - both_s * self.mixed_read_bytes_per_s) / self.read_bytes_per_s
-                 + (write_bytes - both_s * self.mixed_write_bytes_per_s) / self.write_bytes_per_s)
-        return min(serial, mixed)
-
-
-def probe_disk(directory: str, *, nbytes: int = PROBE_BYTES, mixed: bool = True) -> DiskBandwidth:
-    """Raw aligned write, then read bandwidth of ``directory``'s disk, then (``mixed``) both at
-    once: the file just written read back while a second one is written, each direction timed
-    from the common start (the probe files are removed)."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f".infinity-roofline-probe-{os.getpid()}")
-    other = path + "-mixed"
-    buf = aligned_empty(nbytes, torch.uint8, direct_io=True)  # as the engine's arena
-    buf.fill_(7)  # touched once: the write reads resident pages, not zero-fill faults
-    direct = True
-    mixed_rates: dict[str, float] = {}
-    try:
-        try:
-            write_s = raw_probe(path, buf, write=True, direct=True)
-        except OSError:  # a file system without O_DIRECT (tmpfs, some overlays)
-            direct = False
-            write_s = raw_probe(path, buf, write=True, direct=False)
-        read_s = raw_probe(path, buf, write=False, direct=direct)
-        if mixed:
-            into = aligned_empty(nbytes, torch.uint8, direct_io=True)
-            into.zero_()
-            times = _both_at_once(lambda: raw_probe(path, into, write=False, direct=direct),
-                                  lambda: raw_probe(other, buf, write=True, direct=direct))
-            mixed_rates = {"mixed_read_bytes_per_s": nbytes / times[0],
-                           "mixed_write_bytes_per_s": nbytes / times[1]}
-    finally:
-        for p in (path, other):
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
-    return DiskBandwidth(read_bytes_per_s=nbytes / read_s, write_bytes_per_s=nbytes / write_s,
-                         direct=direct, **mixed_rates)
-
-
-def _both_at_once(*probes) -> list[float]:
-    """Run the probes on threads of their own from one start; each one's seconds from it."""
-    import threading
-
-    start = threading.Barrier(len(probes) + 1)
-    times: list[float] = [0.0] * len(probes)
-    errors: list[BaseException] = []
-
-    def run(i: int, probe) -> None:
-        start.wait()
-        t0 = time.perf_counter()
-        try:
-            probe()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-        times[i] = time.perf_counter() - t0
-
-    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(probes)]
-    for t in threads:
-        t.start()
-    start.wait()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return times
-
 
 def _median_s(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
     """Median seconds of ``fn`` on ``device`` (a GPU's work waited for: launches return early)."""

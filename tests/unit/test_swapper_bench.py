@@ -18,7 +18,7 @@ def test_bench_io_small_json(tmp_path, capsys):
     assert rc == 0
     record = json.loads(capsys.readouterr().out)
     names = [r["engine"] for r in record["rows"]]
-    assert names == ["infinity swapper", "raw direct I/O probe"]
+    assert names == ["infinity swapper", "raw direct I/O probe", "raw, reads and writes at once"]
     for row in record["rows"]:
         assert row["write_GBps"] > 0 and row["read_GBps"] > 0
     assert record["rows"][1]["ours/ref write"].endswith("x")
