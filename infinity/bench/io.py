@@ -437,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
              "ours/ref write": _ratio(ours["write"], m["write"]) if i else None,
              "ours/ref read": _ratio(ours["read"], m["read"]) if i else None}
             for i, (name, m) in enumerate(med.items())]
-    # The disk's mixed figure ([Note: the mixed disk roofline] in infinity/bench/roofline.py):
+    # The disk's mixed figure ([Note: the mixed disk roofline]):
     # the raw probe reading one file while it writes another, each direction from one start.
     disk = probe_disk(args.dir, nbytes=args.size_bytes)
     rows.append({"engine": "raw, reads and writes at once", "write_GBps":

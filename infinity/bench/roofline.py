@@ -5,7 +5,8 @@
 * ``disk_s``: the least time the disk takes to read and write the bytes the step moved to and from
   NVMe (``engine.stats()``), at the bandwidths probed with aligned direct I/O on the swap directory
   itself (:func:`probe_disk`, the raw probe of ``infinity bench io``): reads alone, writes alone,
-  and both at once ([Note: the mixed disk roofline], :meth:`DiskBandwidth.seconds`);
+  and both at once ([Note: the mixed disk roofline] in infinity/bench/io.py,
+  :meth:`DiskBandwidth.seconds`);
 * ``cpu_s = forward + backward of the model with its weights in memory + the Adam pass over every
   trainable element`` (:func:`gpt_compute_s`), measured per unit in the same run: one block's forward
   and backward times the number of blocks, plus the embedding, final norm and head, plus the fused CPU

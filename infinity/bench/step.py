@@ -36,7 +36,7 @@ same ``infinity train`` and ``infinity bench scale`` use): every row reports the
 and wrote per timed step (``nvme_read_mib_per_step``, ``nvme_write_mib_per_step``, from
 ``engine.stats()``), ``disk_s`` = the least time the disk reads and writes those bytes at the raw
 direct-I/O bandwidths of ``--dir``, alone or both at once ([Note: the mixed disk roofline] in
-infinity/bench/roofline.py), probed once in the same run (:func:`~infinity.bench.roofline.probe_disk`, after the
+infinity/bench/io.py), probed once in the same run (:func:`~infinity.bench.roofline.probe_disk`, after the
 modes, only when one of them moved NVMe bytes), ``cpu_s`` = plain PyTorch's median step (the
 same model's forward, backward and optimizer with everything in memory), ``roofline_s`` =
 max(cpu_s, disk_s), ``bound`` (which side is larger) and ``x_roofline`` = step_s / roofline_s. A

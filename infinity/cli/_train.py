@@ -291,7 +291,7 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
             "mean": {k: mean[k] for k in ("disk_s", "roofline_s", "x_roofline")},
             "disk_read_bytes_per_s": disk.read_bytes_per_s,
             "disk_write_bytes_per_s": disk.write_bytes_per_s, "direct_io": disk.direct,
-            # [Note: the mixed disk roofline] in infinity/bench/roofline.py
+            # [Note: the mixed disk roofline] in infinity/bench/io.py
             "disk_mixed_read_bytes_per_s": disk.mixed_read_bytes_per_s,
             "disk_mixed_write_bytes_per_s": disk.mixed_write_bytes_per_s,
             "median_step_s": summary["median_step_s"]}
