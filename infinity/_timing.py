@@ -87,16 +87,24 @@ class EventTimer:
 
     def _resolve(self, *, wait: bool) -> None:
         """Move completed intervals (in order: a stream runs them in order) to the totals."""
-        while self._pending:
-            label, start, end = self._pending[0]
+        self._done += self._completed(self._pending, wait=wait)
+
+    def _completed(self, queue: list[tuple[Hashable, Any, Any]], *, wait: bool
+                   ) -> list[tuple[Hashable, float]]:
+        """Take from the front of ``queue`` the intervals whose end event has run (all of them,
+        the host waiting, with ``wait``), counted in the total: ``(label, seconds)`` in order."""
+        out = []
+        while queue:
+            label, start, end = queue[0]
             if not wait and not end.query():
-                return
+                break
             if wait:
                 end.synchronize()
             seconds = start.elapsed_time(end) / 1e3
             self._total_s += seconds
-            self._done.append((label, seconds))
-            self._pending.pop(0)
+            out.append((label, seconds))
+            queue.pop(0)
+        return out
 
     def total_s(self) -> float:
         """Seconds of the stopped intervals whose work has completed (no host sync)."""
@@ -117,16 +125,7 @@ class EventTimer:
         completed since, ``(label, seconds)`` in order; the rest stay carried. A backward's units
         are still running on the GPU when the step's trace is committed (right after the
         backward is launched): their times arrive here during the next step."""
-        out = []
-        while self._carried:
-            label, start, end = self._carried[0]
-            if not end.query():
-                break
-            seconds = start.elapsed_time(end) / 1e3
-            self._total_s += seconds
-            out.append((label, seconds))
-            self._carried.pop(0)
-        return out
+        return self._completed(self._carried, wait=False)
 
 
 def timer_for(device: torch.device | str | None) -> WallTimer | EventTimer:

@@ -66,6 +66,12 @@ class CopyLane:
                     self._queue.popleft()
                     self._cond.notify_all()
 
+    @property
+    def pending(self) -> bool:
+        """Entries submitted and not yet completed."""
+        with self._cond:
+            return bool(self._queue)
+
     def drain(self) -> None:
         """Wait until every submitted copy has completed."""
         with self._cond:

@@ -414,9 +414,8 @@ class TieredStore:
     def _modeled_copy(self, shard, src: Tier, dst: Tier) -> None:
         """A CPU engine's copy under ``copy_link``: queued on the link, its bytes land at its
         modeled end on the copy lane (NaN until then where the link asks for it)."""
-        link = self.copy_link.toward(device=dst is Tier.DEVICE)
         dst_t, src_t = shard.copies[dst].tensor, shard.copies[src].tensor
-        done_at = link.reserve(shard.nbytes, f"{src.name}->{dst.name}")
+        link, done_at = self._reserve_on_link(shard, src, dst)
         if link.model.poison_until_wait and dst_t.is_floating_point():
             dst_t.fill_(float("nan"))
 
@@ -434,14 +433,19 @@ class TieredStore:
         return (self.copy_link is not None and not self._cuda
                 and {src, dst} == {Tier.HOST, Tier.DEVICE})
 
+    def _reserve_on_link(self, shard: _Shard, src: Tier, dst: Tier):
+        """Queue ``shard``'s copy on ``copy_link``'s direction: (that direction, its end)."""
+        link = self.copy_link.toward(device=dst is Tier.DEVICE)
+        return link, link.reserve(shard.nbytes, f"{src.name}->{dst.name}")
+
     def _writeback_copy(self, shard: _Shard, src: Tier, dst: Tier, ready) -> None:
         """A write-back's copy, complete on return. Under ``copy_link`` this copy thread waits for
         the copy's modeled end, as it waits for a real one's event (:meth:`_copy`); the
         destination is INFLIGHT meanwhile, so nobody reads it early."""
         dst_t, src_t = shard.copies[dst].tensor, shard.copies[src].tensor
         if self._modeled(src, dst):
-            link = self.copy_link.toward(device=dst is Tier.DEVICE)
-            link.wait_until(link.reserve(shard.nbytes, f"{src.name}->{dst.name}"))
+            link, done_at = self._reserve_on_link(shard, src, dst)
+            link.wait_until(done_at)
             host_copy(dst_t, src_t)
         else:
             self._copy(dst_t, src_t, ready)

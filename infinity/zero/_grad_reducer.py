@@ -370,9 +370,10 @@ class GradientReducer:
         """The modeled copies down have landed; raises the first that failed."""
         if self._landing is None:
             return
-        start = time.perf_counter()
-        self._landing.drain()
-        self._on_wait(time.perf_counter() - start)
+        if self._landing.pending:  # a wait only where there was something to wait for
+            start = time.perf_counter()
+            self._landing.drain()
+            self._on_wait(time.perf_counter() - start)
         if self._landing_errors:
             errors, self._landing_errors = self._landing_errors, []
             raise errors[0]
