@@ -336,19 +336,22 @@ class OffloadedShardOptimizer:
 
     # ------------------------------------------------------------------ reads ahead
 
-    def _issue_read(self, sg: SubGroup) -> None:
+    def _issue_read(self, sg: SubGroup, *, ahead: bool = False) -> None:
         """Acquire ``sg`` into HOST (a pin; TierCapacityError when no room can be made), with its
         gradient slice when the step under way has a :class:`StoredGrad` for its key. The record
-        changes state first, so an illegal change never leaves a pin behind."""
+        changes state first, so an illegal change never leaves a pin behind. ``ahead``: a read
+        before its use, which never waits for room here ([Note: a read ahead never waits for room
+        on its caller] in infinity/tiers/store.py): its errors come at :meth:`_wait_read`."""
         sg.transition(SubGroupState.READING)
         try:
-            sg.read = self.store.acquire(sg.store_key, Tier.HOST)
+            sg.read = self.store.acquire(sg.store_key, Tier.HOST, ahead=ahead)
         except BaseException:
             sg.transition(SubGroupState.AT_REST)  # nothing was pinned
             raise
+        sg.read_ahead = ahead
         try:
             if self._run is not None:
-                sg.grad_read = self._acquire_grad(self._run, sg)
+                sg.grad_read = self._acquire_grad(self._run, sg, ahead=ahead)
         except BaseException:
             handle, sg.read = sg.read, None
             self._unpin(handle)
@@ -356,13 +359,56 @@ class OffloadedShardOptimizer:
             raise
         self._reading[sg.store_key] = sg
 
-    def _acquire_grad(self, run: StepRun, sg: SubGroup) -> TierHandle | None:
+    def _acquire_grad(self, run: StepRun, sg: SubGroup, *, ahead: bool = False) -> TierHandle | None:
         """Acquire ``sg``'s gradient slice into HOST when ``run``'s gradient of its key is a
         :class:`StoredGrad`; None when the gradient is a tensor (or absent)."""
         grad = run.grads.get(sg.key)
         if not isinstance(grad, StoredGrad):
             return None
-        return self.store.acquire(grad.store_key_of(sg.lo, sg.hi), Tier.HOST)
+        return self.store.acquire(grad.store_key_of(sg.lo, sg.hi), Tier.HOST, ahead=ahead)
+
+    def _wait_read(self, sg: SubGroup) -> torch.Tensor:
+        """The HOST buffer of ``sg``'s read, the run's next item (its pin now the caller's;
+        READING -> the caller's next state). A read issued ahead that found no room at all
+        (TierCapacityError, on the store's room lane) is issued again here, where its bytes are
+        needed now, after :meth:`_room_short`; any other error, or the same from a read issued
+        here, raises (the sub-group back AT_REST, no pin held)."""
+        while True:
+            handle, sg.read = sg.read, None
+            t0 = time.perf_counter()
+            try:
+                buf = handle.wait()
+            except TierCapacityError:
+                retry = sg.read_ahead
+                self._drop_grad_read(sg)
+                sg.transition(SubGroupState.AT_REST)
+                if not retry:
+                    raise
+                self._room_short()
+                self._issue_read(sg)
+                self._reading.pop(sg.store_key, None)  # the caller took it out of the window
+                continue
+            except BaseException:
+                self._drop_grad_read(sg)
+                sg.transition(SubGroupState.AT_REST)  # a failed read holds no pin
+                raise
+            finally:
+                self.wait_s += time.perf_counter() - t0
+            return buf
+
+    def _room_short(self) -> None:
+        """A read ahead of the run's next item found no room: the reads ahead still pinned may
+        hold it (issued after that one, on the room lane they found the room it did not: what is
+        read ahead is then no prefix of the step's order). Let them all go (their copies stay
+        cached, unpinned) and read ahead again from the item after the next, as the window
+        allows."""
+        self._drop_reads()
+        if self._run is not None:
+            self._run.cursor = min(self._run.cursor, self._run.done + 1)
+
+    def _drop_grad_read(self, sg: SubGroup) -> None:
+        handle, sg.grad_read = sg.grad_read, None
+        self._unpin(handle)
 
     def _unpin(self, handle: TierHandle | None) -> bool:
         """Release the pin of an acquire (one whose read failed holds none: False)."""
@@ -391,7 +437,7 @@ class OffloadedShardOptimizer:
                 ahead.full = True
                 return
             try:
-                self._issue_read(sg)
+                self._issue_read(sg, ahead=True)
             except TierCapacityError:  # optional work: never fail a backward for it
                 ahead.full = True
                 return
@@ -554,7 +600,7 @@ class OffloadedShardOptimizer:
             sg = run.items[run.cursor]
             if sg.state is SubGroupState.AT_REST and sg.home is Tier.NVME:
                 try:
-                    self._issue_read(sg)
+                    self._issue_read(sg, ahead=True)
                 except TierCapacityError:
                     return  # a read ahead: try again after the next update frees room
             run.cursor += 1
@@ -578,14 +624,7 @@ class OffloadedShardOptimizer:
                 run.cursor = max(run.cursor, j + 1)
                 self._top_up()
                 del self._reading[sg.store_key]
-                handle, sg.read = sg.read, None
-                t0 = time.perf_counter()
-                try:
-                    buf = handle.wait()
-                except BaseException:
-                    sg.transition(SubGroupState.AT_REST)  # a failed read holds no pin
-                    raise
-                self.wait_s += time.perf_counter() - t0
+                buf = self._wait_read(sg)
                 sg.transition(SubGroupState.UPDATING)
                 updated = False
                 grad_handle, sg.grad_read = sg.grad_read, None
@@ -605,7 +644,14 @@ class OffloadedShardOptimizer:
                         grad_handle = self._acquire_grad(run, sg)
                     if grad_handle is not None:
                         t0 = time.perf_counter()
-                        g = grad_handle.wait()
+                        try:
+                            g = grad_handle.wait()
+                        except TierCapacityError:  # read ahead without room: read it now
+                            if not sg.read_ahead:
+                                raise
+                            self._room_short()
+                            grad_handle = self._acquire_grad(run, sg)
+                            g = grad_handle.wait()
                         self.wait_s += time.perf_counter() - t0
                     else:
                         grad = run.grads.get(sg.key)

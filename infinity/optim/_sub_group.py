@@ -72,6 +72,9 @@ class SubGroup:
     state: SubGroupState = SubGroupState.AT_REST
     read: TierHandle | None = None
     """READING: the acquire's handle (``wait()`` gives the pinned HOST tensor)."""
+    read_ahead: bool = False
+    """READING: ``read`` was issued ahead of its use (it may fail for want of room, and is then
+    issued again where it is needed)."""
     grad_read: TierHandle | None = None
     """READING, when the step's gradient of its key is a :class:`StoredGrad`: the acquire of
     its gradient slice into HOST, pinned with it (None: acquired at its update)."""

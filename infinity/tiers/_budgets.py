@@ -102,11 +102,14 @@ class TierBudgets:
         return self.budget[tier] - self.used[tier] + evictable
 
     def reserve(self, tier: Tier, shard: _Shard, *, for_key: str,
-                displace_sooner: bool = True) -> "_Alloc":
+                displace_sooner: bool = True, may_wait: bool = True) -> "_Alloc | None":
         """Allocate bytes for ``shard`` in ``tier``, evicting by policy; TierCapacityError when
         nothing (more) can go. Lock held; released while a dirty victim is written back.
 
-        ``displace_sooner`` False (a prefetch): [Note: a prefetch never evicts a sooner use]."""
+        ``displace_sooner`` False (a prefetch): [Note: a prefetch never evicts a sooner use].
+        ``may_wait`` False: None where room needs a write-back or a move to finish first (clean
+        victims already dropped stay dropped; nothing is allocated) ([Note: a read ahead never
+        waits for room on its caller] in store.py)."""
         nbytes = shard.nbytes
         charge = self.arena.extent_bytes(nbytes) if tier is Tier.HOST else nbytes
         if charge > self.budget[tier]:
@@ -118,6 +121,8 @@ class TierBudgets:
             victims = self._victims(tier)
             if not victims:
                 if self._moves_pending(tier):
+                    if not may_wait:
+                        return None
                     self._cond.wait()
                     continue
                 self.capacity_error(tier, for_key, charge, self._why_full(tier, charge))
@@ -125,6 +130,8 @@ class TierBudgets:
             if not displace_sooner:
                 self._check_not_sooner(tier, shard, victim, for_key, charge)
             if victim.dirty is tier:
+                if not may_wait:
+                    return None
                 self._wait_writeback(victim)
                 continue
             self.drop(victim, tier)

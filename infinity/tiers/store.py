@@ -7,7 +7,9 @@ and the budgets. Allocation happens only in the calling thread, under the lock, 
 issued; it may wait on ``self._cond`` (which releases the lock) for a write-back it started to free a
 dirty victim, so every caller re-checks the world after ``budgets.reserve`` returns. Moves complete on the
 store's copy threads, which never allocate and never block on another move of this store (chained
-moves use ``add_done_callback``), so a completion can always make progress.
+moves use ``add_done_callback``), so a completion can always make progress. A read issued ahead
+waits for room on the store's room lane instead of its caller ([Note: a read ahead never waits for
+room on its caller]); the lane allocates like any caller and is never waited for by a completion.
 """
 
 from __future__ import annotations
@@ -44,6 +46,27 @@ _A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Resid
 # copy thread waits for on the blocking event, sleeping; the destination is recorded on the copy
 # stream so that an early eviction cannot hand its memory to other work first. A HOST destination
 # is read by the CPU (the optimizer, a swap-out), so its copy completes before the future does.
+
+
+# [Note: a read ahead never waits for room on its caller]
+# A read issued ahead of its use (the offloaded optimizer's sub-group reads, [Note: optimizer
+# read-ahead]) is issued by the training thread, which has work to do until the read is needed. When
+# the HOST budget is full of copies just written by that same work, making room means waiting for a
+# dirty victim's write-back (or for a move that will leave a copy evictable), and a blocking
+# ``acquire`` waited for it on the training thread: in the README's main job (25M GPT, all on NVMe, a
+# host budget of 0.4 of the state) 55-65 ms a step in ``TierBudgets.reserve``, the training thread
+# idle while the disk wrote, the step CPU-bound all the same. ``acquire(..., ahead=True)`` tries
+# without waiting; where it would wait it hands the fetch to the room lane (one thread, so reads
+# ahead take room in the order they were issued) and returns at once; the handle completes when the
+# lane's fetch has its room and its bytes. ``before_read`` runs in the caller first, as for every
+# fetch. Errors (no room can be made at all: TierCapacityError) arrive through the handle: a caller
+# that needs the bytes then fetches again itself, once its own pins are gone.
+
+
+class _WouldWait(Exception):
+    """Raised inside the lock where a fetch issued ahead would wait for room or for another move;
+    nothing was allocated or pinned for it ([Note: a read ahead never waits for room on its
+    caller])."""
 
 
 SETUP_WRITES_IN_FLIGHT_BYTES = 512 * 1024 * 1024
@@ -92,6 +115,9 @@ class TieredStore:
         self._lane = CopyLane()
         """Completes host<->device copies in issue order ([Note: device copies complete on the
         copy lane] in ``_copy_lane.py``)."""
+        self._room_lane = ThreadPoolExecutor(1, thread_name_prefix="infinity-tiers-room")
+        """Fetches issued ahead that must wait for room ([Note: a read ahead never waits for room
+        on its caller]), in issue order."""
         self.copy_link: DuplexLink | None = None
         """A modeled link under the host<->device copies of a CPU engine ([Note: the modeled
         link] in infinity/_modeled_link.py): moves and write-backs between HOST and DEVICE;
@@ -228,7 +254,7 @@ class TieredStore:
         return self._fetch(key, tier, next_use=next_use, pin=False, prefetch=prefetch)
 
     def acquire(self, key: str, tier: Tier, *, next_use: float | None = None,
-                overwrite: bool = False) -> TierHandle:
+                overwrite: bool = False, ahead: bool = False) -> TierHandle:
         """:meth:`fetch` and pin: the copy is not evicted until a matching :meth:`release`.
         If ``wait()`` raises, the pin is gone too (do not release).
 
@@ -237,8 +263,16 @@ class TieredStore:
         without reading the shard from another tier (no NVMe read for bytes about to be
         replaced): its contents are undefined until written. The caller must
         :meth:`mark_dirty` it after writing, or :meth:`evict` it if the write fails, and nothing
-        else may read the shard meanwhile."""
-        return self._fetch(key, tier, next_use=next_use, pin=True, overwrite=overwrite)
+        else may read the shard meanwhile.
+
+        ``ahead`` (HOST, not with ``overwrite``): a read issued before its use; where making room
+        would wait, the store's room lane waits instead of the caller, and ``wait()`` returns once
+        it has ([Note: a read ahead never waits for room on its caller])."""
+        if ahead and (tier is not Tier.HOST or overwrite):
+            raise ValueError(f"acquire({key!r}, {tier.name}, ahead=True): reads ahead go to HOST "
+                             "and read the shard's bytes (not overwrite)")
+        return self._fetch(key, tier, next_use=next_use, pin=True, overwrite=overwrite,
+                           ahead=ahead)
 
     def release(self, key: str, tier: Tier) -> None:
         """Undo one :meth:`acquire` of the copy on ``tier``."""
@@ -268,24 +302,62 @@ class TieredStore:
         return copy.tensor
 
     def _fetch(self, key: str, tier: Tier, *, next_use: float | None, pin: bool,
-               overwrite: bool = False, prefetch: bool = False) -> TierHandle:
+               overwrite: bool = False, prefetch: bool = False, ahead: bool = False) -> TierHandle:
         if tier not in (Tier.DEVICE, Tier.HOST):
             raise ValueError(f"fetch({key!r}, {tier!r}): fetch to DEVICE or HOST; write_back "
                              "moves data to the home tier")
         if self.before_read is not None and not overwrite:
             self.before_read(key)
+        try:
+            future, shard = self._fetch_now(key, tier, next_use=next_use, pin=pin,
+                                            overwrite=overwrite, prefetch=prefetch, may_wait=not ahead)
+        except _WouldWait:
+            future, shard = self._fetch_on_room_lane(key, tier, next_use=next_use, pin=pin), None
+        return TierHandle(future, key, tier, self.counters.add_wait,
+                          before_use=None if shard is None else self._device_reader(shard, tier))
+
+    def _fetch_now(self, key: str, tier: Tier, *, next_use: float | None, pin: bool,
+                   overwrite: bool, prefetch: bool, may_wait: bool) -> tuple[Future, _Shard]:
         with self._lock:
             self._check_open()
             shard = self._shard(key)
             if next_use is not None:
                 shard.next_use = next_use
-            future, outcome = self._fetch_locked(shard, tier, pin, overwrite, prefetch)
+            future, outcome = self._fetch_locked(shard, tier, pin, overwrite, prefetch,
+                                                 may_wait=may_wait)
             self.counters.fetch[outcome] += 1
-        return TierHandle(future, key, tier, self.counters.add_wait,
-                          before_use=self._device_reader(shard, tier))
+        return future, shard
+
+    def _fetch_on_room_lane(self, key: str, tier: Tier, *, next_use: float | None,
+                            pin: bool) -> Future:
+        """[Note: a read ahead never waits for room on its caller]: the fetch, run where it may
+        wait; the returned future resolves with the fetch's own (its tensor or its error)."""
+        outer: Future = Future()
+
+        def forward(inner: Future) -> None:
+            if inner.exception() is not None:
+                outer.set_exception(inner.exception())
+            else:
+                outer.set_result(inner.result())
+
+        def run() -> None:
+            try:
+                inner, _ = self._fetch_now(key, tier, next_use=next_use, pin=pin, overwrite=False,
+                                           prefetch=False, may_wait=True)
+            except BaseException as e:  # noqa: BLE001 - delivered through the handle
+                outer.set_exception(e)
+                return
+            inner.add_done_callback(forward)
+        try:
+            self._room_lane.submit(run)
+        except RuntimeError:  # the lane is shut down (interpreter exit): wait here instead
+            run()
+        return outer
 
     def _fetch_locked(self, shard: _Shard, tier: Tier, pin: bool, overwrite: bool = False,
-                      prefetch: bool = False) -> tuple[Future, str]:
+                      prefetch: bool = False, may_wait: bool = True) -> tuple[Future, str]:
+        """``may_wait`` False: raise _WouldWait (nothing allocated, nothing pinned) where the
+        fetch would wait for a write-back, another move or room."""
         missed = False
         started: Future | None = None  # the move this call issued (or its HOST staging fetch)
         while True:
@@ -293,9 +365,13 @@ class TieredStore:
                 return started, "miss"  # it failed: so does this fetch (never retry in a loop)
             copy = shard.copies[tier]
             if tier is shard.home and shard.dirty is not None:
+                if not may_wait:
+                    raise _WouldWait
                 self._wait_writeback(shard)  # the home copy is stale: make it current first
                 continue
             if copy.state is _I and copy.future is None:  # staging copy of a write-back
+                if not may_wait:
+                    raise _WouldWait
                 self._cond.wait()
                 continue
             if copy.state in (_R, _W, _I):
@@ -311,10 +387,13 @@ class TieredStore:
                 return future, "overwrite"
             source = self._source(shard, tier)
             if source is None:  # DEVICE from NVME: stage in HOST first, then come back
-                started = self._fetch_locked(shard, Tier.HOST, False, prefetch=prefetch)[0]
+                started = self._fetch_locked(shard, Tier.HOST, False, prefetch=prefetch,
+                                             may_wait=may_wait)[0]
                 continue
             alloc = self.budgets.reserve(tier, shard, for_key=shard.key,
-                                         displace_sooner=not prefetch)
+                                         displace_sooner=not prefetch, may_wait=may_wait)
+            if alloc is None:
+                raise _WouldWait
             if self._shards.get(shard.key) is not shard:
                 self.budgets.free(alloc)
                 raise KeyError(f"fetch({shard.key!r}): unregistered while waiting for memory")
@@ -436,7 +515,7 @@ class TieredStore:
     def _reserve_on_link(self, shard: _Shard, src: Tier, dst: Tier):
         """Queue ``shard``'s copy on ``copy_link``'s direction: (that direction, its end)."""
         link = self.copy_link.toward(device=dst is Tier.DEVICE)
-        return link, link.reserve(shard.nbytes, f"{src.name}->{dst.name}")
+        return link, link.reserve(shard.nbytes, f"{src.name}->{dst.name}", shard.key)
 
     def _writeback_copy(self, shard: _Shard, src: Tier, dst: Tier, ready) -> None:
         """A write-back's copy, complete on return. Under ``copy_link`` this copy thread waits for
@@ -805,6 +884,9 @@ class TieredStore:
     def close(self) -> None:
         """Wait for moves in flight, drop every copy (no write-back: call flush() first to keep
         dirty data), stop the copy threads. The swapper stays open (the caller owns it)."""
+        # Reads ahead still waiting for room get it or their error first (each waits only for
+        # moves, which complete on their own).
+        self._room_lane.shutdown(wait=True)
         with self._lock:
             if self._closed:
                 return

@@ -188,3 +188,48 @@ def test_a_window_larger_than_the_room_reads_less_ahead_and_steps_right(tmp_path
     finally:
         store.close()
         swapper.close()
+
+
+def test_reads_ahead_that_find_no_room_are_read_again_where_needed(tmp_path, slow_reads,
+                                                                   monkeypatch):
+    """[Note: a read ahead never waits for room on its caller] in infinity/tiers/store.py: a read
+    issued ahead may fail on the store's room lane (TierCapacityError through its handle). Here
+    every one does: each sub-group is read again at its update, the result is torch's AdamW's,
+    and no pin is left behind."""
+    from concurrent.futures import Future
+
+    from infinity.errors import TierCapacityError
+    from infinity.tiers._records import TierHandle
+
+    config = OptimizerConfig(lr=0.01)
+    sizes = {"a": 1000, "b": 2500, "c": 700}
+    store, swapper = _store(tmp_path, host_budget_bytes=6 * 8192)
+    failed = []
+    real_acquire = store.acquire
+
+    def acquire(key, tier, *, ahead=False, **kw):
+        if not ahead:
+            return real_acquire(key, tier, **kw)
+        failed.append(key)
+        future: Future = Future()
+        future.set_exception(TierCapacityError(f"no room for {key!r}", tier=tier.name,
+                                               requested_bytes=0, used_bytes=0, budget_bytes=0))
+        return TierHandle(future, key, tier, store.counters.add_wait)
+
+    monkeypatch.setattr(store, "acquire", acquire)
+    try:
+        opt = OffloadedShardOptimizer(config, store, home=Tier.NVME, sub_group_numel=512,
+                                      window_sub_groups=4)
+        masters, grads_per_step = _add_random_keys(opt, sizes, seed=3, steps=3)
+        for grads in grads_per_step:
+            opt.prefetch("b")
+            opt.step(dict(zip(sizes, grads)))
+        assert len(failed) >= 3 * 4, failed  # the backward's window, then the step's, each step
+        for key, want in zip(sizes, _adamw_reference(masters, grads_per_step, config)):
+            torch.testing.assert_close(opt.master_values(key), want, rtol=1e-6, atol=1e-6)
+        assert all(sg.state is SubGroupState.AT_REST for k in sizes for sg in opt.sub_groups(k))
+        for sk in store.keys():  # a pinned copy cannot be evicted (ValueError "acquired")
+            store.evict(sk, Tier.HOST)
+    finally:
+        store.close()
+        swapper.close()

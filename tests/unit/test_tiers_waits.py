@@ -169,3 +169,58 @@ def test_fetch_waits_for_a_host_copy_being_read(tmp_path, monkeypatch):
         assert same_bytes(store.fetch("b", Tier.HOST).wait(timeout=60), data["b"])
         assert same_bytes(to_device.wait(timeout=60), data["a"])
         assert store.state("a", Tier.HOST) is Residency.ABSENT
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_read_ahead_waits_for_room_on_the_room_lane(tmp_path, monkeypatch, ahead):
+    """[Note: a read ahead never waits for room on its caller]: the HOST budget holds one extent,
+    taken by a dirty copy whose write-back is slow. A blocking acquire returns once the
+    write-back has made room (the copy is clean by then); one issued ahead returns while it is
+    still being written, and its handle gives the other shard's bytes once the lane has made
+    room. Both leave the written copy's bytes on disk."""
+    numel = KB4 // 4
+    with make_store(tmp_path, host_bytes=KB4) as (store, swapper):
+        first, second = random_values(numel, torch.float32, seed=1), \
+            random_values(numel, torch.float32, seed=2)
+        store.register("a", numel, torch.float32, Tier.NVME, initial=first)
+        store.register("b", numel, torch.float32, Tier.NVME, initial=second)
+        store.flush()
+        store.evict("b", Tier.HOST)
+        updated = random_values(numel, torch.float32, seed=3)
+        store.acquire("a", Tier.HOST).wait().copy_(updated)
+        store.mark_dirty("a", Tier.HOST)
+        store.release("a", Tier.HOST)
+        _slow_io(monkeypatch, swapper, "out", seconds=0.5)
+        handle = store.acquire("b", Tier.HOST, ahead=ahead)
+        assert store.is_dirty("a") is (Tier.HOST if ahead else None)
+        assert same_bytes(handle.wait(timeout=60), second)
+        assert store.is_dirty("a") is None and store.state("a", Tier.HOST) is Residency.ABSENT
+        store.release("b", Tier.HOST)
+        on_disk = read_swap_file(swapper, "a", numel * 4, swapper.alignment_bytes)
+        assert same_bytes(on_disk.view(torch.float32), updated)
+
+
+def test_a_read_ahead_without_any_room_fails_through_its_handle(tmp_path, monkeypatch):
+    """Where no room can be made at all the error is the blocking acquire's (TierCapacityError,
+    naming the shard), raised at issue when nothing is under way, and through the handle when
+    the room lane found out; either way nothing stays pinned."""
+    numel = KB4 // 4
+    with make_store(tmp_path, host_bytes=KB4) as (store, swapper):
+        for key in ("a", "b"):
+            store.register(key, numel, torch.float32, Tier.NVME)
+        store.acquire("a", Tier.HOST).wait()  # pinned: the only extent
+        with pytest.raises(TierCapacityError, match="'b'"):
+            store.acquire("b", Tier.HOST, ahead=True)
+        store.release("a", Tier.HOST)
+        store.acquire("a", Tier.HOST).wait().fill_(1.0)
+        store.mark_dirty("a", Tier.HOST)
+        store.release("a", Tier.HOST)
+        _slow_io(monkeypatch, swapper, "out", seconds=0.5)
+        handle = store.acquire("b", Tier.HOST, ahead=True)  # the lane waits for 'a''s write
+        pinned = store.acquire("a", Tier.HOST)  # ... and this pin lands first
+        with pytest.raises(TierCapacityError, match="'b'"):
+            handle.wait(timeout=60)
+        assert pinned.wait(timeout=60).eq(1.0).all()
+        store.release("a", Tier.HOST)
+        store.evict("a", Tier.HOST)  # nothing pinned is left: both copies can go
+        assert store.state("b", Tier.HOST) is Residency.ABSENT
