@@ -77,9 +77,13 @@ class ModeledLink:
         """Bytes queued on it, over its life."""
         self.busy_s_by_tag: dict[str, float] = {}
         """``busy_s`` by what the transfers were for (a collective's phase, a copy's direction)."""
+        self._log: list[tuple[str, str | None, float]] | None = None
+        """With :meth:`record`: (tag, what, seconds) of each transfer since the last
+        :meth:`take_log`, in issue order."""
 
-    def reserve(self, nbytes: int, tag: str = "other") -> float:
-        """Queue a transfer of ``nbytes`` issued now; returns the clock time it ends."""
+    def reserve(self, nbytes: int, tag: str = "other", what: str | None = None) -> float:
+        """Queue a transfer of ``nbytes`` issued now; returns the clock time it ends. ``what``:
+        the transfer's name (a collective's context) for the log."""
         duration = self._latency_s + max(0, int(nbytes)) / self._bytes_per_s
         with self._lock:
             start = max(self._clock(), self._free_at)
@@ -88,7 +92,21 @@ class ModeledLink:
             self.busy_s_by_tag[tag] = self.busy_s_by_tag.get(tag, 0.0) + duration
             self.transfers += 1
             self.bytes += max(0, int(nbytes))
+            if self._log is not None:
+                self._log.append((tag, what, duration))
             return self._free_at
+
+    def record(self) -> None:
+        """Keep a log of the transfers from now on (a benchmark reads it per step)."""
+        with self._lock:
+            if self._log is None:
+                self._log = []
+
+    def take_log(self) -> list[tuple[str, str | None, float]]:
+        """The transfers logged since the last call (empty without :meth:`record`)."""
+        with self._lock:
+            log, self._log = (self._log or []), ([] if self._log is not None else None)
+            return log
 
     def wait_until(self, done_at: float) -> None:
         """Sleep until the clock reaches ``done_at`` (a transfer's end from :meth:`reserve`)."""

@@ -16,6 +16,7 @@ from torch import nn
 from infinity._modeled_link import LinkModel
 from infinity._process_exit import exit_after_distributed
 from infinity.bench._step_model import StepModel, step_model
+from infinity.bench.overlap import comm_edges_s, copy_edges_s
 from infinity.bench.report import peak_rss_bytes
 from infinity.bench.roofline import nvme_moved_bytes, nvme_per_step
 from infinity.bench.thread_cpu import cpu_between, thread_cpu_s
@@ -242,8 +243,23 @@ def _engine_runner(engine, bench_model: StepModel):
     # after the step that updates it and before the forward reads it.
     shard_bytes = sum(g.shard_numel * g.full.element_size() for u in engine.manager.units
                       for g in u.groups if g.store_key is not None and g.requires_grad)
-    return step, lambda: {**engine.stats(), "unit_names": unit_names,
-                          "updated_shard_bytes": shard_bytes}, engine.close
+    # [Note: what cannot hide] in overlap.py: the link's transfers between two calls of stats()
+    # (the worker calls it before and after each step), for the step's first gather and last
+    # reduction.
+    comm_link = engine.collectives.lane.link
+    copy_link = None if engine.store is None else engine.store.copy_link
+    for link in (comm_link,) if copy_link is None else (comm_link, copy_link.to_device,
+                                                         copy_link.to_host):
+        if link is not None:
+            link.record()
+
+    def stats() -> dict[str, Any]:
+        return {**engine.stats(), "unit_names": unit_names, "updated_shard_bytes": shard_bytes,
+                "comm_link_edges_s": None if comm_link is None else comm_edges_s(
+                    comm_link.take_log()),
+                "copy_link_edges_s": None if copy_link is None else copy_edges_s(
+                    copy_link.to_device.take_log(), copy_link.to_host.take_log())}
+    return step, stats, engine.close
 
 
 def _timed(after: dict[str, Any], before: dict[str, Any], times: list[float]) -> dict[str, Any]:
@@ -370,6 +386,8 @@ def main() -> None:
     # the engine's own threads (I/O and copies: on 2 cores they compete with the compute).
     step_moved: list[tuple[int, int]] = []
     io_thread_cpu: list[dict[str, float]] = []
+    edges: dict[str, list[dict[str, float]]] = {"comm": [], "copy": []}  # [Note: what cannot
+    # hide] in overlap.py, per timed step
     for i in range(spec["warmup"] + spec["steps"]):
         before = stats() or {}
         if i == spec["warmup"]:
@@ -394,6 +412,9 @@ def main() -> None:
                                  for k in ("optimizer_step_s", "optimizer_deferred_s")))
             step_moved.append(nvme_moved_bytes(before.get("bytes_moved", {}),
                                                after.get("bytes_moved", {})))
+            for lane, per_step in edges.items():
+                if after.get(f"{lane}_link_edges_s"):
+                    per_step.append(after[f"{lane}_link_edges_s"])
     s = stats() or {}
     extra: dict[str, Any] = {}
     if spec["mode"] == "plain":
@@ -406,6 +427,10 @@ def main() -> None:
                             for k in ("forward", "backward", "optimizer")}
         if s.get("store"):
             extra["staging"] = _staging(s, warm, len(times))
+        for lane, per_step in edges.items():
+            if per_step:
+                extra[f"{lane}_link_edges_s_per_step"] = {
+                    k: statistics.median(e[k] for e in per_step) for k in ("head_s", "tail_s")}
     timed = _timed(s, warm, times)
     if spec["mode"] == "stage3-nvme-params":
         timed.update(_param_reads(s, warm, len(times), spec))

@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,72 @@ BACKWARD_PHASES = ("backward-gather", "secondary-gather", "reduce-grad", "replic
                    "flush", "other")
 """Which collectives a phase of the step carries (Phase values); the rest (step-gather, norm)
 run in ``engine.step()``."""
+REDUCE_PHASES = ("reduce-grad", "replicate-reduce", "flush")
+"""The gradient reductions among them ([Note: what cannot hide])."""
+
+
+_UNIT = re.compile(r" of unit (\d+) |^(?:param/)?u(\d+)\.")
+"""A collective's context ("reduce-grad of unit 3 'h.2' (micro-step 0)"), a flat group's key
+("u3.bfloat16.0") or its parameter shard's store key ("param/u3.bfloat16.0") -> the unit."""
+COPY_UP_TAGS = ("HOST->DEVICE",)
+COPY_DOWN_TAGS = ("grad DEVICE->HOST",)
+
+
+def _unit_of(what: str | None) -> str | None:
+    match = _UNIT.search(what or "")
+    return (match.group(1) or match.group(2)) if match else what
+
+
+def _units(log: list[tuple[str, str | None, float]], tags: tuple[str, ...]
+           ) -> list[tuple[str | None, float]]:
+    return [(_unit_of(w), d) for tag, w, d in log if tag in tags]
+
+
+def link_edges_s(head_log: list[tuple[str, str | None, float]],
+                 tail_log: list[tuple[str, str | None, float]], *,
+                 head_tags: tuple[str, ...], tail_tags: tuple[str, ...]) -> dict[str, float]:
+    """[Note: what cannot hide]
+    The transfers of a step no schedule overlaps with compute, from the links' logs of one step
+    ((tag, what, seconds) in issue order). ``head_s``: the first unit's transfers to the device
+    in the forward (``head_tags`` in ``head_log``: its gather, or its updated shard's copy up):
+    nothing computes before that unit has arrived, and it cannot leave before the step that
+    changed it has begun. ``tail_s``: the gradient transfers (``tail_tags`` in ``tail_log``: the
+    reductions, or the copies down) from that same unit's last one to the end: the unit the
+    forward computes first is the one the backward computes last, so its gradient, and those of
+    the units reduced after it (an always-gathered unit's, at the end of backward), are complete
+    only when the backward's compute ends, and the step reads them. On a GPT with tied
+    embeddings that unit is the root (the embedding is used first, the tied head's gradient
+    is summed into it last): on the 135M preset 29 % of the parameters, so the largest gather
+    and the largest reduction of the step. A unit's transfers in a row count together (its
+    groups; hpZ's or the replicas' second collective)."""
+    heads = _units(head_log, head_tags)
+    head, first = 0.0, heads[0][0] if heads else None
+    for unit, d in heads:
+        if unit != first:
+            break
+        head += d
+    tails = _units(tail_log, tail_tags)
+    if not tails:
+        return {"head_s": head, "tail_s": 0.0}
+    units = [unit for unit, _ in tails]
+    anchor = first if first in units else units[-1]
+    start = len(units) - 1 - units[::-1].index(anchor)
+    while start > 0 and units[start - 1] == anchor:
+        start -= 1
+    return {"head_s": head, "tail_s": sum(d for _, d in tails[start:])}
+
+
+def comm_edges_s(log: list[tuple[str, str | None, float]]) -> dict[str, float]:
+    """:func:`link_edges_s` of the collectives' link: the first forward gather, the reductions
+    from that unit's on."""
+    return link_edges_s(log, log, head_tags=FORWARD_PHASES, tail_tags=REDUCE_PHASES)
+
+
+def copy_edges_s(to_device: list[tuple[str, str | None, float]],
+                 to_host: list[tuple[str, str | None, float]]) -> dict[str, float]:
+    """:func:`link_edges_s` of the host<->device copy link: the first parameter shard copied up,
+    the gradients copied down from that unit's on (each direction its own log)."""
+    return link_edges_s(to_device, to_host, head_tags=COPY_UP_TAGS, tail_tags=COPY_DOWN_TAGS)
 
 
 def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
@@ -151,7 +218,11 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     time; the backward sends the gradients down (to an offloaded optimizer); the other copies
     into the device (the backward's reads of released units) may run in either.
     The sum is the least time any schedule of these transfers can reach: the best overlap,
-    given where the bytes arise.
+    given where the bytes arise. Two transfers cannot overlap compute at all ([Note: what
+    cannot hide], the linked run's ``comm_link_edges_s_per_step`` and
+    ``copy_link_edges_s_per_step``): the step and the forward last at least the first unit's
+    arrival (gather, copy up) plus the forward's compute, the backward at least its compute plus
+    the last unit's gradient transfer (reduction, copy down).
     ``step_gather_in_forward``: the after-step all-gather is waited in the next forward
     (stage2-overlap: [Note: the after-step gather overlaps the next forward] in
     infinity/zero/_param_manager.py), so its link time is the forward's."""
@@ -168,9 +239,12 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     per_byte_s = _per_byte_s(linked)
     shards_s = (linked.get("updated_shard_bytes") or 0) * per_byte_s
     down_s = (linked.get("copy_bytes_to_host_per_step") or 0.0) * per_byte_s
+    edges = [linked.get(f"{lane}_link_edges_s_per_step") or {} for lane in ("comm", "copy")]
+    head = max(e.get("head_s", 0.0) for e in edges)  # each a bound on its own
+    tail = max(e.get("tail_s", 0.0) for e in edges)
     # The copies' link beside the collectives' (a lane each): it bounds the whole step.
-    step_and_forward = max(max(o, step) + max(f, fwd), shards_s)
-    return max(step_and_forward + max(b, bwd, down_s), copy_s)
+    step_and_forward = max(max(o, step) + max(f, fwd), shards_s, head + f)
+    return max(step_and_forward + max(b, bwd, down_s, b + tail), copy_s)
 
 
 def _per_byte_s(linked: dict[str, Any]) -> float:
@@ -198,6 +272,8 @@ def _row(mode: str, free: dict[str, Any], linked: dict[str, Any], gbps: float) -
             "comm_link_s_by_phase": {k: round(v, 3) for k, v in (
                 linked.get("comm_link_busy_s_by_phase_per_step") or {}).items()},
             "comm_link_s": comm_s, "copy_link_s": copy_s,
+            "comm_link_edges_s": linked.get("comm_link_edges_s_per_step"),
+            "copy_link_edges_s": linked.get("copy_link_edges_s_per_step"),
             "exposed_comm_s": linked.get("comm_exposed_s_per_step"),
             "exposed_comm_s_by_phase": {k: round(v, 3) for k, v in (
                 linked.get("comm_exposed_s_by_phase_per_step") or {}).items()},

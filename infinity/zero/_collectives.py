@@ -332,7 +332,8 @@ class Collectives:
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses; keep the cause chained
             raise _collective_error(context, where, e) from e
         lane.issued += 1
-        done_at = None if lane.link is None else lane.link.reserve(int(wire_bytes), phase.value)
+        done_at = None if lane.link is None else lane.link.reserve(int(wire_bytes), phase.value,
+                                                                   context)
         return CommHandle(work, done_at, lane, context, where, deliver, phase.value)
 
     def _run(self, context: str, fn, *args, wire_bytes: float = 0, phase: Phase = Phase.OTHER,

@@ -346,7 +346,7 @@ class GradientReducer:
         NaN from the issue until the landing, so a read that skips the wait is a wrong number.
         ``part`` is a fresh buffer per reduction, kept alive by the landing until it has run."""
         link = self._down_link
-        done_at = link.reserve(part.numel() * part.element_size(), "grad DEVICE->HOST")
+        done_at = link.reserve(part.numel() * part.element_size(), "grad DEVICE->HOST", g.key)
         if g.grad_stored is not None:
             stored = g.grad_stored
             land: Callable[[], None] = lambda: self._accumulate_stored(stored, part)

@@ -117,3 +117,57 @@ def test_schedule_bound_of_the_copies_puts_updated_shards_between_step_and_forwa
     assert schedule_bound_s(free, linked) == pytest.approx(max(0.5 + 1.0 + 2.5, 4.0))
     linked["copy_link_busy_s_per_step"], linked["copy_link_bytes_per_step"] = 8.0, 8e9
     assert schedule_bound_s(free, linked) == pytest.approx(8.0)  # the link is busier than all
+
+
+def test_the_first_gather_and_the_last_reduction_are_read_from_the_link_log():
+    """[Note: what cannot hide] in infinity/bench/overlap.py: from one step's transfers, the
+    first unit's forward gather (all its collectives, not the next unit's) and the reductions
+    from that unit's last run on (not the earlier units', nor its own earlier micro-step's); a
+    real link records the transfers between two takes, with the collectives' contexts."""
+    from infinity.bench.overlap import comm_edges_s, copy_edges_s
+
+    ctx = "{} of unit {} 'u{}' (micro-step 0)"
+    log = [("forward-gather", ctx.format("forward-gather", 0, 0), 0.3),
+           ("forward-gather", ctx.format("forward-gather", 0, 0), 0.1),  # its second group
+           ("forward-gather", ctx.format("forward-gather", 1, 1), 0.2),
+           ("backward-gather", ctx.format("backward-gather", 1, 1), 0.2),
+           ("reduce-grad", ctx.format("reduce-grad", 0, 0), 0.05),  # an earlier micro-step's
+           ("reduce-grad", ctx.format("reduce-grad", 1, 1), 0.2),
+           ("reduce-grad", ctx.format("reduce-grad", 0, 0), 0.5),
+           ("replicate-reduce", ctx.format("replicate-reduce", 0, 0), 0.25),
+           ("step-gather", ctx.format("step-gather", 2, 2), 0.7)]
+    assert comm_edges_s(log) == pytest.approx({"head_s": 0.4, "tail_s": 0.75})
+    # An always-gathered unit reduced after it, at the end of backward: in the tail too.
+    log.insert(-1, ("reduce-grad", ctx.format("reduce-grad", 9, 9), 0.01))
+    assert comm_edges_s(log) == pytest.approx({"head_s": 0.4, "tail_s": 0.76})
+    assert comm_edges_s([]) == {"head_s": 0.0, "tail_s": 0.0}
+    up = [("HOST->DEVICE", "param/u0.bfloat16.0", 0.3), ("HOST->DEVICE", "param/u0.float32.1", 0.1),
+          ("HOST->DEVICE", "param/u1.bfloat16.0", 0.2), ("HOST->DEVICE", "param/u0.bfloat16.0", 0.3)]
+    down = [("grad DEVICE->HOST", "u1.bfloat16.0", 0.2), ("DEVICE->HOST", "param/u2.bfloat16.0", 1.0),
+            ("grad DEVICE->HOST", "u0.bfloat16.0", 0.5), ("grad DEVICE->HOST", "u0.float32.1", 0.1)]
+    assert copy_edges_s(up, down) == pytest.approx({"head_s": 0.4, "tail_s": 0.6})
+    assert copy_edges_s([], down) == pytest.approx({"head_s": 0.0, "tail_s": 0.6})  # the last
+
+    clock = iter(range(100)).__next__
+    link = ModeledLink(LinkModel(bandwidth_gbytes_per_s=1.0, latency_us=0.0), clock=clock)
+    link.reserve(1000, "forward-gather", "a")
+    assert link.take_log() == []  # not recording
+    link.record()
+    link.reserve(2000, "reduce-grad", "b")
+    assert link.take_log() == [("reduce-grad", "b", pytest.approx(2e-6))]
+    assert link.take_log() == []
+
+
+def test_schedule_bound_adds_what_cannot_hide():
+    """[Note: what cannot hide]: the forward cannot start computing before its first gather, the
+    step cannot start before the last reduction, whatever else the link carries."""
+    from infinity.bench.overlap import schedule_bound_s
+
+    free = {"phase_s": {"forward": 1.0, "backward": 3.0, "optimizer": 0.1}}
+    linked = {"comm_link_busy_s_by_phase_per_step": {"forward-gather": 1.1,
+                                                     "backward-gather": 0.8, "reduce-grad": 2.2}}
+    assert schedule_bound_s(free, linked) == pytest.approx(0.1 + 1.1 + 3.0)
+    linked["comm_link_edges_s_per_step"] = {"head_s": 0.3, "tail_s": 0.6}
+    assert schedule_bound_s(free, linked) == pytest.approx((1.0 + 0.3) + (3.0 + 0.6))
+    linked["copy_link_edges_s_per_step"] = {"head_s": 0.2, "tail_s": 0.9}  # the larger of each
+    assert schedule_bound_s(free, linked) == pytest.approx((1.0 + 0.3) + (3.0 + 0.9))
