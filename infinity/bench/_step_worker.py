@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity._dtypes import torch_dtype
 from infinity._modeled_link import LinkModel
 from infinity._process_exit import exit_after_distributed
 from infinity.bench._step_model import StepModel, step_model
@@ -47,7 +48,7 @@ def _sync() -> None:
 
 def _plain(model: nn.Module, spec: dict[str, Any]):
     """Plain PyTorch mixed precision as a user writes it: low-precision model, fp32 masters, fused AdamW."""
-    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    dtype = torch_dtype(spec["dtype"])
     device = _device()
     model.to(device)  # on the GPU like the engine's (it moves its inputs itself)
     params = [p for p in model.parameters()]
@@ -118,7 +119,7 @@ def _cpu_device_budget(model: nn.Module, spec: dict[str, Any]) -> int:
     prefetch waited for the unit computing to release: medium preset at fraction 0.3, hit rate
     0.91 with 5 late fetches per 54; with this, 1.00 while still reading 99.6 % of the
     parameter bytes from NVMe every step."""
-    param_bytes = 2 if spec["dtype"] == "bf16" else 4
+    param_bytes = torch_dtype(spec["dtype"]).itemsize
     parts = _unit_numels(model, step_model(spec["model"]).block_class_name)
     total = sum(parts) * param_bytes
     return max(int(total * spec["host_budget_fraction"]), 4 * max(parts) * param_bytes + 2 ** 20)
@@ -154,7 +155,7 @@ def _params_config(model: nn.Module, spec: dict[str, Any], config: dict[str, Any
     os.makedirs(path, exist_ok=True)
     config["offload_param"] = {"device": "nvme", "nvme_path": path}
     numels = _unit_numels(model, step_model(spec["model"]).block_class_name)
-    item = 2 if spec["dtype"] == "bf16" else 4
+    item = torch_dtype(spec["dtype"]).itemsize
     # What the optimizer homes in host memory (fp32 master and moments per sub-group, the gradient
     # accumulators) and the store's comfortable NVMe staging for the parameter shards (one read,
     # one prefetched, a spare: below it the engine turns the prefetcher off), from the engine's

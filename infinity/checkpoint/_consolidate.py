@@ -28,19 +28,16 @@ from typing import Any
 
 import torch
 
+from infinity._dtypes import PRECISION_DTYPES, from_torch_name
 from infinity.checkpoint._reader import CheckpointReader, resolve_checkpoint
 from infinity.io import INDEX_NAME, fsync_dir
 
 logger = logging.getLogger(__name__)
 
-_OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_OUT_DTYPES = PRECISION_DTYPES
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-                 "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-                 "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-                 "bool": torch.bool}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
 """Hugging Face's default shard size ("5GB")."""
 
@@ -107,7 +104,7 @@ def _entries(reader: CheckpointReader, dtype: torch.dtype) -> list[_Entry]:
             shape = tuple(int(d) for d in reader.params[item["param"]]["shape"])
             out.append(_Entry(item["key"], dtype, shape, item["param"]))
         else:
-            stored = _TORCH_DTYPES[item["dtype"]]
+            stored = from_torch_name(item["dtype"])
             target = dtype if stored.is_floating_point else stored
             out.append(_Entry(item["key"], target, tuple(int(d) for d in item["shape"]), None))
     return out

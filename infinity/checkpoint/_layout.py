@@ -26,10 +26,6 @@ TRAIN_KINDS = ("master", "exp_avg", "exp_avg_sq")
 """The fp32 values stored for a trainable parameter (the optimizer's state)."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def shard_file(unit_index: int, rank: int) -> str:
     return f"u{unit_index:04d}-r{rank:05d}.safetensors"
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from infinity.errors import InfinityError
+from infinity._dtypes import from_torch_name
 from infinity.io import SafetensorsFile
 
 FORMAT = "infinity-checkpoint"
@@ -24,7 +25,6 @@ VERSION = 1
 """Bumped on any change a reader of the previous version would misread."""
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAVE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """A save's directory name: ``step-N`` (``-K`` when taken), or a tag the caller chose."""
 CLIENT_STATE_NAME = "client_state.pt"
@@ -161,7 +161,8 @@ class CheckpointReader:
         return n
 
     def stored_dtype(self, name: str, kind: str) -> torch.dtype:
-        return _DTYPES[self.params[name]["param_dtype"]] if kind == "param" else torch.float32
+        return from_torch_name(self.params[name]["param_dtype"]) if kind == "param" \
+            else torch.float32
 
     def files_for(self, name: str, lo: int, hi: int) -> set[str]:
         return {r.file for r in self.ranges[name] if r.lo < hi and lo < r.hi}

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from infinity.checkpoint._layout import (BUFFERS_FILE, TRAIN_KINDS, dtype_name, module_buffers,
+from infinity._dtypes import torch_name
+from infinity.checkpoint._layout import (BUFFERS_FILE, TRAIN_KINDS, module_buffers,
                                          param_ranges, rng_file, shard_file)
 from infinity.checkpoint._ranks import on_every_rank
 from infinity.checkpoint._reader import (CLIENT_STATE_NAME, FORMAT, LATEST_NAME, MANIFEST_NAME,
@@ -251,7 +252,7 @@ def _manifest(engine: Any) -> dict[str, Any]:
                 if not g.requires_grad or engine.compute_dtype != torch.float32:
                     kinds.append("param")
                 params[s.name] = {"shape": list(s.shape), "trainable": g.requires_grad,
-                                  "kinds": kinds, "param_dtype": dtype_name(engine.compute_dtype)}
+                                  "kinds": kinds, "param_dtype": torch_name(engine.compute_dtype)}
                 source[id(s.param)] = s.name
     state_dict = []
     for key, value in m.module.state_dict(keep_vars=True).items():
@@ -259,7 +260,7 @@ def _manifest(engine: Any) -> dict[str, Any]:
             state_dict.append({"key": key, "param": source[id(value)]})
         elif isinstance(value, torch.Tensor):
             state_dict.append({"key": key, "buffer": key, "shape": list(value.shape),
-                               "dtype": dtype_name(value.dtype)})
+                               "dtype": torch_name(value.dtype)})
     shards = []
     for rank in range(m.world_size):
         for unit in m.units:
@@ -270,7 +271,7 @@ def _manifest(engine: Any) -> dict[str, Any]:
                 shards.append({"file": shard_file(unit.index, rank), "rank": rank,
                                "unit": unit.name, "ranges": ranges})
     return {"format": FORMAT, "version": VERSION, "world_size": m.world_size, "stage": m.stage,
-            "compute_dtype": dtype_name(engine.compute_dtype), "torch_version": torch.__version__,
+            "compute_dtype": torch_name(engine.compute_dtype), "torch_version": torch.__version__,
             "engine": engine.step_state_dict(), "params": params, "state_dict": state_dict,
             "buffers_file": BUFFERS_FILE, "shards": shards,
             "mesh": {"replicate": engine.collectives.replicate_size, "shard": m.world_size},

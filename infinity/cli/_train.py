@@ -26,6 +26,7 @@ import psutil
 import torch
 
 from infinity._common import format_bytes
+from infinity._dtypes import torch_dtype
 from infinity.bench.progress import progress
 from infinity.bench.report import format_table, peak_rss_bytes
 from infinity.bench.roofline import (gpt_compute_s, init_roofline, nvme_moved_bytes, nvme_per_step,
@@ -268,7 +269,7 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
               engine: Any) -> dict[str, Any]:
     """The step against max(CPU time, disk time), both measured here ([roofline] module)."""
     disk = probe_disk(os.path.abspath(args.dir))
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = torch_dtype(args.dtype)
     # On the engine's devices: a GPU run's compute is the GPU's (the optimizer's the host's when
     # it is offloaded), not this host's CPU time.
     config = engine.config

@@ -23,6 +23,7 @@ from urllib.parse import quote
 
 import torch
 
+from infinity._dtypes import torch_name
 from infinity._transitions import TransitionTable
 from infinity.errors import SwapIOError
 
@@ -69,16 +70,12 @@ TRANSITIONS = TransitionTable("swap file", {
 # Header
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def encode_header(*, header_bytes: int, generation: int, tensor: torch.Tensor) -> bytes:
     """The header describing ``tensor``'s bytes written as ``generation`` (before zero padding)."""
     shape = tuple(tensor.shape)
     nbytes = tensor.numel() * tensor.element_size()
     fixed = HEADER_FIXED.pack(MAGIC, FORMAT_VERSION, header_bytes, generation, nbytes,
-                              tensor.numel(), _dtype_name(tensor.dtype).encode(), len(shape))
+                              tensor.numel(), torch_name(tensor.dtype).encode(), len(shape))
     body = fixed + struct.pack(f"<{len(shape)}q", *shape)
     return body + HEADER_CRC.pack(zlib.crc32(body))
 
@@ -107,7 +104,7 @@ def check_header(raw: bytes, *, key: str, path: str, generation: int,
         raise bad("header checksum mismatch")
     shape = struct.unpack_from(f"<{ndim}q", raw, HEADER_FIXED.size)
     found = (found_gen, payload, numel, dtype.rstrip(b"\0").decode(), tuple(shape))
-    want = (generation, nbytes, tensor.numel(), _dtype_name(tensor.dtype), tuple(tensor.shape))
+    want = (generation, nbytes, tensor.numel(), torch_name(tensor.dtype), tuple(tensor.shape))
     if found != want:
         raise bad(f"header (generation, bytes, numel, dtype, shape) = {found}, expected {want}")
 

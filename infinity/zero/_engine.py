@@ -50,6 +50,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from infinity._dtypes import torch_dtype
 from infinity._modeled_link import DuplexLink, LinkModel, ModeledLink
 from infinity._timing import timer_for
 from infinity.checkpoint import check_save_name, load_checkpoint, load_weights, save_checkpoint
@@ -85,7 +86,6 @@ from infinity.zero._unit_choice import units_of
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """torch dtype of each ``precision.dtype`` name."""
 
 
@@ -164,7 +164,7 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
                     offload: OffloadBudgets | None) -> ManagerConfig:
     """The parameter manager's settings, resolved from ``config`` once."""
     zero, precision = config.zero, config.precision
-    compute = DTYPES[precision.dtype]
+    compute = torch_dtype(precision.dtype)
 
     def number(value: Any) -> int | None:  # a knob that may be 'auto': the number, or None
         return None if value == AUTO else int(value)
@@ -181,7 +181,7 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         max_live_bytes=number(zero.max_live_bytes),
         max_reuse_distance_bytes=None if reuse is None else reuse * compute.itemsize,
         reduce_dtype=compute if precision.reduce_dtype == "compute" else torch.float32,
-        grad_host_dtype=DTYPES[host_grad_dtype(config, world_size)],
+        grad_host_dtype=torch_dtype(host_grad_dtype(config, world_size)),
         stored_grad_slice_numel=(offload.sub_group_numel
                                  if offload is not None and offload.grads_on_nvme else None),
         hpz_partition_size=zero.hpz_partition_size,
@@ -236,7 +236,7 @@ class InfinityEngine:
             select_modules(model, config.activation_checkpointing)  # unknown class names: fail early
         self.config = config
         self.device = resolve_device(config.device)  # [Note: one rank per device]
-        self.compute_dtype = DTYPES[config.precision.dtype]
+        self.compute_dtype = torch_dtype(config.precision.dtype)
         self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
         init_from_env_if_launched(self.device)  # binds the device first, then the group
         # [Note: collectives over a mesh] in infinity/zero/_collectives.py and [Note:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from infinity._dtypes import torch_name
 from infinity.tiers import Tier, TieredStore
 from infinity.zero._collectives import Collectives
 from infinity.zero._flat_group import FlatGroup, Unit, UnitState, UnitUse, layout_group
@@ -183,7 +184,7 @@ class UnitBuilder:
         world, rank = self.coll.world_size, self.coll.rank
         slots, numel, padded = layout_group(params, world, dtype)
         shard_numel = padded // world
-        key = (f"u{chosen.index}.{str(dtype).removeprefix('torch.')}."
+        key = (f"u{chosen.index}.{torch_name(dtype)}."
                f"{'train' if requires_grad else 'frozen'}{'.tp' if tensor_sharded else ''}")
         init = torch.zeros(padded, dtype=torch.float32, device=s.device)
         with torch.no_grad():

@@ -7,7 +7,8 @@ cli ──> bench ──> integrations ──> zero ──┬──> optim ─�
  │        │                          │    └──> ledger ──> config
  │        └──> models (plain PyTorch, imports nothing of infinity)
  └──> (every package below)
-floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit, _modeled_link
+floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit, _modeled_link,
+_dtypes
 (nothing above them)
 deepspeed ──> zero (the DeepSpeed drop-in); the design card's modules, each the face of one
 package: swapper ──> io, cpu_adam ──> optim, stage3 ──> zero
@@ -36,7 +37,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[2] / "infinity"
 
 FLOOR = frozenset({"errors", "_common", "_tier", "_transitions", "_async_copy", "_timing",
-                   "_process_exit", "_modeled_link"})
+                   "_process_exit", "_modeled_link", "_dtypes"})
 """Top-level modules every package may import."""
 
 ALLOWED: dict[str, set[str]] = {
