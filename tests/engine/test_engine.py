@@ -8,7 +8,6 @@ compares the per-step losses and the final parameters.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -16,7 +15,9 @@ import torch
 import infinity
 from infinity.config import PrecisionConfig
 from infinity.zero._loss_scale import LossScaler
-from tests._support.engine import assert_parity, batches, engine_config, engine_train, tiny_gpt
+from tests._support.engine import (BETAS, DTYPES, EPS, LR, WD, assert_close_run, assert_parity,
+                                   batches, engine_config, engine_train, reference_train,
+                                   tiny_gpt)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,16 +53,26 @@ def test_parity_fp16_static_scale():
     _parity(3, "fp16", 2, 0.0, precision={"loss_scale": 256.0})
 
 
-def test_deepspeed_style_config_json(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_deepspeed_style_config_json(tmp_path, dtype):
+    """A DeepSpeed config file as users have them (stage 3, clipping, accumulation, AdamW's
+    params) trains like plain PyTorch + AdamW with the same settings."""
     ds = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 40},
-          "bf16": {"enabled": True}, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+          "gradient_clipping": 0.05, "gradient_accumulation_steps": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                    "weight_decay": WD}}}
+    if dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(ds))
+    data = batches(STEPS, 2)
+    ref_losses, ref_state = reference_train(tiny_gpt(), data, dtype=dtype, clip=0.05)
     engine = infinity.initialize(tiny_gpt(), str(path))
-    assert engine.compute_dtype == torch.bfloat16 and engine.manager.stage == 3
-    losses = engine_train(engine, batches(3, 1))
-    assert all(math.isfinite(x) for x in losses)
+    assert engine.compute_dtype == DTYPES[dtype] and engine.manager.stage == 3
+    losses = engine_train(engine, data)
+    assert engine.global_steps == STEPS
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, dtype)
+    assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference must actually learn"
 
 
 # ---------------------------------------------------------------------------------------- fp16
