@@ -173,7 +173,8 @@ def link_edges_s(head_log: list[tuple[str, str | None, float]],
     embeddings that unit is the root (the embedding is used first, the tied head's gradient
     is summed into it last): on the 135M preset 29 % of the parameters, so the largest gather
     and the largest reduction of the step. A unit's transfers in a row count together (its
-    groups; hpZ's or the replicas' second collective)."""
+    groups; hpZ's or the replicas' second collective). Without a forward gather to name the
+    first unit (stages 1-2) the tail is the last unit's transfers alone: a looser bound."""
     heads = _units(head_log, head_tags)
     head, first = 0.0, heads[0][0] if heads else None
     for unit, d in heads:
@@ -222,7 +223,7 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     cannot hide], the linked run's ``comm_link_edges_s_per_step`` and
     ``copy_link_edges_s_per_step``): the step and the forward last at least the first unit's
     arrival (gather, copy up) plus the forward's compute, the backward at least its compute plus
-    the last unit's gradient transfer (reduction, copy down).
+    the gradient transfers (reductions, copies down) from that unit's on.
     ``step_gather_in_forward``: the after-step all-gather is waited in the next forward
     (stage2-overlap: [Note: the after-step gather overlaps the next forward] in
     infinity/zero/_param_manager.py), so its link time is the forward's."""
