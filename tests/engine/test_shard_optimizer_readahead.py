@@ -147,6 +147,12 @@ def _add_random_keys(opt, sizes: dict[str, int], *, seed: int, steps: int):
     return masters, grads
 
 
+def _assert_adamw(opt, sizes: dict[str, int], masters, grads_per_step, config) -> None:
+    """Every key's master after the steps is torch's AdamW's on the same gradients."""
+    for key, want in zip(sizes, _adamw_reference(masters, grads_per_step, config)):
+        torch.testing.assert_close(opt.master_values(key), want, rtol=1e-6, atol=1e-6)
+
+
 def test_next_step_starts_with_the_sub_groups_still_cached(tmp_path, slow_reads):
     """The arena holds 6 of the 9 sub-groups: a step in a fixed order would evict the ones the
     previous step left cached before reaching them and read all 9 again; taking those first reads
@@ -163,8 +169,7 @@ def test_next_step_starts_with_the_sub_groups_still_cached(tmp_path, slow_reads)
             opt.step(dict(zip(sizes, grads)))
             reads_per_step.append(len(slow_reads["reads"]) - before)
         assert max(reads_per_step[1:]) < 9, reads_per_step
-        for key, want in zip(sizes, _adamw_reference(masters, grads_per_step, config)):
-            torch.testing.assert_close(opt.master_values(key), want, rtol=1e-6, atol=1e-6)
+        _assert_adamw(opt, sizes, masters, grads_per_step, config)
     finally:
         store.close()
         swapper.close()
@@ -195,8 +200,7 @@ def test_a_window_larger_than_the_room_reads_less_ahead_and_steps_right(tmp_path
                             pass
             assert 1 <= held <= 3, held  # the arena's three extents, not the window's six
             opt.step(dict(zip(sizes, grads)))
-        for key, want in zip(sizes, _adamw_reference(masters, grads_per_step, config)):
-            torch.testing.assert_close(opt.master_values(key), want, rtol=1e-6, atol=1e-6)
+        _assert_adamw(opt, sizes, masters, grads_per_step, config)
     finally:
         store.close()
         swapper.close()
@@ -233,11 +237,10 @@ def test_reads_ahead_that_find_no_room_are_read_again_where_needed(tmp_path, slo
                                       window_sub_groups=4)
         masters, grads_per_step = _add_random_keys(opt, sizes, seed=3, steps=3)
         for grads in grads_per_step:
-            opt.prefetch("b")
+            opt.prefetch("b")  # the backward's reads ahead, then the step's: each one fails
             opt.step(dict(zip(sizes, grads)))
-        assert len(failed) >= 3 * 4, failed  # the backward's window, then the step's, each step
-        for key, want in zip(sizes, _adamw_reference(masters, grads_per_step, config)):
-            torch.testing.assert_close(opt.master_values(key), want, rtol=1e-6, atol=1e-6)
+        assert len(failed) >= 3 * 4, failed
+        _assert_adamw(opt, sizes, masters, grads_per_step, config)
         assert all(sg.state is SubGroupState.AT_REST for k in sizes for sg in opt.sub_groups(k))
         for sk in store.keys():  # a pinned copy cannot be evicted (ValueError "acquired")
             store.evict(sk, Tier.HOST)
