@@ -339,6 +339,13 @@ def test_step_roofline_columns_tie_to_the_recorded_numbers(tmp_path, capsys):
     if staging["window_read_bytes"]:
         assert nvme["roofline_s"] <= nvme["staging_bound_s"]
         assert nvme["x_staging_bound"] == pytest.approx(nvme["step_s"] / nvme["staging_bound_s"])
+    # Where in the step the disk's bytes move (the engine's modes only; moves counted as they
+    # complete, so a write-back still running at the step's end falls in no phase).
+    split = raw["stage3-nvme"]["phase_nvme_bytes"]
+    assert set(split) == {"forward", "backward", "optimizer"}
+    assert all(v >= 0 for p in split.values() for v in p.values())
+    assert sum(p["write"] for p in split.values()) > 0  # the step writes its state back
+    assert "phase_nvme_bytes" not in raw["plain"]
     # the probe's file is gone, and the folder with it where the run created it
     assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())
 
