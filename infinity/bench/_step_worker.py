@@ -94,10 +94,11 @@ def _plain(model: nn.Module, spec: dict[str, Any]):
 
 PLAIN_PHASES: list[dict[str, float]] = []
 ENGINE_PHASES: list[dict[str, float]] = []
-ENGINE_PHASE_NVME: list[dict[str, dict[str, int]]] = []
-"""Per step, the NVMe bytes read and written in each phase (forward, backward, optimizer):
-where the disk's two directions are busy, and where not ([Note: the mixed disk roofline] in
-infinity/bench/io.py counts on both at once)."""
+ENGINE_PHASE_DISK: list[dict[str, dict[str, float]]] = []
+"""Per step, the seconds of each phase (forward, backward, optimizer) the disk had reads, writes,
+both in flight ([Note: disk activity] in infinity/io/_disk_activity.py): where the two directions
+are busy at once, which the mixed disk roofline ([Note: the mixed disk roofline] in
+infinity/bench/io.py) counts on."""
 """Per step of the engine's modes: forward, backward and ``engine.step()`` seconds."""
 """Seconds of each plain step's forward, backward and optimizer (clip, AdamW, copy-back): the
 compute of [Note: the staging bound] in infinity/bench/roofline.py."""
@@ -227,30 +228,29 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
 def _engine_runner(engine, bench_model: StepModel):
     """One optimizer step per call: each micro-batch's forward, backward and ``engine.step()``
     (the engine steps the optimizer at the last of ``gradient_accumulation_steps`` of them)."""
-    def nvme_moved() -> tuple[int, int]:
-        if engine.store is None:
-            return 0, 0
-        by_kind = engine.store.nvme_bytes_by_kind().values()
-        return sum(k["read"] for k in by_kind), sum(k["write"] for k in by_kind)
+    swapper = None if engine.store is None else engine.store.swapper
+
+    def disk() -> dict[str, float]:
+        return {} if swapper is None else swapper.activity.snapshot()
 
     def step(micro_batches) -> float:
         phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        nvme = {k: {"read": 0, "write": 0} for k in phases}
+        busy: dict[str, dict[str, float]] = {k: {} for k in phases}
         for x, y in micro_batches:
-            t0, m0 = time.perf_counter(), nvme_moved()
+            t0, d0 = time.perf_counter(), disk()
             loss = bench_model.loss(engine, x, y)
-            t1, m1 = time.perf_counter(), nvme_moved()
+            t1, d1 = time.perf_counter(), disk()
             engine.backward(loss)
-            t2, m2 = time.perf_counter(), nvme_moved()
+            t2, d2 = time.perf_counter(), disk()
             engine.step()
-            t3, m3 = time.perf_counter(), nvme_moved()
+            t3, d3 = time.perf_counter(), disk()
             for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 phases[k] += dt
-            for k, (a, b) in zip(phases, ((m0, m1), (m1, m2), (m2, m3))):
-                nvme[k]["read"] += b[0] - a[0]
-                nvme[k]["write"] += b[1] - a[1]
+            for k, (a, b) in zip(phases, ((d0, d1), (d1, d2), (d2, d3))):
+                for name in b:
+                    busy[k][name] = busy[k].get(name, 0.0) + b[name] - a[name]
         ENGINE_PHASES.append(phases)  # (wall clock: on a GPU, a breakdown of the launches)
-        ENGINE_PHASE_NVME.append(nvme)  # (each move counted when it completes)
+        ENGINE_PHASE_DISK.append(busy)
         return loss.item()
 
     # The units as built, in the record: the user-config and native rows can be compared on them.
@@ -441,11 +441,11 @@ def main() -> None:
         timed_phases = ENGINE_PHASES[spec["warmup"]:]
         extra["phase_s"] = {k: statistics.median(p[k] for p in timed_phases)
                             for k in ("forward", "backward", "optimizer")}
-        if s.get("store"):
-            timed_nvme = ENGINE_PHASE_NVME[spec["warmup"]:]
-            extra["phase_nvme_bytes"] = {
-                k: {way: statistics.median(p[k][way] for p in timed_nvme)
-                    for way in ("read", "write")} for k in ("forward", "backward", "optimizer")}
+        timed_disk = ENGINE_PHASE_DISK[spec["warmup"]:]
+        if timed_disk and timed_disk[0]["forward"]:  # a swapper: something lives on NVMe
+            extra["phase_disk_busy_s"] = {
+                k: {name: statistics.median(p[k][name] for p in timed_disk)
+                    for name in timed_disk[0][k]} for k in ("forward", "backward", "optimizer")}
         if s.get("store"):
             extra["staging"] = _staging(s, warm, len(times))
         for lane, per_step in edges.items():

@@ -28,6 +28,7 @@ from infinity.io._aligned import (DEFAULT_ALIGNMENT_BYTES, HUGE_PAGE_BYTES, addr
                                   aligned_view, memory_at, pin_device_for, pinned_staging_ring,
                                   populate_pages, release_pages)
 from infinity.io._disk import free_disk_bytes
+from infinity.io._disk_activity import DiskActivity
 from infinity.io._host_malloc import activations_in_heap, engine_buffers, manage_mmap_threshold
 from infinity.io._huge_pages import huge_pages_pay_off
 from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, SafetensorsError,
@@ -36,7 +37,7 @@ from infinity.io._safetensors import (INDEX_NAME, SafetensorsCheckpoint, Safeten
 from infinity.io._swap_format import FileState
 from infinity.io._swapper import SwapHandle, Swapper
 
-__all__ = ["DEFAULT_ALIGNMENT_BYTES", "HUGE_PAGE_BYTES", "INDEX_NAME", "FileState",
+__all__ = ["DEFAULT_ALIGNMENT_BYTES", "HUGE_PAGE_BYTES", "INDEX_NAME", "DiskActivity", "FileState",
            "SafetensorsCheckpoint", "SafetensorsError", "SafetensorsFile", "SwapHandle", "Swapper",
            "TensorEntry", "activations_in_heap", "address_of", "advise_direct_io_range",
            "advise_huge_pages", "aligned_empty", "aligned_view", "engine_buffers",

@@ -39,6 +39,7 @@ from infinity._common import align_up, warn_once
 from infinity.config import SwapperConfig
 from infinity.errors import SwapIOError
 from infinity.io._aligned import DEFAULT_ALIGNMENT_BYTES, address_of, aligned_empty, memory_at
+from infinity.io._disk_activity import DiskActivity
 from infinity.io._swap_format import TRANSITIONS as _TRANSITIONS
 from infinity.io._swap_format import (FileState, check_header, encode_header, key_filename,
                                       validate_key)
@@ -147,6 +148,8 @@ class Swapper:
         self._work_ready = threading.Condition(self._lock)
         self._queued_blocks = 0  # blocks handed to threads and not finished (<= queue_depth)
         self._live_ops: set[_Op] = set()
+        self.activity = DiskActivity()
+        """Seconds with reads, writes, both in flight ([Note: disk activity])."""
         self._local = threading.local()  # per-thread staging buffer, allocated on first need
         self._closed = False
         self._threads = [threading.Thread(target=self._worker, name=f"infinity-io-{i}", daemon=True)
@@ -327,7 +330,11 @@ class Swapper:
     def _run_block(self, op: _Op, file_offset: int, mem_offset: int, length: int) -> None:
         try:
             if op.error is None:
-                self._move(op, file_offset, op.tensor.data_ptr() + mem_offset, length)
+                self.activity.begin(op.kind)  # [Note: disk activity]
+                try:
+                    self._move(op, file_offset, op.tensor.data_ptr() + mem_offset, length)
+                finally:
+                    self.activity.end(op.kind)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             with op.lock:
                 op.error = op.error or e

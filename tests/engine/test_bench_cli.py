@@ -339,13 +339,14 @@ def test_step_roofline_columns_tie_to_the_recorded_numbers(tmp_path, capsys):
     if staging["window_read_bytes"]:
         assert nvme["roofline_s"] <= nvme["staging_bound_s"]
         assert nvme["x_staging_bound"] == pytest.approx(nvme["step_s"] / nvme["staging_bound_s"])
-    # Where in the step the disk's bytes move (the engine's modes only; moves counted as they
-    # complete, so a write-back still running at the step's end falls in no phase).
-    split = raw["stage3-nvme"]["phase_nvme_bytes"]
-    assert set(split) == {"forward", "backward", "optimizer"}
-    assert all(v >= 0 for p in split.values() for v in p.values())
-    assert sum(p["write"] for p in split.values()) > 0  # the step writes its state back
-    assert "phase_nvme_bytes" not in raw["plain"]
+    # [Note: disk activity]: the seconds of each phase the disk had reads, writes, both in flight
+    busy, phases = raw["stage3-nvme"]["phase_disk_busy_s"], raw["stage3-nvme"]["phase_s"]
+    assert set(busy) == set(phases) == {"forward", "backward", "optimizer"}
+    for phase, b in busy.items():
+        assert set(b) == {"read_busy_s", "write_busy_s", "both_busy_s"}
+        assert 0 <= b["both_busy_s"] <= min(b["read_busy_s"], b["write_busy_s"]) + 1e-9
+    assert sum(b["write_busy_s"] for b in busy.values()) > 0  # the step writes its state back
+    assert "phase_disk_busy_s" not in raw["plain"] and "phase_disk_busy_s" not in raw["stage3-cpu"]
     # the probe's file is gone, and the folder with it where the run created it
     assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())
 

@@ -300,3 +300,31 @@ def test_slow_disk_needs_the_wait(tmp_path, monkeypatch):
         h_in.wait()
         assert h_out.done()
         assert same_bytes(out, new)
+
+
+def test_disk_activity_counts_each_direction_and_both_at_once(tmp_path):
+    """[Note: disk activity] in infinity/io/_disk_activity.py: on a fake clock, a read in flight
+    over [0, 3), a write over [1, 4): 3 s each, 2 s both; a real swapper's blocks count too."""
+    from infinity.io import DiskActivity
+
+    now = [0.0]
+    activity = DiskActivity(clock=lambda: now[0])
+    activity.begin("in")
+    now[0] = 1.0
+    activity.begin("out")
+    now[0] = 3.0
+    activity.end("in")
+    now[0] = 4.0
+    activity.end("out")
+    now[0] = 9.0  # idle: nothing more
+    assert activity.snapshot() == {"read_busy_s": 3.0, "write_busy_s": 3.0, "both_busy_s": 2.0}
+
+    with Swapper(tmp_path / "swap") as swapper:
+        data = torch.arange(1 << 20, dtype=torch.float32)
+        swapper.swap_out("k", data).wait()
+        after_write = swapper.activity.snapshot()
+        assert after_write["write_busy_s"] > 0 and after_write["read_busy_s"] == 0
+        out = torch.empty_like(data)
+        swapper.swap_in("k", out).wait()
+        assert torch.equal(out, data)
+        assert swapper.activity.snapshot()["read_busy_s"] > 0
