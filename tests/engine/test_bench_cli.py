@@ -498,3 +498,24 @@ def test_step_hf_model_default_modes_leave_out_deepspeed():
     modes = bench_step.resolve_modes(args)
     assert "plain" in modes and bench_step.NATIVE_MODE in modes
     assert not set(modes) & set(bench_step.DS_MODES)
+
+
+def test_step_over_a_modeled_link_bounds_the_step_with_what_cannot_hide(tmp_path, capsys):
+    """``bench step --world-size 2 --link-gbps auto`` end to end ([Note: the schedule bound],
+    [Note: what cannot hide] in infinity/bench/overlap.py): the small GPT's root (the tied
+    embedding) is gathered first and reduced last, so the linked run reports both edges, and the
+    bound holds the forward to at least that gather plus its compute and the backward to its
+    compute plus those reductions."""
+    argv = step_argv(tmp_path, "--json", "--no-save", "--world-size", "2", "--link-gbps", "auto")
+    argv[argv.index("--modes") + 1] = "stage3"
+    argv[argv.index("--warmup") + 1] = "1"
+    argv[argv.index("--model") + 1] = "small"  # tiny's units are all persistent: no gathers
+    assert main(argv) == 0
+    row = parse_single_json(capsys.readouterr()[0])["rows"][0]
+    assert row["mode"] == "stage3" and row["step_s"] > 0 and row["link_s"] > 0
+    edges, phases = row["comm_link_edges_s"], row["phase_s_free"]
+    assert edges["head_s"] > 0 and edges["tail_s"] > 0
+    assert edges["head_s"] + edges["tail_s"] <= row["comm_link_s"] * (1 + 1e-9)
+    assert row["schedule_bound_s"] >= (phases["forward"] + edges["head_s"]
+                                       + phases["backward"] + edges["tail_s"]) * (1 - 1e-12)
+    assert row["copy_link_edges_s"] is None  # no host<->device link in this mode
