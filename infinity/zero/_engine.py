@@ -397,9 +397,7 @@ class InfinityEngine:
         at 0.189 GB/s: 8.6-8.8 s a step deferred, 8.7-9.0 s in place, three steps each; small,
         because its forward already waited on the link for the updated shards' bytes and the
         optimizer's 0.4 s is what there was to hide.)"""
-        return (self.store is not None and self.config.offload_param.device != "none"
-                and not self.manager.config.params_read_on_host
-                and not self.offload.device_holds_params)
+        return self.manager.updates_cross_to_device
 
     def _on_grad_ready(self, key: str) -> None:
         if not self._deferring:  # deferred: the read-ahead runs in the next forward's order

@@ -261,6 +261,14 @@ class ParameterManager:
         with self._open_stored_shard(group, overwrite=overwrite) as tensor:
             yield tensor
 
+    @property
+    def updates_cross_to_device(self) -> bool:
+        """Offloaded parameter shards are written on HOST (the write tier) and gathered through
+        DEVICE (the read tier): each updated shard crosses to the device between its update and
+        its read ([Note: a deferred step overlaps the copies up] in infinity/zero/_engine.py)."""
+        return (self.config.param_home is not Tier.DEVICE and self._write_tier is Tier.HOST
+                and self._read_tier is Tier.DEVICE)
+
     @contextlib.contextmanager
     def _open_stored_shard(self, group: FlatGroup, *, overwrite: bool = False
                            ) -> Iterator[torch.Tensor]:
