@@ -3,7 +3,9 @@ and safetensors read and written by byte range.
 
 - :class:`Swapper` (:mod:`._swapper`): aligned ``O_DIRECT`` reads and writes of tensors to one
   swap file per key, many requests in flight, every result checked; ``swap_in``/``swap_out``
-  return a :class:`SwapHandle` whose ``wait()`` re-raises the first error.
+  return a :class:`SwapHandle` whose ``wait()`` re-raises the first error. ``swapper.activity``
+  (a :class:`DiskActivity`, :mod:`._disk_activity`): the seconds reads, writes and both were in
+  flight ([Note: disk activity]; ``snapshot()`` gives them so far).
 - :mod:`._swap_format`: the swap file's header, names and states ([Note: swap file layout]).
 - :func:`aligned_empty` / :func:`aligned_view` (:mod:`._aligned`): page-aligned host memory that
   direct I/O reads into without staging; :func:`advise_direct_io_range`: huge pages for a range

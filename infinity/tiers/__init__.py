@@ -23,6 +23,8 @@ Public API of the store (everything else is private)::
     store.register(key, numel, dtype, home: Tier, initial: Tensor | None = None)
     h = store.fetch(key, Tier.DEVICE | Tier.HOST, next_use=None)   # async; h.wait() -> Tensor
     h = store.acquire(key, tier, next_use=None)  # fetch + pin (never evicted until release)
+    h = store.acquire(key, Tier.HOST, ahead=True)  # a read ahead: never waits for room here
+                                                   # ([Note: a read ahead never waits for room on its caller])
     store.release(key, tier)                     # undo one acquire
     t = store.get(key, tier)                     # tensor of a resident copy (ValueError otherwise)
     store.mark_dirty(key, tier)                  # the copy on tier was modified
