@@ -111,9 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpointing", action="store_true",
                         help="full activation checkpointing (also on when --config sets "
                              "activation_checkpointing.units)")
-    parser.add_argument("--offload-activations", action="store_true",
-                        help="checkpointed layer inputs in host memory (activation_checkpointing."
-                             "offload_to_host); needs checkpointing")
+    parser.add_argument("--offload-activations", nargs="?", const="host", default=None,
+                        choices=("host", "nvme"),
+                        help="checkpointed layer inputs in host memory (bare flag, or 'host') or "
+                             "on NVMe ('nvme'): activation_checkpointing.offload; needs "
+                             "checkpointing")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -182,7 +184,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     if shape is not None:
         dtype_bytes = int(terms.param_bytes) if terms.param_bytes in (2, 4) else 2
         acts = activation_bytes(shape, micro_batch=args.micro_batch, checkpointing=checkpointing,
-                                offload_to_host=offload_acts, dtype_bytes=dtype_bytes)
+                                offload=offload_acts, dtype_bytes=dtype_bytes)
         out["model"] = shape.to_dict()
         out["activations"] = {**acts.to_dict(), "micro_batch": args.micro_batch,
                               "seq_len": shape.seq_len}
@@ -190,19 +192,22 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
             for tier, t in row["tiers"].items():
                 t["activations_bytes"] = acts.tier_bytes(tier)
                 t["total_with_activations_bytes"] = t["total_bytes"] + acts.tier_bytes(tier)
-    elif offload_acts or checkpointing:
+    elif offload_acts != "none" or checkpointing:
         out["notes"].append("activations need the model's shape: pass --model CONFIG.json")
     return out
 
 
-def _activation_options(args: argparse.Namespace, config: InfinityConfig | None) -> tuple[bool, bool]:
-    """(checkpointing, offload to host) from the flags, or the config's activation_checkpointing."""
+def _activation_options(args: argparse.Namespace, config: InfinityConfig | None) -> tuple[bool, str]:
+    """(checkpointing, where the kept inputs live: 'none', 'host', 'nvme') from the flags, or the
+    config's activation_checkpointing (its 'auto' counted as 'host', its first choice)."""
     checkpointing = bool(args.checkpointing)
-    offload = bool(getattr(args, "offload_activations", False))
+    offload = getattr(args, "offload_activations", None) or "none"
     if config is not None:
         checkpointing = checkpointing or config.activation_checkpointing.enabled
-        offload = offload or config.activation_checkpointing.offload_to_host
-    if offload and not checkpointing:
+        if offload == "none":
+            offload = {"auto": "host"}.get(config.activation_checkpointing.offload_tier,
+                                           config.activation_checkpointing.offload_tier)
+    if offload != "none" and not checkpointing:
         raise ValueError("--offload-activations needs checkpointing: add --checkpointing (or set "
                          "activation_checkpointing.units in the --config file)")
     return checkpointing, offload
@@ -235,19 +240,20 @@ def format_table(report: Mapping[str, Any]) -> str:
             f"{k} {format_bytes(v)}" for k, v in buffers.items()))
     if "activations" in report:
         a = report["activations"]
-        ckpt = ("on, inputs offloaded to host" if a["offload_to_host"] else "on") \
-            if a["checkpointing"] else "off"
+        ckpt = ({"host": "on, inputs offloaded to host", "nvme": "on, inputs offloaded to NVMe"}
+                .get(a["offload"], "on")) if a["checkpointing"] else "off"
         lines.append(f"activations per rank (micro-batch {a['micro_batch']}, seq {a['seq_len']}, "
                      f"checkpointing {ckpt}): "
                      f"{_gb(a['total_bytes'])} GB (per layer {format_bytes(a['per_layer_bytes'])}, "
                      f"kept {format_bytes(a['stored_bytes'])}, head {format_bytes(a['head_bytes'])})"
-                     f": device {_gb(a['device_bytes'])} GB, host {_gb(a['host_bytes'])} GB; "
-                     "not included above")
+                     f": device {_gb(a['device_bytes'])} GB, host {_gb(a['host_bytes'])} GB, "
+                     f"nvme {_gb(a['nvme_bytes'])} GB; not included above")
         for stage, row in report["stages"].items():
             tiers = row["tiers"]
             lines.append(f"stage {stage} with activations, per rank: device "
                          f"{_gb(tiers['device']['total_with_activations_bytes'])} GB, host "
-                         f"{_gb(tiers['host']['total_with_activations_bytes'])} GB")
+                         f"{_gb(tiers['host']['total_with_activations_bytes'])} GB, nvme "
+                         f"{_gb(tiers['nvme']['total_with_activations_bytes'])} GB")
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 

@@ -306,8 +306,17 @@ class ActivationCheckpointingConfig:
     """'none': off; 'all': every unit module (the modules the parameter manager makes units of,
     not the root); or module class names (e.g. ``("Block",)``), the outermost match wins."""
     offload_to_host: bool = False
-    """Keep the checkpointed modules' saved inputs in host memory (pinned where CUDA exists) between
-    forward and recompute, freeing them from the device; needs ``units`` other than 'none'."""
+    """The same as ``offload: 'host'`` (its older spelling, DeepSpeed's ``cpu_checkpointing``)."""
+    offload: Literal["none", "host", "nvme", "auto"] = "none"
+    """Where the checkpointed modules' saved inputs live between forward and recompute
+    ([Note: saved activations are shards of the store] in infinity/zero/_stored_activations.py):
+    'none': where torch keeps them (the device); 'host': in the store's host arena, inside
+    ``memory.host_budget_bytes``; 'nvme': swap files, written behind as they are saved and read
+    back ahead of the backward, the host arena caching what it has room for; 'auto': host while
+    the arena has room beside the model's states, then NVMe. Needs ``units`` other than 'none'."""
+    nvme_path: str | None = None
+    """Swap directory of activations on NVMe; None: the offload sections' ``nvme_path`` (one swap
+    directory per process: when both are set they must be the same)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.units, str):
@@ -321,6 +330,21 @@ class ActivationCheckpointingConfig:
         if self.offload_to_host and self.units == "none":
             fail("activation_checkpointing.offload_to_host", "false while units is 'none'", True,
                   "offload moves checkpointed inputs; set units to 'all' or class names")
+        check_choice("activation_checkpointing.offload", self.offload,
+                     ("none", "host", "nvme", "auto"))
+        if self.offload_to_host and self.offload not in ("none", "host"):
+            fail("activation_checkpointing.offload_to_host", "false with offload "
+                 f"{self.offload!r}", True, "offload_to_host is offload 'host': set one of them")
+        if self.offload != "none" and self.units == "none":
+            fail("activation_checkpointing.offload", "'none' while units is 'none'", self.offload,
+                 "offload moves checkpointed inputs; set units to 'all' or class names")
+        if self.nvme_path is not None and (not isinstance(self.nvme_path, str) or not self.nvme_path):
+            fail("activation_checkpointing.nvme_path", "a directory path", self.nvme_path)
+
+    @property
+    def offload_tier(self) -> str:
+        """'none', 'host', 'nvme' or 'auto', with ``offload_to_host`` read as 'host'."""
+        return "host" if self.offload_to_host else self.offload
 
     @property
     def enabled(self) -> bool:
@@ -389,6 +413,14 @@ class InfinityConfig:
             raise ValueError(f"offload_param.nvme_path and offload_optimizer.nvme_path differ "
                              f"({sorted(paths)}); one swap directory per process is supported: "
                              f"use the same path for both")
+        acts = self.activation_checkpointing
+        if acts.offload_tier == "nvme" and not (paths or acts.nvme_path):
+            fail("activation_checkpointing.nvme_path", "a directory path with offload 'nvme'",
+                 acts.nvme_path, "set it (or an offload section's nvme_path) to a directory on "
+                 "a local disk")
+        if acts.nvme_path is not None and paths and acts.nvme_path not in paths:
+            fail("activation_checkpointing.nvme_path", f"the offload sections' {sorted(paths)[0]!r}"
+                 " or unset", acts.nvme_path, "one swap directory per process is supported")
 
     def check_resolved(self, where: str) -> None:
         """Raise ``ValueError`` naming every value still 'auto' that ``where`` needs as a number

@@ -11,6 +11,10 @@ from infinity.ledger._estimate import ceil_bytes
 from infinity.ledger._model_shape import ModelShape
 
 
+OFFLOAD_TIERS = {"none": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
+"""``activation_checkpointing.offload`` -> the tier the kept layer inputs live in."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Activations:
     """Activation bytes of one rank for one micro-batch (Korthikanti et al. 2022, arXiv 2205.05198)."""
@@ -24,9 +28,14 @@ class Activations:
     head_bytes: int
     """Final norm and output-projection inputs (4sbh) and the fp32 logits for the loss (4sbv)."""
     checkpointing: bool
-    offload_to_host: bool = False
-    """The kept layer inputs (``stored_bytes``) sit in host memory between forward and recompute
-    (``activation_checkpointing.offload_to_host``); see [Note: activation placement]."""
+    offload: str = "none"
+    """Where the kept layer inputs (``stored_bytes``) sit between forward and recompute: 'none'
+    (the device), 'host' or 'nvme' (``activation_checkpointing.offload``); see [Note: activation
+    placement]."""
+
+    @property
+    def offload_to_host(self) -> bool:
+        return self.offload == "host"
 
     @property
     def total_bytes(self) -> int:
@@ -34,47 +43,67 @@ class Activations:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes in host memory: the offloaded layer inputs, else nothing."""
-        return self.stored_bytes if self.offload_to_host else 0
+        """Bytes homed in host memory: the layer inputs offloaded to host, else nothing."""
+        return self.stored_bytes if self.offload == "host" else 0
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes homed on NVMe: the layer inputs offloaded there, else nothing."""
+        return self.stored_bytes if self.offload == "nvme" else 0
 
     @property
     def device_bytes(self) -> int:
-        """Bytes on the device: everything but what is offloaded to host."""
-        return self.total_bytes - self.host_bytes
+        """Bytes on the device: everything but what is offloaded."""
+        return self.total_bytes - self.host_bytes - self.nvme_bytes
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes an offload moves per micro-batch each way (device -> host, and to NVMe and back
+        for 'nvme'): the kept inputs once out, once back; 0 on the device."""
+        return 0 if self.offload == "none" else self.stored_bytes
 
     def tier_bytes(self, tier: "Tier | str") -> int:
         return {Tier.DEVICE: self.device_bytes, Tier.HOST: self.host_bytes,
-                Tier.NVME: 0}[Tier(tier)]
+                Tier.NVME: self.nvme_bytes}[Tier(tier)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"per_layer_bytes": self.per_layer_bytes, "stored_bytes": self.stored_bytes,
                 "recompute_bytes": self.recompute_bytes, "head_bytes": self.head_bytes,
-                "checkpointing": self.checkpointing, "offload_to_host": self.offload_to_host,
+                "checkpointing": self.checkpointing, "offload": self.offload,
+                "offload_to_host": self.offload_to_host,
                 "total_bytes": self.total_bytes, "device_bytes": self.device_bytes,
-                "host_bytes": self.host_bytes}
+                "host_bytes": self.host_bytes, "nvme_bytes": self.nvme_bytes}
 
 
 def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int | None = None,
                      checkpointing: bool = False, offload_to_host: bool = False,
-                     dtype_bytes: int = 2) -> Activations:
+                     offload: str = "none", dtype_bytes: int = 2) -> Activations:
     """Activations of ``micro_batch`` sequences (Korthikanti et al., section 4, no tensor parallelism).
 
     Without recomputation a layer keeps sbh(34 + 5as/h) bytes in 16-bit (s sequence, b micro-batch,
     h hidden, a heads; the 5as/h term is the attention scores, softmax and its dropout mask). With
     full activation checkpointing only each layer's input, 2sbh, is kept, and one layer's working set
     is rebuilt at a time during backward. ``dtype_bytes`` = 4 scales the formula for fp32 compute.
-    ``offload_to_host`` (checkpointing only): the kept inputs live in host memory
-    ([Note: activation placement]).
+    ``offload`` (checkpointing only; ``offload_to_host`` is 'host'): 'host' or 'nvme', where the
+    kept inputs live ([Note: activation placement]).
 
-    [Note: activation placement] Everything is on the device, except with ``offload_to_host``: the
-    L kept layer inputs (2sbh each in 16-bit) are copied to host memory as they are saved and back
-    for their layer's recompute (:mod:`infinity.zero._activations`), so the device holds one layer's
-    working set (its input included) and the head; the host holds L x 2sbh per rank. With CUDA the
-    host copies are pinned through torch's caching host allocator, which can round each block up
-    (to a power of two); the ledger counts the bytes asked for.
+    [Note: activation placement] Everything is on the device, except with an offload: the L kept
+    layer inputs (2sbh each in 16-bit) are copied out as they are saved and back for their layer's
+    recompute (:mod:`infinity.zero._stored_activations`), so the device holds one layer's working
+    set (its input included) and the head; the host ('host') or the swap files ('nvme') hold
+    L x 2sbh per rank. 'nvme' also passes every input through the host arena on its way out and
+    back (a few at a time, inside the host budget); the engine's 'auto' fills the host's spare
+    room first. Without a store ('host' and an 'auto' host budget, no state offloaded) the host
+    copies go through torch's caching host allocator, which can round each block up (to a power
+    of two); the ledger counts the bytes asked for.
     """
-    if offload_to_host and not checkpointing:
-        raise ValueError("offload_to_host: needs checkpointing (only the inputs kept by "
+    name = "offload_to_host" if offload_to_host else f"offload {offload!r}"
+    if offload_to_host:
+        offload = "host"
+    if offload not in OFFLOAD_TIERS:
+        raise ValueError(f"offload: expected 'none', 'host' or 'nvme', got {offload!r}")
+    if offload != "none" and not checkpointing:
+        raise ValueError(f"{name}: needs checkpointing (only the inputs kept by "
                          "checkpointed layers are offloaded); enable checkpointing or drop the "
                          "offload")
     s = seq_len or shape.seq_len
@@ -87,6 +116,6 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int | None
     if checkpointing:
         stored = ceil_bytes(L * 2 * s * b * h * scale)
         return Activations(per_layer_bytes=per_layer, stored_bytes=stored, recompute_bytes=per_layer,
-                           head_bytes=head, checkpointing=True, offload_to_host=offload_to_host)
+                           head_bytes=head, checkpointing=True, offload=offload)
     return Activations(per_layer_bytes=per_layer, stored_bytes=L * per_layer, recompute_bytes=0,
                        head_bytes=head, checkpointing=False)

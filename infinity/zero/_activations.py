@@ -50,7 +50,7 @@ import functools
 import logging
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -60,6 +60,12 @@ from infinity._common import warn_once
 from infinity.config import ActivationCheckpointingConfig
 
 logger = logging.getLogger(__name__)
+
+
+class SavedTensorPlace(Protocol):
+    """Where offloaded saved tensors go: saved-tensor hooks and their byte counts."""
+
+    def hooks(self) -> Any: ...
 
 
 class _HostCopy:
@@ -127,10 +133,11 @@ class HostActivations:
         return out
 
 
-def _checkpointed_forward(original: Any, host: "HostActivations | None", module: nn.Module,
+def _checkpointed_forward(original: Any, host: "SavedTensorPlace | None", module: nn.Module,
                           *args: Any, **kwargs: Any) -> Any:
     """The replacement ``forward`` (bound to ``module``, so ``copy.deepcopy`` rebinds it);
-    ``host``: where the saved inputs go with ``offload_to_host`` (None: they stay)."""
+    ``host``: where the saved inputs go (:class:`HostActivations`, or the store's
+    :class:`~infinity.zero._stored_activations.StoredActivations`; None: they stay)."""
     forward = original if original is not None else type(module).forward.__get__(module)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
@@ -149,8 +156,10 @@ class CheckpointedModules:
     names: list[str]
     """Qualified names (``model.named_modules()``) of the checkpointed modules, in module order."""
     offload_to_host: bool
-    host: HostActivations | None = None
-    """With ``offload_to_host``: the saved inputs in host memory and their byte count."""
+    host: "SavedTensorPlace | None" = None
+    """Where the saved inputs go when offloaded: :class:`HostActivations` (host memory outside
+    the store, counted), or the store's shards (:class:`~infinity.zero._stored_activations.
+    StoredActivations`); None: they stay on the device."""
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     """The wrapped module objects (to restore their ``forward``)."""
     _originals: list[Any] = field(default_factory=list, repr=False)
@@ -212,12 +221,16 @@ def select_modules(model: nn.Module, config: ActivationCheckpointingConfig, *,
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpointingConfig, *,
-                                   unit_module_names: Iterable[str] = ()) -> CheckpointedModules:
+                                   unit_module_names: Iterable[str] = (),
+                                   place: "SavedTensorPlace | None" = None) -> CheckpointedModules:
     """Make the chosen modules' forward run checkpointed (see [Note: checkpoint inside the
-    module's hooks]); returns the handle that can undo it."""
+    module's hooks]); returns the handle that can undo it. ``place``: where the saved inputs go
+    (the engine's store with ``activation_checkpointing.offload``); None with offload 'host':
+    :class:`HostActivations`."""
     names = select_modules(model, config, unit_module_names=unit_module_names)
-    host = HostActivations() if config.offload_to_host else None
-    handle = CheckpointedModules(names=names, offload_to_host=config.offload_to_host, host=host)
+    offloaded = config.offload_tier != "none"
+    host = place if place is not None else HostActivations() if offloaded else None
+    handle = CheckpointedModules(names=names, offload_to_host=offloaded, host=host)
     modules = dict(model.named_modules())
     for name in names:
         module = modules[name]
@@ -231,7 +244,7 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
         handle._originals.append(original)
     if names:
         logger.info("activation checkpointing: %d module(s)%s, e.g. %s", len(names),
-                    ", inputs offloaded to host" if config.offload_to_host else "", names[0])
+                    f", inputs offloaded ({config.offload_tier})" if offloaded else "", names[0])
     return handle
 
 

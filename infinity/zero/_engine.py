@@ -62,7 +62,8 @@ from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedSh
                             rebind_param_groups, resolve_param_groups)
 from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import OffloadBudgets
-from infinity.zero._activations import apply_activation_checkpointing, select_modules
+from infinity.zero._activations import (HostActivations, apply_activation_checkpointing,
+                                        select_modules)
 from infinity.zero._collectives import (Collectives, Phase, init_from_env_if_launched,
                                         is_distributed)
 from infinity.zero._device import resolve_device
@@ -74,10 +75,13 @@ from infinity.zero._loss_scale import LossScaler
 from infinity.zero._managed import check_not_wrapped, register_engine
 from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._mesh import mesh_collectives
-from infinity.zero._offload import build_store, check_nvme_space_for, resolve_offload
+from infinity.zero._offload import (activation_nvme_path, activations_need_store,
+                                    build_activation_store, build_store, check_nvme_space_for,
+                                    host_needs_of, resolve_offload)
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._quantize import quant_settings
 from infinity.zero._step_plan import StepPlan
+from infinity.zero._stored_activations import StoredActivations
 from infinity.zero._tensor_parallel import (check_data_parallel_group, resolve_parallelism,
                                             tensor_rank_dir)
 from infinity.zero._training_state import ParamWriteback
@@ -91,10 +95,13 @@ logger = logging.getLogger(__name__)
 
 def _check_writable_dirs(config: InfinityConfig) -> None:
     """Every NVMe swap directory exists (or can be made) and takes a file: before any state."""
-    for section in (config.offload_param, config.offload_optimizer):
-        if section.device != "nvme":
-            continue
-        path, field = section.nvme_path, f"{section.name}.nvme_path"
+    dirs = [(s.nvme_path, f"{s.name}.nvme_path") for s in (config.offload_param,
+                                                             config.offload_optimizer)
+            if s.device == "nvme"]
+    acts = config.activation_checkpointing
+    if acts.nvme_path is not None and acts.offload_tier in ("nvme", "auto"):
+        dirs.append((acts.nvme_path, "activation_checkpointing.nvme_path"))
+    for path, field in dirs:
         try:
             os.makedirs(path, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=path, prefix=".infinity-probe-"):
@@ -259,16 +266,29 @@ class InfinityEngine:
             manage_mmap_threshold()
             self.store, self._swapper = build_store(self.device, self.offload,
                                                     swapper_config=config.swapper,
-                                                    rank=self.collectives.rank)
+                                                    rank=self.collectives.rank,
+                                                    nvme_path=activation_nvme_path(config))
+        elif activations_need_store(config):
+            # [Note: saved activations are shards of the store] in
+            # infinity/zero/_stored_activations.py: a store of their own
+            manage_mmap_threshold()
+            self.store, self._swapper = build_activation_store(self.device, config,
+                                                               rank=self.collectives.rank)
             # Set-up's writes go through a small window at the arena's bottom: not on huge pages
             # ([Note: huge pages where the disk moves the arena] in infinity/tiers/_arena.py).
             self.store.arena.pause_direct_io_advice()
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
+        self._states_host_room = 0
+        """Arena room the offloaded states want for overlap beyond their homed bytes: what
+        activations offloaded 'auto' leave them (sized on the parameters as they are now)."""
+        if self.offload is not None and config.activation_checkpointing.offload_tier == "auto":
+            needs = host_needs_of(model, config, self.offload.sub_group_numel, world_size=world)
+            self._states_host_room = max(0, needs.comfortable_bytes - needs.homed_bytes)
         if copy_link is not None:
             _check_copy_link(config, self.store, self.device)
             self.store.copy_link = DuplexLink(copy_link)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
-        if self._swapper is not None:
+        if self._swapper is not None and self.offload is not None:
             check_nvme_space_for(units_of(model, config.zero), config, self.offload,
                                  world_size=world, store=self.store,
                                  data_parallel_size=data_parallel)
@@ -303,9 +323,12 @@ class InfinityEngine:
         # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
         if data_parallel > 1:
             self._broadcast_buffers()
+        self.stored_activations = self._stored_activations()
+        """[Note: saved activations are shards of the store]; None: not offloaded to the store."""
         self.activations = apply_activation_checkpointing(
             model, config.activation_checkpointing,
-            unit_module_names=[u.name for u in self.manager.units])
+            unit_module_names=[u.name for u in self.manager.units],
+            place=self.stored_activations)
         self.optimizer = EngineOptimizer(groups, defaults)
         """What code outside the engine drives: a torch.optim.Optimizer over the model's
         parameters ([Note: the optimizer seen from outside] in infinity/optim/_engine_optimizer.py)."""
@@ -339,6 +362,15 @@ class InfinityEngine:
             self.store.arena.resume_direct_io_advice()  # set-up is over: the steps' reads next
         logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
                     config.precision.dtype, self.device, world)
+
+    def _stored_activations(self) -> StoredActivations | None:
+        """The checkpointed inputs' place in the store, with 'auto' keeping the room the states
+        want for overlap ([Note: saved activations are shards of the store]); None where the
+        config keeps them elsewhere."""
+        tier = self.config.activation_checkpointing.offload_tier
+        if tier == "none" or self.store is None:
+            return None
+        return StoredActivations(self.store, tier, host_reserve_bytes=self._states_host_room)
 
     def _new_shard_optimizer(self) -> InMemoryShardOptimizer | OffloadedShardOptimizer:
         """The shard optimizer of the config, holding no key yet."""
@@ -544,10 +576,11 @@ class InfinityEngine:
         self._step_timer.stop()
 
     def _host_activation_bytes(self) -> dict[str, int]:
-        """Saved activations in host memory ([Note: activations on the host] in
-        infinity/zero/_activations.py), beside the arena's bytes; empty without the offload."""
+        """Saved activations in host memory outside the arena ([Note: activations on the host]
+        in infinity/zero/_activations.py), beside the arena's bytes; empty otherwise (the
+        store's are in the arena's count, and in ``stats()['activations']``)."""
         host = self.activations.host
-        if host is None:
+        if not isinstance(host, HostActivations):
             return {}
         return {"activations_current": host.live_bytes, "activations_peak": host.peak_bytes}
 
@@ -704,6 +737,11 @@ class InfinityEngine:
             # Which state moves to and from NVMe, so far: see where traffic exceeds the minimum.
             "nvme_bytes_by_kind": (self.store.nvme_bytes_by_kind() if self.store is not None
                                    else {}),
+            # [Note: saved activations are shards of the store] in
+            # infinity/zero/_stored_activations.py: bytes per home tier (current, peak, saved so
+            # far) and the NVMe bytes they moved; None when they are not in the store.
+            "activations": (self.stored_activations.stats()
+                            if self.stored_activations is not None else None),
         }
 
     def full_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]:
@@ -768,6 +806,8 @@ class InfinityEngine:
         self._settle()
 
     def _settle(self) -> None:
+        if self.stored_activations is not None:
+            self.stored_activations.drain()  # graphs dropped without a backward
         self.shard_optimizer.drain()
         self.manager.settle_params()
 

@@ -18,9 +18,9 @@ from torch import nn
 from infinity.config import DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
 from infinity.ledger import DEFAULT_PREFETCH_UNITS, flat_layout, host_grad_dtype
-from infinity.tiers import (SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet, HostNeeds, NvmeBytes,
-                            NvmeDemand, OffloadBudgets, OffloadRequest, StateSizes, StoreConfig,
-                            Tier, TieredStore, check_nvme_space, extent_bytes, host_needs,
+from infinity.tiers import (AUTO_HOST_RAM_FRACTION, SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet,
+                            HostNeeds, NvmeBytes, NvmeDemand, OffloadBudgets, OffloadRequest,
+                            StateSizes, StoreConfig, Tier, TieredStore, check_nvme_space, extent_bytes, host_needs,
                             least_host_bytes, nvme_bytes, resolve_offload_budgets)
 from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS
 from infinity.zero._unit_choice import UnitChoice, units_of
@@ -162,12 +162,57 @@ def borrows_host_copies(config: InfinityConfig, device: torch.device,
 
 
 def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config: SwapperConfig,
-                rank: int) -> tuple[TieredStore, Swapper | None]:
-    """The tiered store (and its swapper when some home is NVME) the engine's offload uses."""
-    swapper = Swapper(budgets.nvme_path, swapper_config, rank=rank) if budgets.nvme_path else None
+                rank: int, nvme_path: str | None = None) -> tuple[TieredStore, Swapper | None]:
+    """The tiered store (and its swapper when some home is NVME) the engine's offload uses;
+    ``nvme_path``: a swap directory for other shards (activations) when no state is on NVMe."""
+    path = budgets.nvme_path or nvme_path
+    swapper = Swapper(path, swapper_config, rank=rank) if path else None
     store = TieredStore(device, StoreConfig(device_budget_bytes=budgets.device_budget_bytes,
                                             host_budget_bytes=budgets.host_budget_bytes),
                         swapper=swapper)
+    return store, swapper
+
+
+ACTIVATION_AUTO_HOST_BYTES = 2 * 1024 ** 3
+"""The arena of a store that holds only activations, with an 'auto' host budget: at most this,
+and at most AUTO_HOST_RAM_FRACTION of the RAM."""
+
+
+def activation_nvme_path(config: InfinityConfig) -> str | None:
+    """The swap directory of activations offloaded 'nvme' or 'auto' (None: not on NVMe): the
+    offload sections' (one per process) or ``activation_checkpointing.nvme_path``."""
+    acts = config.activation_checkpointing
+    if acts.offload_tier not in ("nvme", "auto"):
+        return None
+    paths = [s.nvme_path for s in (config.offload_param, config.offload_optimizer)
+             if s.device == "nvme"]
+    return paths[0] if paths else acts.nvme_path
+
+
+def activations_need_store(config: InfinityConfig) -> bool:
+    """Whether the saved activations need a store when no state is offloaded: offload 'nvme' or
+    'auto', or 'host' with an explicit host budget (an 'auto' one keeps them in torch's host
+    memory, counted: [Note: activations on the host] in infinity/zero/_activations.py)."""
+    tier = config.activation_checkpointing.offload_tier
+    return tier in ("nvme", "auto") or (
+        tier == "host" and config.memory.host_budget_bytes != "auto")
+
+
+def build_activation_store(device: torch.device, config: InfinityConfig, *, rank: int
+                           ) -> tuple[TieredStore, Swapper | None]:
+    """A store for activations alone ([Note: saved activations are shards of the store] in
+    infinity/zero/_stored_activations.py): the host budget as given, or ACTIVATION_AUTO_HOST_BYTES
+    within AUTO_HOST_RAM_FRACTION of the RAM; a swapper where they may go to NVMe."""
+    host = config.memory.host_budget_bytes
+    if host == "auto":
+        host = min(ACTIVATION_AUTO_HOST_BYTES,
+                   int(psutil.virtual_memory().total * AUTO_HOST_RAM_FRACTION))
+    path = activation_nvme_path(config)
+    swapper = Swapper(path, config.swapper, rank=rank) if path else None
+    device_budget = config.memory.device_budget_bytes
+    store = TieredStore(device, StoreConfig(
+        device_budget_bytes=0 if device_budget == "auto" else int(device_budget),
+        host_budget_bytes=int(host)), swapper=swapper)
     return store, swapper
 
 
@@ -192,5 +237,6 @@ def check_nvme_space_for(choice: UnitChoice, config: InfinityConfig, budgets: Of
     return need
 
 
-__all__ = ["build_store", "check_nvme_space_for", "device_working_set", "host_needs_of",
+__all__ = ["activation_nvme_path", "activations_need_store", "build_activation_store",
+           "build_store", "check_nvme_space_for", "device_working_set", "host_needs_of",
            "least_host_budget_bytes", "offload_request", "resolve_offload", "state_sizes"]

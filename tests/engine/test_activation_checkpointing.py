@@ -238,7 +238,9 @@ def test_config_round_trip_and_default():
     cfg = load_config({"activation_checkpointing": {"units": ["Block"], "offload_to_host": True}})
     assert cfg.activation_checkpointing == ActivationCheckpointingConfig(units=("Block",),
                                                                          offload_to_host=True)
-    assert cfg.to_dict()["activation_checkpointing"] == {"units": ["Block"], "offload_to_host": True}
+    assert cfg.to_dict()["activation_checkpointing"] == {"units": ["Block"], "offload_to_host": True,
+                                                         "offload": "none", "nvme_path": None}
+    assert cfg.activation_checkpointing.offload_tier == "host"
     assert load_config(cfg.to_dict()) == cfg
 
 

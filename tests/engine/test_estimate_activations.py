@@ -137,3 +137,48 @@ def test_engine_offloads_the_bytes_the_ledger_puts_on_the_host(monkeypatch):
                        num_heads=TINY.n_head, vocab_size=TINY.vocab_size, seq_len=seq)
     ledger = activation_bytes(shape, micro_batch=batch, checkpointing=True, offload_to_host=True)
     assert sum(packed) == ledger.host_bytes
+
+
+def test_nvme_offload_homes_the_layer_inputs_on_nvme():
+    acts = activation_bytes(SHAPE, micro_batch=B, checkpointing=True, offload="nvme")
+    assert acts.nvme_bytes == acts.tier_bytes("nvme") == acts.moved_bytes == INPUTS
+    assert acts.host_bytes == 0 and acts.device_bytes == PER_LAYER + HEAD
+    assert acts.total_bytes == INPUTS + PER_LAYER + HEAD
+    with pytest.raises(ValueError, match="offload 'nvme': needs checkpointing"):
+        activation_bytes(SHAPE, micro_batch=B, offload="nvme")
+
+
+def test_cli_puts_nvme_activations_in_the_nvme_column(tmp_path, capsys):
+    rc, out, _ = _estimate(capsys, "--model", _shape_file(tmp_path), "--micro-batch", str(B),
+                           "--checkpointing", "--offload-activations", "nvme", "--json")
+    a = json.loads(out)["activations"]
+    assert rc == 0 and a["offload"] == "nvme" and a["nvme_bytes"] == INPUTS and a["host_bytes"] == 0
+    rows = json.loads(out)["stages"].values()
+    assert all(r["tiers"]["nvme"]["activations_bytes"] == INPUTS for r in rows)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"activation_checkpointing": {
+        "units": "all", "offload": "nvme", "nvme_path": str(tmp_path)}}))
+    rc, out, _ = _estimate(capsys, "--model", _shape_file(tmp_path), "--micro-batch", str(B),
+                           "--config", str(path))
+    assert rc == 0 and "inputs offloaded to NVMe" in out
+
+
+def test_engine_writes_to_nvme_the_bytes_the_ledger_puts_there(tmp_path, monkeypatch):
+    """bf16 engine, activations on NVMe: the bytes saved and written per forward are the ledger's
+    NVMe term, L x 2sbh (the tiny GPT's blocks)."""
+    import infinity.zero._stored_activations as stored_module
+    monkeypatch.setattr(stored_module, "MIN_STORED_BYTES", 1024)
+    batch, seq = 8, TINY.block_size
+    engine = infinity.initialize(tiny_gpt(), engine_config(
+        stage=3, dtype="bf16", activation_checkpointing={
+            "units": ["Block"], "offload": "nvme", "nvme_path": str(tmp_path)}))
+    idx, targets = batches(1, 1, batch_size=batch, seq_len=seq)[0][0]
+    engine.backward(engine(idx, targets))
+    engine.store.flush()
+    acts = engine.stats()["activations"]
+    engine.close()
+    shape = ModelShape(kind="gpt2", num_layers=TINY.n_layer, hidden_size=TINY.n_embd,
+                       num_heads=TINY.n_head, vocab_size=TINY.vocab_size, seq_len=seq)
+    ledger = activation_bytes(shape, micro_batch=batch, checkpointing=True, offload="nvme")
+    assert acts["NVME"]["saved"] == acts["nvme_written_bytes"] == ledger.nvme_bytes
+    assert acts["NVME"]["peak"] == ledger.nvme_bytes

@@ -1,0 +1,205 @@
+"""Saved activations as shards of the tiered store ([Note: saved activations are shards of the
+store] in infinity/zero/_stored_activations.py): ``activation_checkpointing.offload`` 'host',
+'nvme', 'auto'.
+
+References: plain PyTorch + torch.optim.AdamW without checkpointing (parity), the blocks' inputs
+captured by a forward pre-hook of the test's own against the bytes of the swap files on disk, and
+the bytes the checkpointed blocks save (b*s*h elements of fp32 per block), against the engine's
+and the store's counters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import infinity
+import infinity.zero._stored_activations as stored_module
+from infinity.config import load_config
+from infinity.errors import DiskSpaceError, TierCapacityError
+from infinity.models.gpt import GPTConfig
+from tests._support.engine import (assert_close_run, batches, engine_config, engine_train,
+                                   offload_config, reference_train, tiny_gpt)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Block inputs of 16 KiB (8 x 16 x 32 fp32), four blocks: 64 KiB a step.
+WIDE = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+BATCH, SEQ = 8, 16
+INPUT_BYTES = BATCH * SEQ * WIDE.n_embd * 4
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _store_every_block_input(monkeypatch):
+    # The engine's floor keeps tensors under 64 KiB where torch keeps them; these models are small.
+    monkeypatch.setattr(stored_module, "MIN_STORED_BYTES", 4096)
+
+
+def _model():
+    return tiny_gpt(config=WIDE)
+
+
+def _data(steps=STEPS, gas=1):
+    return batches(steps, gas, BATCH, SEQ, config=WIDE)
+
+
+def _acts(mode, **extra):
+    return {"units": "all", "offload": mode, **extra}
+
+
+def _config(tmp_path, mode, *, states, host, gas=1):
+    """Activations offloaded ``mode``; ``states``: parameters and optimizer on NVMe too (one
+    store for all), or nothing else offloaded (a store of the activations' own)."""
+    swap = str(tmp_path / "swap")
+    if states:
+        return offload_config(swap, stage=3, gas=gas, opt="nvme", param="nvme", host=host,
+                              activation_checkpointing=_acts(mode))
+    return engine_config(stage=3, gas=gas, memory={"host_budget_bytes": host},
+                         activation_checkpointing=_acts(mode, nvme_path=swap))
+
+
+@pytest.mark.parametrize("states", [False, True], ids=["activations-alone", "with-states-on-nvme"])
+@pytest.mark.parametrize("mode", ["host", "nvme", "auto"])
+def test_parity_with_plain_pytorch(tmp_path, mode, states):
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, mode, states=states, host=4 << 20))
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    acts = engine.stats()["activations"]
+    saved = acts["HOST"]["saved"] + acts["NVME"]["saved"]
+    assert saved == STEPS * WIDE.n_layer * INPUT_BYTES  # every block input, once a step
+    assert acts["HOST"]["current"] == acts["NVME"]["current"] == 0  # all used and freed
+    home = {"host": "HOST", "nvme": "NVME", "auto": "HOST"}[mode]  # 'auto': the arena has room
+    assert acts[home]["saved"] == saved
+    assert acts[home]["peak"] == WIDE.n_layer * INPUT_BYTES  # one step's inputs at once
+    engine.close()
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_a_host_budget_smaller_than_the_activations_reads_them_back_from_disk(tmp_path, gas):
+    """64 KiB of block inputs a step through a 24 KiB arena: written once each, read back from
+    the swap files (not the arena's cache), and training equals plain PyTorch."""
+    data = _data(gas=gas)
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=24 << 10,
+                                                   gas=gas))
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    acts = engine.stats()["activations"]
+    saved = STEPS * gas * WIDE.n_layer * INPUT_BYTES
+    assert acts["NVME"]["saved"] == saved
+    assert acts["nvme_written_bytes"] == saved  # each saved byte written once
+    # Read at most once; the arena holds at most one input beside one in flight, so at least
+    # half of them came back from disk.
+    assert saved // 2 <= acts["nvme_read_bytes"] <= saved
+    assert engine.stats()["bytes"]["HOST"]["peak"] <= 24 << 10
+    assert engine.store.swapper.keys() == []  # every file removed once read
+    engine.close()
+
+
+def test_the_swap_files_hold_the_block_inputs(tmp_path):
+    """After a forward, before its backward: each block's input, captured by the test's own
+    hook, is the payload of one swap file on disk."""
+    model = _model()
+    inputs = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach().clone()))
+    engine = infinity.initialize(model, _config(tmp_path, "nvme", states=False, host=8 << 20))
+    (x, y), = _data(1)[0]
+    loss = engine(x, y)
+    engine.store.flush()  # written behind: wait for the writes
+    swapper = engine.store.swapper
+    on_disk = []
+    for key in sorted(swapper.keys(), key=lambda k: int(k.split("/")[1])):
+        with open(swapper.path_of(key), "rb") as f:
+            data = f.read()[swapper.header_bytes:swapper.header_bytes + INPUT_BYTES]
+        on_disk.append(torch.frombuffer(bytearray(data), dtype=torch.float32))
+    assert len(on_disk) == WIDE.n_layer
+    for captured, disk in zip(inputs, on_disk):
+        assert torch.equal(captured.reshape(-1), disk)
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+
+
+def test_auto_fills_the_arena_then_goes_to_nvme(tmp_path):
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    # Two 16 KiB inputs homed in a 68 KiB arena leave it the room of two more to stage the
+    # other two through on their way to NVMe and back.
+    engine = infinity.initialize(_model(), _config(tmp_path, "auto", states=False, host=68 << 10))
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    acts = engine.stats()["activations"]
+    assert acts["HOST"]["saved"] == acts["NVME"]["saved"] == STEPS * 2 * INPUT_BYTES
+    engine.close()
+
+
+def test_a_forward_without_backward_leaves_nothing_behind(tmp_path):
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=8 << 20))
+    (x, y), = _data(1)[0]
+    loss = engine(x, y)
+    assert engine.stats()["activations"]["NVME"]["current"] == WIDE.n_layer * INPUT_BYTES
+    del loss  # the graph, and with it the saved inputs, dropped unused
+    engine.finish_step()
+    assert engine.stats()["activations"]["NVME"]["current"] == 0
+    engine.store.flush()
+    assert engine.store.swapper.keys() == [] and engine.store.keys() == []
+    # and training goes on, equal to plain PyTorch
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine.close()
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=8 << 20))
+    loss = engine(x, y)
+    del loss
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    engine.close()
+
+
+def test_host_offload_that_does_not_fit_names_the_way_out(tmp_path):
+    engine = infinity.initialize(_model(), _config(tmp_path, "host", states=False, host=20 << 10))
+    (x, y), = _data(1)[0]
+    with pytest.raises(TierCapacityError, match=r"offload 'host'.*'nvme' or 'auto'"):
+        engine(x, y)
+    engine.close()
+
+
+def test_a_full_disk_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=8 << 20))
+    real = stored_module.shutil.disk_usage
+    monkeypatch.setattr(stored_module.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=1 << 20))
+    (x, y), = _data(1)[0]
+    with pytest.raises(DiskSpaceError, match=r"activation_checkpointing.nvme_path"):
+        engine(x, y)
+    assert os.listdir(engine.store.swapper.directory) == []
+    engine.close()
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"units": "all", "offload": "disk"}, r"activation_checkpointing.offload"),
+    ({"units": "none", "offload": "nvme", "nvme_path": "/tmp/x"},
+     r"activation_checkpointing.offload: .*units"),
+    ({"units": "all", "offload": "nvme"}, r"activation_checkpointing.nvme_path"),
+    ({"units": "all", "offload": "nvme", "offload_to_host": True},
+     r"activation_checkpointing.offload_to_host"),
+])
+def test_config_errors_name_the_key(section, match):
+    with pytest.raises(ValueError, match=match):
+        load_config({"activation_checkpointing": section})
+
+
+def test_one_swap_directory_per_process(tmp_path):
+    with pytest.raises(ValueError, match=r"activation_checkpointing.nvme_path.*one swap directory"):
+        load_config({"offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+                     "zero": {"stage": 3},
+                     "activation_checkpointing": {"units": "all", "offload": "nvme",
+                                                  "nvme_path": str(tmp_path / "b")}})
+    cfg = load_config({"offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+                       "activation_checkpointing": {"units": "all", "offload": "nvme"}})
+    assert load_config(cfg.to_dict()) == cfg
