@@ -54,13 +54,15 @@ def _median_s(fn, repeats: int, device: torch.device = torch.device("cpu")) -> f
 def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: torch.dtype,
                   trainable_numel: int | None = None, repeats: int = 3,
                   device: torch.device | str = "cpu",
-                  optimizer_device: torch.device | str | None = None) -> dict[str, float]:
+                  optimizer_device: torch.device | str | None = None,
+                  checkpointing: bool = False) -> dict[str, float]:
     """Seconds of compute in one step of :class:`~infinity.models.gpt.GPT` ``config`` with its
     weights in memory, measured per unit (see the module docstring): ``forward_backward_s`` on
     ``device`` (the engine's: a GPU run's roofline is the GPU's compute, not the CPU's),
     ``adam_s`` on ``optimizer_device`` (default ``device``; the host for an offloaded optimizer)
     and their sum ``cpu_s`` (the name kept: the compute side of the roofline).
-    ``trainable_numel`` defaults to every parameter."""
+    ``trainable_numel`` defaults to every parameter. ``checkpointing``: every block runs its
+    forward once more in the backward (activation checkpointing's recompute)."""
     torch.manual_seed(0)
     device = torch.device(device)
     opt_device = device if optimizer_device is None else torch.device(optimizer_device)
@@ -70,6 +72,9 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
     x = torch.randn(batch_size, seq_len, d, dtype=dtype, device=device, requires_grad=True)
 
     def block_step() -> None:
+        if checkpointing:
+            with torch.no_grad():
+                block(x)
         block(x).float().sum().backward()
 
     block_s = _median_s(block_step, repeats, device)
@@ -112,12 +117,13 @@ def nvme_moved_bytes(before: Mapping[str, int], after: Mapping[str, int]) -> tup
 
 
 def nvme_per_step(step_moved: Sequence[tuple[int, int]], stats: Mapping[str, Any], *,
-                  cold_steps: int = 1) -> dict[str, Any]:
+                  cold_steps: int = 1, activation_bytes: int = 0) -> dict[str, Any]:
     """Median NVMe bytes per step over ``step_moved`` ((read, written) per step), the first
     ``cold_steps`` excluded where more remain (they also read what set-up left cold), against the
-    least a step can move (:func:`nvme_minimum_bytes` of ``stats``)."""
+    least a step can move (:func:`nvme_minimum_bytes` of ``stats``, with ``activation_bytes``
+    saved to NVMe per step)."""
     steady = step_moved[cold_steps:] if len(step_moved) > cold_steps else step_moved
-    least = nvme_minimum_bytes(stats)
+    least = nvme_minimum_bytes(stats, activation_bytes=activation_bytes)
     read = statistics.median(r for r, _ in steady) if steady else 0
     write = statistics.median(w for _, w in steady) if steady else 0
     # The mean over every step, the cold one included: a deferred update may run across a step
@@ -134,10 +140,12 @@ def nvme_per_step(step_moved: Sequence[tuple[int, int]], stats: Mapping[str, Any
             "x_minimum_mean": (mean_read + mean_write) / total_least}
 
 
-def nvme_minimum_bytes(stats: Mapping[str, Any]) -> dict[str, int]:
+def nvme_minimum_bytes(stats: Mapping[str, Any], *, activation_bytes: int = 0) -> dict[str, int]:
     """The least NVMe traffic of one step: every NVMe-resident byte read once and written once
-    (``engine.stats()["bytes"]["NVME"]``: parameter shards, optimizer state, gradients on NVMe)."""
-    nvme = int(stats["bytes"]["NVME"]["current"])
+    (``engine.stats()["bytes"]["NVME"]``: parameter shards, optimizer state, gradients on NVMe),
+    and the step's ``activation_bytes`` saved to NVMe written once and read once ([Note: saved
+    activations are shards of the store] in infinity/zero/_stored_activations.py)."""
+    nvme = int(stats["bytes"]["NVME"]["current"]) + int(activation_bytes)
     return {"read_bytes": nvme, "write_bytes": nvme}
 
 

@@ -29,7 +29,8 @@ from infinity.cli._plan_mesh import add_mesh_arguments, run_mesh
 from infinity.config import (AUTO, ActivationCheckpointingConfig, InfinityConfig, MemoryConfig,
                              OffloadConfig, PrecisionConfig, ZeroConfig, config_to_deepspeed,
                              load_config)
-from infinity.ledger import (DEFAULT_SUB_GROUP_NUMEL, DEVICE_RESERVE_BYTES, HOST_RESERVE_BYTES,
+from infinity.ledger import (ACTIVATION_STAGING_BYTES, DEFAULT_SUB_GROUP_NUMEL,
+                             DEVICE_RESERVE_BYTES, HOST_RESERVE_BYTES,
                              MICRO_BATCHES, Candidate, Hardware, ModelShape, Plan, PlanRequest,
                              Tier, make_plan)
 
@@ -62,9 +63,11 @@ def to_config(plan: Plan) -> InfinityConfig:
     if not hw.shared_device_host:
         # Everything on the device but activations and the reserve is the managed shards' budget.
         device_budget = max(best.ledger.tier_bytes(Tier.DEVICE),
-                            best.usable_bytes["device"] - best.activations.total_bytes
+                            best.usable_bytes["device"] - best.activations.device_bytes
                             - DEVICE_RESERVE_BYTES)
-    host_need = best.ledger.tier_bytes(Tier.HOST)
+    # The host arena also holds activations offloaded to it, or stages those bound for NVMe.
+    host_need = (best.ledger.tier_bytes(Tier.HOST) + best.activations.host_bytes
+                 + (ACTIVATION_STAGING_BYTES if best.activations.nvme_bytes else 0))
     host_budget = int(math.ceil(host_need * 1.05 / MiB)) * MiB if host_need else AUTO
     return InfinityConfig(
         zero=ZeroConfig(stage=best.stage, sub_group_numel=sub_group),
@@ -75,7 +78,9 @@ def to_config(plan: Plan) -> InfinityConfig:
         gradient_accumulation_steps=best.grad_accum,
         train_micro_batch_size_per_gpu=best.micro_batch,
         activation_checkpointing=ActivationCheckpointingConfig(
-            units="all" if best.checkpointing else "none"))
+            units="all" if best.checkpointing else "none", offload=best.offload_activations,
+            nvme_path=(nvme_path if best.offload_activations == "nvme" and "nvme" not in (
+                best.offload_param, best.offload_optimizer) else None)))
 
 
 def write_configs(plan: Plan, *, native_path: str | None, deepspeed_path: str | None) -> list[str]:
@@ -175,6 +180,7 @@ def _candidate_dict(c: Candidate) -> dict[str, Any]:
     return {"stage": c.stage, "offload_param": c.offload_param,
             "offload_optimizer": c.offload_optimizer, "micro_batch": c.micro_batch,
             "gradient_accumulation_steps": c.grad_accum, "checkpointing": c.checkpointing,
+            "offload_activations": c.offload_activations,
             "need_bytes": c.need_bytes, "usable_bytes": c.usable_bytes, "times_s": c.times_s,
             "step_s": c.step_s, "tokens_per_s": 1.0 / c.s_per_token, "bound": c.bound,
             "ledger": c.ledger.to_dict(), "activations": c.activations.to_dict()}
@@ -213,7 +219,9 @@ def format_plan(plan: Plan) -> str:
         if len(seen) > 3:
             break
     if best.checkpointing:
-        lines.append("note: the native config turns activation checkpointing on (units 'all'); the "
+        lines.append("note: the native config turns activation checkpointing on (units 'all'"
+                     + (f", inputs offloaded to {best.offload_activations}"
+                        if best.offload_activations != "none" else "") + "); the "
                      "DeepSpeed form cannot carry it: with that file, checkpoint in the model "
                      "(torch.utils.checkpoint, use_reentrant=False)")
     return "\n".join(lines + [f"note: {n}" for n in hw.notes])

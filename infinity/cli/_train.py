@@ -15,6 +15,7 @@ per-tier traffic, and where the time went.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -33,10 +34,11 @@ from infinity.bench.roofline import (gpt_compute_s, init_roofline, nvme_moved_by
                                      probe_disk, roofline)
 from infinity.cli._consolidate import parse_bytes
 from infinity.cli._resume_check import ResumeCheck, deterministic_kernels
-from infinity.config import load_config
-from infinity.ledger import Tier, estimate_from_config
+from infinity.config import DTYPE_BYTES, load_config
+from infinity.ledger import ModelShape, Tier, activation_bytes, estimate_from_config
 from infinity.models.data import VOCAB_SIZE, text_batch, text_corpus
 from infinity.models.gpt import GPT, PRESETS, GPTConfig, gpt_for_params, synthetic_batch
+from infinity.tiers import AUTO_HOST_RAM_FRACTION
 from infinity.zero import BuildProgress, init, initialize, least_host_budget_bytes
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "generated tokens; auto: text when the model's vocabulary is 256")
     parser.add_argument("--steps", type=int, default=32, help="optimizer steps (default 32)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (past the "
+                        "preset's block_size, its position table grows to it)")
+    parser.add_argument("--activations", choices=("auto", "none", "device", "host", "nvme"),
+                        default="auto",
+                        help="activation checkpointing and where the blocks' saved inputs live "
+                        "(activation_checkpointing.offload): none (no checkpointing), device "
+                        "(checkpointing, kept where torch keeps them), host, nvme; auto "
+                        "(default): checkpointing with offload 'auto' when the ledger's "
+                        "activations without it pass the device's room (half a GPU's free "
+                        "memory; an eighth of the RAM on a CPU), else none")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--offload", choices=("nvme", "cpu", "none"), default="nvme",
@@ -112,6 +123,8 @@ def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
         config["offload_optimizer"] = dict(off)
     if args.offload == "nvme" and args.host_budget == "auto":
         config["memory"] = {"host_budget_bytes": "auto"}
+    elif args.offload != "nvme" and isinstance(args.host_budget, int):
+        config["memory"] = {"host_budget_bytes": args.host_budget}
     elif args.offload == "nvme":
         numel = sum(p.numel() for p in model.parameters())
         flag = "--host-budget" if args.host_budget is not None else "--host-budget-fraction"
@@ -124,7 +137,41 @@ def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
             logger.warning("%s gives %d bytes, below the %d the NVMe pipeline needs for this "
                            "model; using %d", flag, wanted, least, least)
         config["memory"] = {"host_budget_bytes": max(wanted, least)}
+    offload = _activation_offload(args, config)
+    if offload is not None:
+        config["activation_checkpointing"] = {"units": ["Block"], "offload": offload}
+        if offload in ("nvme", "auto") and args.offload != "nvme":
+            config["activation_checkpointing"]["nvme_path"] = os.path.abspath(args.dir)
+            os.makedirs(os.path.abspath(args.dir), exist_ok=True)
     return config
+
+
+def _activation_offload(args: argparse.Namespace, config: dict[str, Any]) -> str | None:
+    """``--activations``: the checkpointed blocks' offload ('none': checkpointed and kept on the
+    device, 'host', 'nvme', 'auto'), or None for no checkpointing. 'auto' checkpoints, offloading
+    'auto', where the ledger's activations of a micro-batch without checkpointing pass the
+    device's room (:func:`device_activation_room_bytes`)."""
+    if args.activations == "none":
+        return None
+    if args.activations != "auto":
+        return {"device": "none"}.get(args.activations, args.activations)
+    gpt = getattr(args, "gpt_config", None) or _model_config(args)
+    shape = ModelShape(kind="gpt2", num_layers=gpt.n_layer, hidden_size=gpt.n_embd,
+                       num_heads=gpt.n_head, vocab_size=gpt.vocab_size, seq_len=args.seq_len)
+    plain = activation_bytes(shape, micro_batch=args.batch_size,
+                             dtype_bytes=DTYPE_BYTES[args.dtype]).total_bytes
+    return "auto" if plain > device_activation_room_bytes() else None
+
+
+def device_activation_room_bytes() -> int:
+    """What ``--activations auto`` lets a step's activations take on the compute device before
+    it checkpoints and offloads them: half the GPU's free memory (the states and the working set
+    take the rest), or, on a CPU, AUTO_HOST_RAM_FRACTION of the RAM (the share an 'auto' host
+    budget may take: activations beyond it would crowd the page cache the NVMe traffic uses)."""
+    if torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        return free // 2
+    return int(psutil.virtual_memory().total * AUTO_HOST_RAM_FRACTION)
 
 
 def full_state_bytes(raw_config: dict[str, Any], numel: int) -> int:
@@ -157,9 +204,13 @@ def _model_config(args: argparse.Namespace) -> GPTConfig:
 
 def run(args: argparse.Namespace) -> int:
     gpt_config = _model_config(args)
+    if args.seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.seq_len > gpt_config.block_size:
-        raise ValueError(f"--seq-len {args.seq_len} exceeds the {args.model} preset's block_size "
-                         f"{gpt_config.block_size}")
+        logger.info("--seq-len %d: the %s preset's position table grows from %d to %d rows",
+                    args.seq_len, args.model, gpt_config.block_size, args.seq_len)
+        gpt_config = dataclasses.replace(gpt_config, block_size=args.seq_len)
+    args.gpt_config = gpt_config
     use_text = args.data == "text" or (args.data == "auto" and gpt_config.vocab_size == VOCAB_SIZE)
     if use_text and gpt_config.vocab_size < VOCAB_SIZE:
         raise ValueError(f"--data text needs a vocabulary of at least {VOCAB_SIZE}; the {args.model} "
@@ -246,7 +297,11 @@ def run(args: argparse.Namespace) -> int:
         summary["init_s"] = init_s
         summary["init_state"] = init_state
         summary["peak_rss_bytes"] = peak_rss_bytes()  # before the probes below allocate
-        summary["nvme_per_step"] = nvme_per_step(step_moved, engine.stats())
+        summary["activations"] = _activations_summary(engine, args, micro_steps)
+        summary["nvme_per_step"] = nvme_per_step(
+            step_moved, engine.stats(),
+            activation_bytes=summary["activations"]["measured"]["nvme_saved_bytes_per_step"]
+            if summary["activations"] else 0)
         summary["nvme_per_step"]["by_step"] = [
             {"step_s": t, "read_bytes": r, "write_bytes": w, "by_kind": k}
             for t, (r, w), k in zip(step_times, step_moved, step_kinds)]
@@ -256,7 +311,9 @@ def run(args: argparse.Namespace) -> int:
             summary["resume_check"] = check.finish(engine, batch, losses, micro_steps)
     finally:
         engine.close()
-        if args.offload == "nvme" and not args.config:
+        swap_dirs = {s.nvme_path for s in (config.offload_param, config.offload_optimizer)
+                     if s.device == "nvme"} | {config.activation_checkpointing.nvme_path}
+        if os.path.abspath(args.dir) in swap_dirs and not args.config:
             shutil.rmtree(os.path.abspath(args.dir), ignore_errors=True)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
@@ -276,7 +333,8 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
     compute = gpt_compute_s(gpt_config, batch_size=args.batch_size, seq_len=args.seq_len,
                             dtype=dtype, device=engine.device,
                             optimizer_device="cpu" if config.offload_optimizer.device != "none"
-                            else engine.device)
+                            else engine.device,
+                            checkpointing=config.activation_checkpointing.enabled)
     per_step = summary["nvme_per_step"]
     cpu_s = compute["forward_backward_s"] * args.grad_accum + compute["adam_s"]
     line = roofline(cpu_s=cpu_s, read_bytes=per_step["read_bytes"],
@@ -296,6 +354,37 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
             "disk_mixed_read_bytes_per_s": disk.mixed_read_bytes_per_s,
             "disk_mixed_write_bytes_per_s": disk.mixed_write_bytes_per_s,
             "median_step_s": summary["median_step_s"]}
+
+
+def _activations_summary(engine: Any, args: argparse.Namespace,
+                         micro_steps: int) -> dict[str, Any] | None:
+    """The checkpointed blocks' saved inputs: the ledger's bytes per tier (2sbh per block) beside
+    what the engine saved, held at its peak and moved ([Note: saved activations are shards of the
+    store] in infinity/zero/_stored_activations.py); None without checkpointing."""
+    acts = engine.config.activation_checkpointing
+    if not acts.enabled:
+        return None
+    gpt = args.gpt_config
+    shape = ModelShape(kind="gpt2", num_layers=gpt.n_layer, hidden_size=gpt.n_embd,
+                       num_heads=gpt.n_head, vocab_size=gpt.vocab_size, seq_len=args.seq_len)
+    tier = acts.offload_tier
+    stored = engine.stats()["activations"]
+    # 'auto' is priced where it put most of them
+    priced = tier if tier != "auto" else (
+        "nvme" if stored["NVME"]["saved"] >= stored["HOST"]["saved"] else "host")
+    ledger = activation_bytes(shape, micro_batch=args.batch_size, checkpointing=True,
+                              offload=priced, dtype_bytes=DTYPE_BYTES[args.dtype])
+    steps = max(1, micro_steps // args.grad_accum)
+    measured: dict[str, Any] = {"nvme_saved_bytes_per_step": 0}
+    if stored is not None:
+        measured = {"host_peak_bytes": stored["HOST"]["peak"],
+                    "nvme_peak_bytes": stored["NVME"]["peak"],
+                    "saved_bytes_per_micro_batch": (stored["HOST"]["saved"]
+                                                    + stored["NVME"]["saved"]) // micro_steps,
+                    "nvme_saved_bytes_per_step": stored["NVME"]["saved"] // steps,
+                    "nvme_written_bytes_per_step": stored["nvme_written_bytes"] // steps,
+                    "nvme_read_bytes_per_step": stored["nvme_read_bytes"] // steps}
+    return {"offload": tier, "ledger": ledger.to_dict(), "measured": measured}
 
 
 def _summary(engine: Any, ledger: Any, numel: int, losses: list[float], step_times: list[float],
@@ -335,6 +424,20 @@ def _print_summary(summary: dict[str, Any]) -> None:
              "budget": format_bytes(v["budget_bytes"]) if v.get("budget_bytes") else "-"}
             for k, v in summary["tiers"].items()]
     print(format_table(rows))
+    a = summary.get("activations")
+    if a:
+        m, led = a["measured"], a["ledger"]
+        where = {"none": "kept on the device", "host": "in the host arena",
+                 "nvme": "on NVMe", "auto": "host arena, then NVMe"}[a["offload"]]
+        line = (f"activations (checkpointed blocks' inputs, {where}): ledger "
+                f"{format_bytes(led['stored_bytes'])} per micro-batch")
+        if "saved_bytes_per_micro_batch" in m:
+            line += (f", saved {format_bytes(m['saved_bytes_per_micro_batch'])}; peak held "
+                     f"{format_bytes(m['host_peak_bytes'])} in the arena (inside the HOST row), "
+                     f"{format_bytes(m['nvme_peak_bytes'])} on NVMe; per step written "
+                     f"{format_bytes(m['nvme_written_bytes_per_step'])}, read back "
+                     f"{format_bytes(m['nvme_read_bytes_per_step'])}")
+        print(line)
     host = summary["tiers"]["HOST"]
     if host.get("budget_bytes") and host["measured_peak_bytes"] > host["estimate_bytes"]:
         # The ledger's HOST row is the least the plan needs (homed state, staging); an 'auto'

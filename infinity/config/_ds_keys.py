@@ -328,7 +328,10 @@ ACTIVATION_CHECKPOINTING_DEFAULTS = {
 _ACTIVATION_WHY = (
     "DeepSpeed's section configures its own checkpoint API (deepspeed.checkpointing), which is "
     "not implemented; use the native 'activation_checkpointing' section instead "
-    "({\"units\": \"all\" or [\"Block\"], \"offload_to_host\": true} in a native config, or "
+    "({\"units\": \"all\" or [\"Block\"], \"offload\": \"host\" (cpu_checkpointing), "
+    "\"nvme\" or \"auto\"} in a native config; partition_activations and "
+    "contiguous_memory_optimization have no counterpart: the saved inputs are whole per rank and "
+    "live in the store's arena or swap files; or "
     "config.replace(activation_checkpointing=ActivationCheckpointingConfig(...))), or "
     "torch.utils.checkpoint(use_reentrant=False) in the model")
 

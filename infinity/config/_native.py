@@ -58,7 +58,8 @@ def _build_section(name: str, cls: type, raw: Any) -> Any:
             raise ValueError(
                 f"config key 'activation_checkpointing.{key}' belongs to DeepSpeed's checkpoint "
                 f"API, which is not implemented; the native section takes 'units' ('all' or "
-                f"class names) and 'offload_to_host' (DeepSpeed's cpu_checkpointing)")
+                f"class names) and 'offload' ('host': DeepSpeed's cpu_checkpointing, 'nvme', "
+                f"'auto')")
         if key not in known:
             raise unknown_key_error(name, key, known)
         if isinstance(value, list):

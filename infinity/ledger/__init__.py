@@ -25,7 +25,8 @@ Module DAG inside the package: ``_estimate``, ``_model_shape`` <- ``_activations
 """
 
 from infinity._tier import Tier
-from infinity.ledger._activations import Activations, activation_bytes
+from infinity.ledger._activations import (ACTIVATION_CHUNK_BYTES, ACTIVATION_STAGING_BYTES,
+                                         Activations, activation_bytes)
 from infinity.ledger._comm_time import (Cluster, Traffic, hierarchical_all_to_all,
                                         plan_quantized_bytes, ring_all_gather, ring_all_reduce,
                                         ring_reduce_scatter)
@@ -59,7 +60,8 @@ __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "Cluster", "DEFAULT_MFU", "DE
            "HOST_RESERVE_BYTES", "MICRO_BATCHES",
            "OPTIMIZERS", "OPTIMIZER_STAGING_SUBGROUPS", "TERMS", "Activations", "Candidate",
            "Hardware", "Ledger", "ModelShape", "Plan", "PlanRequest", "StateTerms", "Tier",
-           "activation_bytes", "candidates", "ceil_bytes", "estimate_from_config",
+           "activation_bytes", "ACTIVATION_CHUNK_BYTES", "ACTIVATION_STAGING_BYTES", "candidates",
+           "ceil_bytes", "estimate_from_config",
            "estimate_model_states", "flat_layout", "flat_padding_numel", "host_grad_dtype",
            "host_grad_dtype_of", "make_plan",
            "paper_bytes_per_device", "price",

@@ -11,6 +11,12 @@ from infinity.ledger._estimate import ceil_bytes
 from infinity.ledger._model_shape import ModelShape
 
 
+ACTIVATION_CHUNK_BYTES = 4 * 1024 * 1024
+"""Largest shard of one saved activation in the store ([Note: chunks] in
+infinity/zero/_stored_activations.py)."""
+ACTIVATION_STAGING_BYTES = 4 * ACTIVATION_CHUNK_BYTES
+"""Host arena room activations bound for NVMe want: chunks written behind and read ahead."""
+
 OFFLOAD_TIERS = {"none": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
 """``activation_checkpointing.offload`` -> the tier the kept layer inputs live in."""
 

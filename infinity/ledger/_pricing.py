@@ -109,6 +109,9 @@ class Candidate:
     checkpointing: bool
     grad_accum: int
     ledger: Ledger
+    offload_activations: str = "none"
+    """Where the checkpointed layers' inputs live: 'none' (the device), 'host', 'nvme'
+    (``activation_checkpointing.offload``)."""
     activations: Activations
     need_bytes: dict[str, int]
     """tier -> bytes needed (device: per rank incl. activations and reserve; host, nvme: per node)."""
@@ -134,13 +137,16 @@ class Candidate:
     @property
     def offload_rank(self) -> int:
         """Tie-break: fewer and slower tiers in use is simpler."""
-        rank = {"none": 0, "cpu": 1, "nvme": 2}
-        return rank[self.offload_param] + rank[self.offload_optimizer]
+        rank = {"none": 0, "cpu": 1, "host": 1, "nvme": 2}
+        return (rank[self.offload_param] + rank[self.offload_optimizer]
+                + rank[self.offload_activations])
 
     def describe(self) -> str:
         return (f"stage {self.stage}, offload_param {self.offload_param}, offload_optimizer "
                 f"{self.offload_optimizer}, micro-batch {self.micro_batch} x GA {self.grad_accum}, "
-                f"checkpointing {'on' if self.checkpointing else 'off'}")
+                f"checkpointing {'on' if self.checkpointing else 'off'}"
+                + (f" (inputs on {self.offload_activations})"
+                   if self.offload_activations != "none" else ""))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +160,8 @@ class PlanRequest:
     headroom: float = 0.10
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     checkpointing: tuple[bool, ...] = (False, True)
+    offload_activations: tuple[str, ...] = ("none", "host", "nvme")
+    """Where checkpointed candidates may keep the layers' inputs ('nvme' needs an NVMe tier)."""
     nvme_path: str | None = None
     reduce_dtype: str = "fp32"
     """precision.reduce_dtype of the configs priced: 'fp32' or 'compute' (the compute dtype)."""
@@ -181,8 +189,11 @@ def _overlap(times: list[float]) -> float:
 
 
 def price(req: PlanRequest, hw: Hardware, *, stage: int, offload_param: str,
-          offload_optimizer: str, micro_batch: int, checkpointing: bool) -> Candidate:
-    """Memory per tier and time per step of one configuration (see [Note: time model])."""
+          offload_optimizer: str, micro_batch: int, checkpointing: bool,
+          offload_activations: str = "none") -> Candidate:
+    """Memory per tier and time per step of one configuration (see [Note: time model]);
+    ``offload_activations``: where the checkpointed layers' inputs live ('none', 'host', 'nvme':
+    [Note: activation placement] in infinity/ledger/_activations.py)."""
     n, psi, s = hw.gpus, req.numel, req.shape.seq_len
     ga = max(1, math.ceil(req.global_batch / (n * micro_batch)))
     terms = StateTerms.for_training(
@@ -198,11 +209,12 @@ def price(req: PlanRequest, hw: Hardware, *, stage: int, offload_param: str,
         gpus_per_node=hw.ranks_per_node, sub_group_numel=DEFAULT_SUB_GROUP_NUMEL,
         unit_numel=req.shape.largest_unit_numel())
     acts = activation_bytes(req.shape, micro_batch=micro_batch, checkpointing=checkpointing,
-                            dtype_bytes=int(terms.param_bytes))
+                            offload=offload_activations, dtype_bytes=int(terms.param_bytes))
     need, usable = _memory(ledger, acts, hw, req.headroom)
     times, step_s = _step_time(req, hw, ledger, stage=stage, micro_batch=micro_batch,
-                               checkpointing=checkpointing, ga=ga)
+                               checkpointing=checkpointing, ga=ga, acts=acts)
     return Candidate(stage=stage, offload_param=offload_param, offload_optimizer=offload_optimizer,
+                     offload_activations=offload_activations,
                      micro_batch=micro_batch, checkpointing=checkpointing, grad_accum=ga,
                      ledger=ledger, activations=acts, need_bytes=need, usable_bytes=usable,
                      times_s=times, step_s=step_s, tokens_per_step=ga * n * micro_batch * s)
@@ -210,9 +222,9 @@ def price(req: PlanRequest, hw: Hardware, *, stage: int, offload_param: str,
 
 def _memory(ledger: Ledger, acts: Activations, hw: Hardware,
             headroom: float) -> tuple[dict[str, int], dict[str, int]]:
-    device = ledger.tier_bytes(Tier.DEVICE) + acts.total_bytes
-    host = ledger.node_bytes(Tier.HOST) + HOST_RESERVE_BYTES
-    nvme = ledger.node_bytes(Tier.NVME)
+    device = ledger.tier_bytes(Tier.DEVICE) + acts.device_bytes
+    host = ledger.node_bytes(Tier.HOST) + HOST_RESERVE_BYTES + acts.host_bytes * hw.ranks_per_node
+    nvme = ledger.node_bytes(Tier.NVME) + acts.nvme_bytes * hw.ranks_per_node
     keep = 1.0 - headroom
     if hw.shared_device_host:
         # No GPU: the "device" tier is the same RAM as the host tier; both draw on one pool.
@@ -226,7 +238,7 @@ def _memory(ledger: Ledger, acts: Activations, hw: Hardware,
 
 
 def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, micro_batch: int,
-               checkpointing: bool, ga: int) -> tuple[dict[str, float], float]:
+               checkpointing: bool, ga: int, acts: Activations) -> tuple[dict[str, float], float]:
     n, psi, t = hw.gpus, req.numel, ledger.terms
     p, g, k, og = t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.optimizer_grad_bytes
     # Gradient collectives move ``gw`` bytes per element: the engine reduces its fp32 staging as
@@ -263,6 +275,11 @@ def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, mi
         pcie_micro += stepped * g  # each micro-step's gradient partition leaves the device
     # Gradients accumulate in host memory even with the optimizer on NVMe: no NVMe gradient I/O.
     nvme_micro = (2 * shard * p / nvme_r if op == "nvme" else 0.0)
+    # Offloaded activations: the layers' inputs leave the device and come back once each micro-
+    # step; on NVMe they are also written once and read once.
+    pcie_micro += 2 * acts.moved_bytes
+    if acts.nvme_bytes:
+        nvme_micro += acts.nvme_bytes / nvme_w + acts.nvme_bytes / nvme_r
     micro = fill + _overlap([compute, link_micro, pcie_micro / hw.pcie_bytes_per_s, nvme_micro])
     # Stages 0-1 reduce gradients once per step in buckets, overlapping the last backward.
     reduce_once = {0: 2 * psi * gw * ring, 1: psi * gw * ring}.get(stage, 0.0) / link
@@ -309,10 +326,18 @@ def candidates(req: PlanRequest, hw: Hardware) -> list[Candidate]:
         for oo in tiers:
             for op in (tiers if stage == 3 else ["none"]):
                 for ckpt in req.checkpointing:
-                    for mb in micro_batches:
-                        out.append(price(req, hw, stage=stage, offload_param=op,
-                                         offload_optimizer=oo, micro_batch=mb, checkpointing=ckpt))
+                    for acts in (_activation_tiers(req, hw) if ckpt else ["none"]):
+                        for mb in micro_batches:
+                            out.append(price(req, hw, stage=stage, offload_param=op,
+                                             offload_optimizer=oo, micro_batch=mb,
+                                             checkpointing=ckpt, offload_activations=acts))
     return out
+
+
+def _activation_tiers(req: PlanRequest, hw: Hardware) -> list[str]:
+    """Where a checkpointed candidate may keep the layers' inputs on this hardware."""
+    return [t for t in req.offload_activations
+            if t != "nvme" or hw.nvme_capacity_bytes > 0]
 
 
 def make_plan(req: PlanRequest, hw: Hardware) -> Plan:

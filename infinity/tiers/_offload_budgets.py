@@ -126,6 +126,12 @@ class OffloadRequest:
     """Gathered units that live in the host arena ([Note: a gathered unit borrows its HOST copy]
     in infinity/zero/_unit_storage.py): an 'auto' host budget adds as many parameter slots,
     the room those units took beside the arena before they borrowed its copies."""
+    activations: str = "none"
+    """Where checkpointed activations go ('none', 'host', 'nvme', 'auto'): [Note: the
+    activations' room]."""
+    activation_staging_bytes: int = 0
+    """Arena room activations bound for NVMe want to stage through ([Note: the activations'
+    room])."""
 
     @property
     def offloaded(self) -> bool:
@@ -403,7 +409,8 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
     # optimizer's read-ahead room ([Note: the parameter share]).
     cache = max(0, share - _PARAM_STAGING_SLOTS * _slot_bytes(sizes, request, sub))
     cache += _gathered_room(sizes, request)  # the gathered units', not the optimizer's
-    window, resident = _optimizer_host_room(sizes, request, sub, host - cache,
+    activations = _activation_room(sizes, request, sub, host, grads_on_nvme=grads_on_nvme)
+    window, resident = _optimizer_host_room(sizes, request, sub, host - cache - activations,
                                             device_holds_params=holds_params,
                                             grads_on_nvme=grads_on_nvme)
     return OffloadBudgets(device_budget_bytes=int(device_budget), host_budget_bytes=int(host),
@@ -412,6 +419,29 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
                           optimizer_window_sub_groups=window,
                           optimizer_host_resident_bytes=resident, device_holds_params=holds_params,
                           grads_on_nvme=grads_on_nvme, host_param_cache_bytes=share)
+
+
+def _activation_room(sizes: StateSizes, request: OffloadRequest, sub: int, host: int, *,
+                     grads_on_nvme: bool) -> int:
+    """[Note: the activations' room] Saved activations in the store ([Note: saved activations
+    are shards of the store] in infinity/zero/_stored_activations.py) share the arena with the
+    states. The NVMe optimizer's read-ahead window and host-resident sub-groups take whatever
+    room a budget leaves ([Note: optimizer read-ahead]) and pin it in a deferred step's forward,
+    which is when activations are saved: the demo GPT with its activations offloaded 'host' into
+    a budget of the states' least plus 1.25x the activations found every extent pinned. So an
+    explicit budget with activations on HOST ('host', 'auto') keeps for them what it holds
+    beyond the states' comfortable need (:func:`host_needs`), and one bound for NVMe ('nvme',
+    'auto') at least their staging; the states' consumers of spare room size from the rest. An
+    'auto' budget is sized for the states alone: it keeps only the staging."""
+    if request.activations == "none":
+        return 0
+    room = 0
+    if request.activations in ("host", "auto") and request.host_budget_bytes != "auto":
+        comfortable = host_needs(sizes, request, sub, grads_on_nvme=grads_on_nvme).comfortable_bytes
+        room = max(0, host - comfortable)
+    if request.activations in ("nvme", "auto"):
+        room = max(room, request.activation_staging_bytes)
+    return room
 
 
 def _optimizer_host_room(sizes: StateSizes, request: OffloadRequest, sub: int, host: int, *,

@@ -274,6 +274,7 @@ class InfinityEngine:
             manage_mmap_threshold()
             self.store, self._swapper = build_activation_store(self.device, config,
                                                                rank=self.collectives.rank)
+        if self.store is not None:
             # Set-up's writes go through a small window at the arena's bottom: not on huge pages
             # ([Note: huge pages where the disk moves the arena] in infinity/tiers/_arena.py).
             self.store.arena.pause_direct_io_advice()

@@ -17,7 +17,8 @@ from torch import nn
 
 from infinity.config import DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
-from infinity.ledger import DEFAULT_PREFETCH_UNITS, flat_layout, host_grad_dtype
+from infinity.ledger import (ACTIVATION_STAGING_BYTES, DEFAULT_PREFETCH_UNITS, flat_layout,
+                             host_grad_dtype)
 from infinity.tiers import (AUTO_HOST_RAM_FRACTION, SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet,
                             HostNeeds, NvmeBytes, NvmeDemand, OffloadBudgets, OffloadRequest,
                             StateSizes, StoreConfig, Tier, TieredStore, check_nvme_space, extent_bytes, host_needs,
@@ -67,7 +68,9 @@ def offload_request(config: InfinityConfig, world_size: int) -> OffloadRequest:
                           grad_accumulator_bytes=DTYPE_BYTES[grad_dtype],
                           nvme_path=nvme_paths[0] if nvme_paths else None,
                           host_ram_bytes=psutil.virtual_memory().total,
-                          host_param_cache_bytes=(None if cache == "auto" else int(cache)))
+                          host_param_cache_bytes=(None if cache == "auto" else int(cache)),
+                          activations=config.activation_checkpointing.offload_tier,
+                          activation_staging_bytes=ACTIVATION_STAGING_BYTES)
 
 
 def _sizes_of(module: nn.Module, config: InfinityConfig, world_size: int) -> StateSizes:

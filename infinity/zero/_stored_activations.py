@@ -6,8 +6,8 @@ regions' inputs (2sbh bytes per transformer layer; Korthikanti et al. 2022): at 
 are most of the memory, and torch keeps them on the device (or, with ``save_on_cpu``, in its own
 host cache, which no budget counts). :class:`StoredActivations` is the saved-tensor hooks around
 every checkpointed region (``activation_checkpointing.offload``): each saved floating-point
-tensor of at least ``MIN_STORED_BYTES`` becomes one shard ``act/<n>`` of the engine's
-:class:`~infinity.tiers.TieredStore`, homed
+tensor of at least ``MIN_STORED_BYTES`` becomes shards ``act/<n>/<chunk>`` of the engine's
+:class:`~infinity.tiers.TieredStore` ([Note: chunks]), homed
 
 - on HOST ('host'): a copy in the store's arena, inside ``memory.host_budget_bytes``;
 - on NVME ('nvme'): written behind, as it is saved: the store copies it into the arena and starts
@@ -16,15 +16,15 @@ tensor of at least ``MIN_STORED_BYTES`` becomes one shard ``act/<n>`` of the eng
   forward may run ahead of the disk (a full arena waits for one), and what the arena still holds
   at the backward is read from memory;
 - 'auto': HOST while the arena's reclaimable room, less this tensor, stays above what the model's
-  states want there for overlap (``host_reserve_bytes``, from the offload budgets) and two more
-  such tensors (the arena copies an NVMe home is written from and read back into), then NVME.
+  states want there for overlap (``host_reserve_bytes``, from the offload budgets) and two chunks
+  (the arena copies an NVMe home is written from and read back into), then NVME.
 
 The backward unpacks them in the reverse order of the forward (each checkpointed region's
-recompute reads its inputs, last region first), so on every unpack the next ``read_ahead`` shards
-of that order that live on NVMe are acquired into the arena ahead (``acquire(..., ahead=True)``:
+recompute reads its inputs, last region first), so on every unpack the chunks of the next
+``read_ahead`` tensors of that order that live on NVMe are acquired into the arena ahead (``acquire(..., ahead=True)``:
 [Note: a read ahead never waits for room on its caller] in infinity/tiers/store.py), within
-``read_ahead_bytes``. An unpacked shard is copied to the compute device and unregistered (its
-arena copy and its file go): each saved byte is written once and read at most once. A saved tensor
+``read_ahead_bytes``. An unpacked tensor is copied to the compute device and its shards
+unregistered (their arena copies and files go): each saved byte is written once and read at most once. A saved tensor
 whose graph is dropped unused (a forward without backward) is unregistered at the next pack or
 unpack, or at :meth:`StoredActivations.drain`, never from a finalizer, which may run while this
 thread holds the store's lock.
@@ -48,38 +48,52 @@ from typing import Any, Literal
 import torch
 
 from infinity.errors import DiskSpaceError, TierCapacityError
+from infinity.ledger import ACTIVATION_CHUNK_BYTES
 from infinity.tiers import Tier, TieredStore, TierHandle
 
 logger = logging.getLogger(__name__)
 
 MIN_STORED_BYTES = 64 * 1024
 """Saved tensors smaller than this stay where torch keeps them."""
+CHUNK_BYTES = ACTIVATION_CHUNK_BYTES
+"""Largest shard of one saved tensor; a larger tensor is several (see [Note: chunks])."""
 DISK_MARGIN_BYTES = 256 * 1024 * 1024
 """Free space an activation written to NVMe must leave on its file system."""
 
 Mode = Literal["host", "nvme", "auto"]
 
+# [Note: chunks] A saved tensor is stored as shards of at most CHUNK_BYTES (and at most 1/16 of the
+# arena): an arena shared with the states is fragmented by their pinned copies (an NVMe optimizer's
+# sub-groups in a deferred step's forward, parameter shards in flight), and one 12 MiB extent may
+# not be found in a 44 MiB arena with 28 MiB free (the demo GPT at 2048 x 6 tokens, states on
+# NVMe). Chunks also let a tensor's write start while its next part is copied in, and its read
+# back be issued piece by piece.
+
 
 @dataclasses.dataclass(eq=False)
 class _Saved:
-    """One saved tensor held as a shard (``key``) of the store, until it is unpacked."""
+    """One saved tensor held as shards of the store (``keys``, one per chunk of ``bounds``), until
+    it is unpacked."""
 
     owner: "StoredActivations"
-    key: str
+    keys: tuple[str, ...]
+    bounds: tuple[tuple[int, int], ...]
+    """Element range of the flat tensor each key holds."""
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
     home: Tier
     nbytes: int
-    ahead: TierHandle | None = None
-    """A read issued ahead of the unpack (NVME home), holding a pin on the HOST copy."""
+    ahead: list[TierHandle | None] | None = None
+    """Reads issued ahead of the unpack (NVME home), one per chunk (None: not issued), each
+    holding a pin on its HOST copy."""
     value: torch.Tensor | None = None
     """The unpacked tensor (a second unpack returns it)."""
 
     def __del__(self) -> None:
         if self.value is None and self.owner is not None:
             # Dropped unused: unregistered by the owner's thread later (see the module Note).
-            self.owner._dropped.append((self.key, self.home, self.nbytes, self.ahead))
+            self.owner._dropped.append((self.keys, self.home, self.nbytes, self.ahead))
 
 
 class StoredActivations:
@@ -89,7 +103,7 @@ class StoredActivations:
 
     def __init__(self, store: TieredStore, mode: Mode, *, host_reserve_bytes: int = 0,
                  read_ahead: int = 2, read_ahead_bytes: int | None = None,
-                 min_bytes: int | None = None):
+                 min_bytes: int | None = None, chunk_bytes: int | None = None):
         if mode not in ("host", "nvme", "auto"):
             raise ValueError(f"StoredActivations: mode must be 'host', 'nvme' or 'auto', got {mode!r}")
         if mode == "nvme" and store.swapper is None:
@@ -99,14 +113,16 @@ class StoredActivations:
         self.mode = mode
         self.host_reserve_bytes = host_reserve_bytes
         self.read_ahead = read_ahead
-        self.read_ahead_bytes = (store.arena.capacity_bytes // 4 if read_ahead_bytes is None
-                                 else read_ahead_bytes)
+        capacity = store.arena.capacity_bytes
+        self.read_ahead_bytes = capacity // 4 if read_ahead_bytes is None else read_ahead_bytes
         self.min_bytes = MIN_STORED_BYTES if min_bytes is None else min_bytes
+        self.chunk_bytes = (min(CHUNK_BYTES, max(64 * 1024, capacity // 16)) if chunk_bytes is None
+                            else chunk_bytes)
         self._next = 0
         self._order: list[weakref.ref[_Saved]] = []
         """Packed and not yet unpacked, in pack order (the backward reads from the end); weak, so
         that a saved tensor whose graph is dropped is collected and reaches ``_dropped``."""
-        self._dropped: list[tuple[str, Tier, int, TierHandle | None]] = []
+        self._dropped: list[tuple[tuple[str, ...], Tier, int, list[TierHandle | None] | None]] = []
         self.live_bytes = {Tier.HOST: 0, Tier.NVME: 0}
         """Bytes of saved tensors held now, per home tier."""
         self.peak_bytes = {Tier.HOST: 0, Tier.NVME: 0}
@@ -114,6 +130,9 @@ class StoredActivations:
         """Bytes saved so far, per home tier (a step's share: the difference across it)."""
         self.kept_bytes = 0
         """Bytes of saved tensors too small to store, passed through (so far)."""
+        self.no_room_bytes = 0
+        """Bytes of saved tensors kept where torch keeps them because the arena had no room to
+        stage them on their way to NVMe (so far; [Note: no room is not an error])."""
 
     # -- hooks -----------------------------------------------------------------------------------
 
@@ -127,24 +146,50 @@ class StoredActivations:
             return tensor
         self.drain()
         home = self._home_for(nbytes)
-        key = f"act/{self._next}"
-        self._next += 1
         flat = tensor.detach().reshape(-1)
+        step = max(1, self.chunk_bytes // flat.element_size())
+        bounds = tuple((lo, min(flat.numel(), lo + step)) for lo in range(0, flat.numel(), step))
+        name = f"act/{self._next}"
+        self._next += 1
+        keys = tuple(f"{name}/{i}" for i in range(len(bounds)))
         try:
-            self.store.register(key, flat.numel(), flat.dtype, home, initial=flat)
+            for key, (lo, hi) in zip(keys, bounds):
+                self.store.register(key, hi - lo, flat.dtype, home, initial=flat[lo:hi])
         except TierCapacityError as e:
+            for key in self._registered_of(keys):  # the chunks before the one that failed
+                self.store.unregister(key)
+            if home is Tier.NVME:
+                return self._no_room(tensor, nbytes, e)
             raise TierCapacityError(
                 f"activation_checkpointing.offload {self.mode!r}: a saved activation of {nbytes} "
                 f"bytes does not fit the host arena ({e.message}); set offload to 'nvme' or "
                 f"'auto', or raise memory.host_budget_bytes",
                 tier=e.tier, requested_bytes=e.requested_bytes, used_bytes=e.used_bytes,
                 budget_bytes=e.budget_bytes) from e
-        saved = _Saved(self, key, tensor.shape, tensor.dtype, tensor.device, home, nbytes)
+        saved = _Saved(self, keys, bounds, tensor.shape, tensor.dtype, tensor.device, home, nbytes)
         self._order.append(weakref.ref(saved))
         self.live_bytes[home] += nbytes
         self.saved_bytes[home] += nbytes
         self.peak_bytes[home] = max(self.peak_bytes[home], self.live_bytes[home])
         return saved
+
+    def _registered_of(self, keys: tuple[str, ...]) -> set[str]:
+        known = set(self.store.keys())
+        return {k for k in keys if k in known}
+
+    def _no_room(self, tensor: torch.Tensor, nbytes: int, error: TierCapacityError) -> torch.Tensor:
+        """[Note: no room is not an error] An NVMe home is written from an arena copy; where the
+        arena has no room for one even after evicting every clean copy (the rest pinned by the
+        states' work in flight), the tensor stays where torch keeps it, counted
+        (``no_room_bytes``) and warned about once: the step goes on, as it would without
+        offload, rather than failing on a transient shortage."""
+        if not self.no_room_bytes:
+            logger.warning("activation_checkpointing.offload %r: a saved activation of %d bytes "
+                           "found no room in the host arena to stage it (%s); kept in memory. "
+                           "A larger memory.host_budget_bytes avoids it", self.mode, nbytes,
+                           error.message)
+        self.no_room_bytes += nbytes
+        return tensor
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
@@ -153,27 +198,34 @@ class StoredActivations:
             return saved.value
         self.drain()
         position = self._position(saved)
-        host = self._read(saved)
-        try:
-            value = host.view(saved.shape)
-            value = (value.to(saved.device, copy=True) if saved.device.type != "cpu"
-                     else value.clone())
-        finally:
-            self.store.release(saved.key, Tier.HOST)
-        saved.value = value
+        out = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+        flat = out.view(-1)
+        handles, saved.ahead = saved.ahead or [None] * len(saved.keys), None
+        for i, (key, (lo, hi)) in enumerate(zip(saved.keys, saved.bounds)):
+            try:
+                host = self._read(key, handles[i])
+            except BaseException:
+                _release_ahead(self.store, saved.keys[i + 1:], handles[i + 1:])
+                raise
+            try:
+                flat[lo:hi].copy_(host)
+            finally:
+                self.store.release(key, Tier.HOST)
+        saved.value = out
         self._forget(saved, position)
         self._read_ahead_from(position)
-        return value
+        return out
 
     # -- placement ---------------------------------------------------------------------------------
 
     def _home_for(self, nbytes: int) -> Tier:
         if self.mode == "host":
             return Tier.HOST
-        # 'auto' keeps room for two such tensors beside the reserve: an NVMe home is written
-        # from, and read back into, an arena copy.
+        # 'auto' keeps room for two chunks beside the reserve: an NVMe home is written from, and
+        # read back into, arena copies.
+        staging = 2 * min(nbytes, self.chunk_bytes)
         if self.mode == "auto" and (self.store.swapper is None or self.store.reclaimable_bytes(
-                Tier.HOST) - nbytes >= self.host_reserve_bytes + 2 * nbytes):
+                Tier.HOST) - nbytes >= self.host_reserve_bytes + staging):
             return Tier.HOST
         self._check_disk(nbytes)
         return Tier.NVME
@@ -197,67 +249,67 @@ class StoredActivations:
         for i in range(len(self._order) - 1, -1, -1):  # usually the last
             if self._order[i]() is saved:
                 return i
-        raise RuntimeError(f"saved activation {saved.key!r} was already released")
+        raise RuntimeError(f"saved activation {saved.keys[0]!r} was already released")
 
-    def _read(self, saved: _Saved) -> torch.Tensor:
+    def _read(self, key: str, handle: TierHandle | None) -> torch.Tensor:
         """The shard's HOST copy, pinned (released by the caller)."""
-        handle, saved.ahead = saved.ahead, None
         if handle is not None:
             try:
                 return handle.wait()
             except TierCapacityError:  # no room ahead: read it now, the window let go
                 self._let_window_go()
-        return self.store.acquire(saved.key, Tier.HOST).wait()
+        return self.store.acquire(key, Tier.HOST).wait()
 
     def _let_window_go(self) -> None:
         for ref in self._order:
             other = ref()
             if other is None:
                 continue
-            handle, other.ahead = other.ahead, None
-            if handle is not None:
-                try:
-                    handle.wait()
-                    self.store.release(other.key, Tier.HOST)
-                except TierCapacityError:
-                    pass
+            handles, other.ahead = other.ahead, None
+            _release_ahead(self.store, other.keys, handles)
 
     def _read_ahead_from(self, position: int) -> None:
-        """Issue reads of the shards the backward unpacks next (before ``position``)."""
-        issued, in_flight = 0, 0
+        """Issue reads of the shards the backward unpacks next (the ``read_ahead`` tensors before
+        ``position``), chunk by chunk while ``read_ahead_bytes`` are in flight (at least one
+        chunk); a chunk the arena has no room for now stops the issue (it is read at its use)."""
+        in_flight, tensors = 0, 0
         for ref in reversed(self._order[:position]):
             other = ref()
             if other is None:
                 continue
-            if issued == self.read_ahead:
-                break
-            issued += 1
+            if tensors == self.read_ahead:
+                return
+            tensors += 1
             if other.home is not Tier.NVME:
                 continue
-            in_flight += other.nbytes
             if other.ahead is None:
-                if in_flight > self.read_ahead_bytes and issued > 1:
-                    break
-                other.ahead = self.store.acquire(other.key, Tier.HOST, ahead=True)
+                other.ahead = [None] * len(other.keys)
+            for i, (key, (lo, hi)) in enumerate(zip(other.keys, other.bounds)):
+                nbytes = (hi - lo) * other.dtype.itemsize
+                if other.ahead[i] is None:
+                    if in_flight and in_flight + nbytes > self.read_ahead_bytes:
+                        return
+                    try:
+                        other.ahead[i] = self.store.acquire(key, Tier.HOST, ahead=True)
+                    except TierCapacityError:
+                        return
+                in_flight += nbytes
 
     # -- freeing -----------------------------------------------------------------------------------
 
     def _forget(self, saved: _Saved, position: int) -> None:
         del self._order[position]
-        self.store.unregister(saved.key)
+        for key in saved.keys:
+            self.store.unregister(key)
         self.live_bytes[saved.home] -= saved.nbytes
 
     def drain(self) -> None:
         """Unregister the saved tensors whose graphs were dropped unused."""
         while self._dropped:
-            key, home, nbytes, ahead = self._dropped.pop()
-            if ahead is not None:
-                try:
-                    ahead.wait()
-                    self.store.release(key, Tier.HOST)
-                except TierCapacityError:
-                    pass
-            self.store.unregister(key)
+            keys, home, nbytes, handles = self._dropped.pop()
+            _release_ahead(self.store, keys, handles)
+            for key in keys:
+                self.store.unregister(key)
             self.live_bytes[home] -= nbytes
         if any(ref() is None for ref in self._order):
             self._order = [ref for ref in self._order if ref() is not None]
@@ -268,10 +320,23 @@ class StoredActivations:
         return {tier.name: {"current": self.live_bytes[tier], "peak": self.peak_bytes[tier],
                             "saved": self.saved_bytes[tier]} for tier in (Tier.HOST, Tier.NVME)} | {
             "nvme_read_bytes": moved.get("read", 0), "nvme_written_bytes": moved.get("write", 0),
-            "kept_bytes": self.kept_bytes, "mode": self.mode}
+            "kept_bytes": self.kept_bytes, "no_room_bytes": self.no_room_bytes, "mode": self.mode}
 
     def reset_peak(self) -> None:
         self.peak_bytes = dict(self.live_bytes)
 
 
-__all__ = ["MIN_STORED_BYTES", "StoredActivations"]
+def _release_ahead(store: TieredStore, keys: tuple[str, ...],
+                   handles: list[TierHandle | None] | None) -> None:
+    """Undo reads issued ahead: each that got its copy pinned is released."""
+    for key, handle in zip(keys, handles or ()):
+        if handle is None:
+            continue
+        try:
+            handle.wait()
+        except TierCapacityError:
+            continue
+        store.release(key, Tier.HOST)
+
+
+__all__ = ["CHUNK_BYTES", "MIN_STORED_BYTES", "StoredActivations"]

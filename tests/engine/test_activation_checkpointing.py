@@ -226,7 +226,7 @@ def test_unknown_class_name_fails_before_any_state_with_a_suggestion():
     ({"offload_to_host": True}, r"activation_checkpointing.offload_to_host: .*units"),
     ({"unit": "all"}, r"activation_checkpointing.unit'.*did you mean 'units'"),
     ({"cpu_checkpointing": True}, r"activation_checkpointing.cpu_checkpointing' belongs to "
-                                  r"DeepSpeed.*'offload_to_host'"),
+                                  r"DeepSpeed.*'offload' \('host': DeepSpeed's cpu_checkpointing"),
 ])
 def test_config_errors_name_the_field(section, match):
     with pytest.raises(ValueError, match=match):

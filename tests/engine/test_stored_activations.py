@@ -203,3 +203,41 @@ def test_one_swap_directory_per_process(tmp_path):
     cfg = load_config({"offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
                        "activation_checkpointing": {"units": "all", "offload": "nvme"}})
     assert load_config(cfg.to_dict()) == cfg
+
+
+def test_a_tensor_larger_than_a_chunk_is_stored_in_chunks(tmp_path, monkeypatch):
+    """[Note: chunks]: 4 KiB shards, four to an input; read back whole from disk through an arena
+    too small for one input beside the states' copies."""
+    monkeypatch.setattr(stored_module, "CHUNK_BYTES", 4096)
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=12 << 10))
+    keys = []
+    real_register = engine.store.register
+    monkeypatch.setattr(engine.store, "register",
+                        lambda key, *a, **k: (keys.append(key), real_register(key, *a, **k))[1])
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    assert keys[:4] == ["act/0/0", "act/0/1", "act/0/2", "act/0/3"]
+    assert len(keys) == STEPS * WIDE.n_layer * INPUT_BYTES // 4096
+    acts = engine.stats()["activations"]
+    assert acts["nvme_written_bytes"] == acts["NVME"]["saved"] == STEPS * WIDE.n_layer * INPUT_BYTES
+    assert acts["nvme_read_bytes"] > 0
+    engine.close()
+
+
+def test_no_room_to_stage_keeps_the_tensor_and_says_so(tmp_path, monkeypatch, caplog):
+    """[Note: no room is not an error]: an arena that cannot stage one chunk on its way to NVMe
+    leaves the inputs where torch keeps them, counted and warned about; training is unchanged."""
+    monkeypatch.setattr(stored_module, "CHUNK_BYTES", 16 << 10)
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=8 << 10))
+    with caplog.at_level("WARNING", logger="infinity.zero._stored_activations"):
+        losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    acts = engine.stats()["activations"]
+    assert acts["no_room_bytes"] == STEPS * WIDE.n_layer * INPUT_BYTES
+    assert acts["NVME"]["saved"] == 0 and engine.store.keys() == []
+    assert sum("found no room in the host arena" in r.message for r in caplog.records) == 1
+    engine.close()

@@ -75,3 +75,32 @@ def test_main_job_scales_down_to_a_model_smaller_than_the_nvme_staging(tmp_path)
     summary = json.loads(out.stdout[out.stdout.index("{"):])
     host = summary["tiers"]["HOST"]
     assert summary["steps"] == 2 and 0 < host["measured_peak_bytes"] <= host["budget_bytes"]
+
+
+def test_main_job_at_a_long_sequence_checkpoints_and_offloads_its_activations(tmp_path):
+    """``--seq-len`` past the preset's block_size, ``--activations auto`` forced to offload by a
+    device room of 1 MiB: the blocks are checkpointed and their inputs go to the store (the
+    arena while it has room beside the states, then NVMe); the summary's activation row equals
+    the ledger's 2sbh per block, and the NVMe minimum counts them."""
+    swap = tmp_path / "swap"
+    code = ("import sys; import infinity.cli._train as t; "
+            "t.device_activation_room_bytes = lambda: 1 << 20; "
+            "from infinity.cli import console_main; sys.exit(console_main())")
+    out = subprocess.run([sys.executable, "-c", code, "train", "--steps", "2", "--json",
+                          "--seq-len", "512", "--batch-size", "2", "--host-budget", "16MiB",
+                          "--no-roofline", "--dir", str(swap)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout[out.stdout.index("{"):])
+    acts = summary["activations"]
+    stored = 8 * 2 * 512 * 2 * 512  # 8 blocks x 2sbh (bf16), s = 512, b = 2, h = 512
+    assert acts["offload"] == "auto" and acts["ledger"]["stored_bytes"] == stored
+    assert acts["measured"]["saved_bytes_per_micro_batch"] == stored
+    nvme = acts["measured"]["nvme_saved_bytes_per_step"]
+    assert 0 < nvme <= stored  # the budget is the states' least: most go to NVMe
+    assert acts["measured"]["nvme_written_bytes_per_step"] == nvme
+    assert summary["nvme_per_step"]["minimum_read_bytes"] == (
+        summary["tiers"]["NVME"]["measured_peak_bytes"] + nvme)
+    assert summary["tiers"]["HOST"]["measured_peak_bytes"] <= summary["tiers"]["HOST"]["budget_bytes"]
+    assert math.isfinite(summary["final_loss"])
+    assert not swap.exists()

@@ -217,3 +217,58 @@ def test_planner_prices_the_host_gradients_the_engine_holds(global_batch, want):
                           "offload_optimizer": {"device": "cpu"},
                           "gradient_accumulation_steps": c.grad_accum})
     assert estimate_from_config(config, int(psi), 1).states["grads"][Tier.HOST] == int(psi) * want
+
+
+def _long_context_request(**kw) -> PlanRequest:
+    shape = ModelShape(kind="llama", num_layers=24, hidden_size=2048, num_heads=16,
+                       vocab_size=32000, seq_len=4096, intermediate_size=5632)
+    return PlanRequest(numel=shape.num_params(), shape=shape, shape_assumed=False,
+                       global_batch=8, micro_batches=(8,), checkpointing=(True,), **kw)
+
+
+def test_offloaded_activations_are_priced_in_their_tier():
+    """The kept layer inputs (L x 2sbh, bf16) leave the device for the host or NVMe column, and
+    cost their bytes over PCIe (out and back) and, on NVMe, a write and a read."""
+    from infinity.ledger import price
+    req, hw = _long_context_request(), hardware(gpus=1)
+    kw = dict(stage=3, offload_param="nvme", offload_optimizer="nvme", micro_batch=8,
+              checkpointing=True)
+    none, host, nvme = (price(req, hw, offload_activations=t, **kw) for t in ("none", "host", "nvme"))
+    stored = 24 * 2 * 4096 * 8 * 2048  # L x 2sbh: bf16, 2 bytes per element
+    assert none.activations.stored_bytes == stored
+    assert none.need_bytes["device"] - host.need_bytes["device"] == stored
+    assert none.need_bytes["device"] - nvme.need_bytes["device"] == stored
+    assert host.need_bytes["host"] - none.need_bytes["host"] == stored
+    assert nvme.need_bytes["nvme"] - none.need_bytes["nvme"] == stored
+    assert nvme.need_bytes["host"] == none.need_bytes["host"]
+    assert host.times_s["pcie"] - none.times_s["pcie"] == pytest.approx(
+        2 * stored / hw.pcie_bytes_per_s)
+    assert nvme.times_s["nvme"] - none.times_s["nvme"] == pytest.approx(
+        stored / hw.nvme_write_bytes_per_s + stored / hw.nvme_read_bytes_per_s)
+
+
+@pytest.mark.parametrize("host_room", [True, False])
+def test_the_plan_moves_activations_off_a_full_device(tmp_path, host_room):
+    """A device that holds the states' working set but not the kept inputs: the plan offloads
+    them (to the host or NVMe, whichever prices faster; to NVMe when the host has no room for
+    them), and the written config carries the choice and loads."""
+    from infinity.ledger import price
+    req = _long_context_request(nvme_path=str(tmp_path))
+    big = hardware(gpus=1)
+    kw = dict(stage=3, offload_param="nvme", offload_optimizer="nvme", micro_batch=8,
+              checkpointing=True)
+    on_device, on_host = (price(req, big, offload_activations=t, **kw) for t in ("none", "host"))
+    keep = 1 - req.headroom
+    device = (on_device.need_bytes["device"] + on_host.need_bytes["device"]) / 2 / keep
+    host = (on_host.need_bytes["host"] + 1 * GiB if host_room
+            else on_device.need_bytes["host"] + 2 * GiB) / keep
+    hw = hardware(gpus=1, device_gib=device / GiB, host_gib=host / GiB)
+    plan = make_plan(req, hw)
+    assert plan.best is not None
+    assert not any(c.fits for c in plan.candidates if c.checkpointing
+                   and c.offload_activations == "none")
+    assert plan.best.offload_activations in (("host", "nvme") if host_room else ("nvme",)), \
+        plan.best.describe()
+    config = to_config(plan)
+    assert config.activation_checkpointing.offload == plan.best.offload_activations
+    assert load_config(config.to_dict()) == config
