@@ -3,7 +3,7 @@ in the host arena and on NVMe, side by side, parameters and optimizer on NVMe in
 
 Reproduce::
 
-    .venv/bin/python benchmarks/activations_nvme.py --model demo --seq-len 2048 --batch-size 11 \\
+    .venv/bin/python benchmarks/activations_nvme.py --model deep --seq-len 1024 --batch-size 12 \\
         --host-budget 16MiB --rounds 2
 
 Each run is ``infinity train --json`` in a fresh process (its own peak RSS), the modes interleaved
@@ -65,9 +65,9 @@ def _row(summary: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="activations_nvme", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="demo")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=11)
+    parser.add_argument("--model", default="deep")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=12)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--host-budget", default="16MiB",

@@ -48,7 +48,8 @@ DEFAULT_DIR = "./infinity-data/train"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="GPT preset: demo (default, byte-level), tiny, "
-                        "small, medium, 135m, gpt2-124m, 350m, 1b, 3b (3.3B: 53 GB of state)")
+                        "small, medium, deep (byte-level, 32 narrow layers: long-context "
+                        "activations), 135m, gpt2-124m, 350m, 1b, 3b (3.3B: 53 GB of state)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--params", type=float, help="instead of --model: a GPT of about this many "
                       "parameters (e.g. 1e9), in the 3b preset's shape")

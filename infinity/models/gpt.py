@@ -45,6 +45,10 @@ PRESETS: dict[str, GPTConfig] = {
     "medium": GPTConfig(vocab_size=8192, block_size=256, n_layer=8, n_head=8, n_embd=512),
     # The main job's default: byte-level (vocabulary 256) so it trains on the shipped text.
     "demo": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=8, n_embd=512),
+    # Activations on NVMe (issue #34): narrow and deep, byte-level, so that at long context its
+    # checkpointed blocks' inputs (32 x 2sbh) are 4x one block's working set (34sbh), the
+    # shape of a 7B model's (32 layers) on a CPU's compute.
+    "deep": GPTConfig(vocab_size=256, block_size=1024, n_layer=32, n_head=4, n_embd=256),
     "gpt2-124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "135m": GPTConfig(vocab_size=50304, block_size=256, n_layer=13, n_head=12, n_embd=768),
     # The 135m's width with a 7B Llama's proportions (issue #30's overlap figures): the embedding
