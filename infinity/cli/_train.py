@@ -371,8 +371,9 @@ def _activations_summary(engine: Any, args: argparse.Namespace,
     tier = acts.offload_tier
     stored = engine.stats()["activations"]
     # 'auto' is priced where it put most of them
-    priced = tier if tier != "auto" else (
-        "nvme" if stored["NVME"]["saved"] >= stored["HOST"]["saved"] else "host")
+    priced = tier if tier != "auto" else max(
+        (("none", "DEVICE"), ("host", "HOST"), ("nvme", "NVME")),
+        key=lambda t: stored[t[1]]["saved"])[0]
     ledger = activation_bytes(shape, micro_batch=args.batch_size, checkpointing=True,
                               offload=priced, dtype_bytes=DTYPE_BYTES[args.dtype])
     steps = max(1, micro_steps // args.grad_accum)
@@ -380,8 +381,8 @@ def _activations_summary(engine: Any, args: argparse.Namespace,
     if stored is not None:
         measured = {"host_peak_bytes": stored["HOST"]["peak"],
                     "nvme_peak_bytes": stored["NVME"]["peak"],
-                    "saved_bytes_per_micro_batch": (stored["HOST"]["saved"]
-                                                    + stored["NVME"]["saved"]) // micro_steps,
+                    "saved_bytes_per_micro_batch": sum(
+                        stored[t]["saved"] for t in ("DEVICE", "HOST", "NVME")) // micro_steps,
                     "nvme_saved_bytes_per_step": stored["NVME"]["saved"] // steps,
                     "nvme_written_bytes_per_step": stored["nvme_written_bytes"] // steps,
                     "nvme_read_bytes_per_step": stored["nvme_read_bytes"] // steps}

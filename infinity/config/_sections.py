@@ -312,8 +312,9 @@ class ActivationCheckpointingConfig:
     ([Note: saved activations are shards of the store] in infinity/zero/_stored_activations.py):
     'none': where torch keeps them (the device); 'host': in the store's host arena, inside
     ``memory.host_budget_bytes``; 'nvme': swap files, written behind as they are saved and read
-    back ahead of the backward, the host arena caching what it has room for; 'auto': host while
-    the arena has room beside the model's states, then NVMe. Needs ``units`` other than 'none'."""
+    back ahead of the backward, the host arena caching what it has room for; 'auto': a GPU while
+    it has room, then host while the arena has room beside the model's states, then NVMe. Needs
+    ``units`` other than 'none'."""
     nvme_path: str | None = None
     """Swap directory of activations on NVMe; None: the offload sections' ``nvme_path`` (one swap
     directory per process: when both are set they must be the same)."""

@@ -81,7 +81,7 @@ from infinity.zero._offload import (activation_nvme_path, activations_need_store
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._quantize import quant_settings
 from infinity.zero._step_plan import StepPlan
-from infinity.zero._stored_activations import StoredActivations
+from infinity.zero._stored_activations import StoredActivations, cuda_activation_room
 from infinity.zero._tensor_parallel import (check_data_parallel_group, resolve_parallelism,
                                             tensor_rank_dir)
 from infinity.zero._training_state import ParamWriteback
@@ -371,7 +371,9 @@ class InfinityEngine:
         tier = self.config.activation_checkpointing.offload_tier
         if tier == "none" or self.store is None:
             return None
-        return StoredActivations(self.store, tier, host_reserve_bytes=self._states_host_room)
+        return StoredActivations(self.store, tier, host_reserve_bytes=self._states_host_room,
+                                 device_room=(cuda_activation_room(self.device)
+                                              if self.device.type == "cuda" else None))
 
     def _new_shard_optimizer(self) -> InMemoryShardOptimizer | OffloadedShardOptimizer:
         """The shard optimizer of the config, holding no key yet."""

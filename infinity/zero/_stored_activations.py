@@ -15,7 +15,9 @@ tensor of at least ``MIN_STORED_BYTES`` becomes shards ``act/<n>/<chunk>`` of th
   store evicts like any other when it needs the room, so a write-back in flight bounds what the
   forward may run ahead of the disk (a full arena waits for one), and what the arena still holds
   at the backward is read from memory;
-- 'auto': HOST while the arena's reclaimable room, less this tensor, stays above what the model's
+- 'auto': on the DEVICE (kept where torch keeps it) while the device has room (``device_room``:
+  on a GPU, free memory beyond DEVICE_FREE_RESERVE_FRACTION of it, [Note: the device's room]),
+  then HOST while the arena's reclaimable room, less this tensor, stays above what the model's
   states want there for overlap (``host_reserve_bytes``, from the offload budgets) and two chunks
   (the arena copies an NVMe home is written from and read back into), then NVME.
 
@@ -43,7 +45,7 @@ import dataclasses
 import logging
 import shutil
 import weakref
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -60,7 +62,36 @@ CHUNK_BYTES = ACTIVATION_CHUNK_BYTES
 DISK_MARGIN_BYTES = 256 * 1024 * 1024
 """Free space an activation written to NVMe must leave on its file system."""
 
+DEVICE_FREE_RESERVE_FRACTION = 0.1
+"""'auto' keeps a saved tensor on a GPU only while this share of its memory stays free after it."""
+
 Mode = Literal["host", "nvme", "auto"]
+
+
+def cuda_activation_room(device: torch.device) -> Callable[[], int]:
+    """[Note: the device's room] What 'auto' may still keep on a GPU: its free memory (the
+    driver's count, so other processes and the caching allocator's reserve are in it) less
+    DEVICE_FREE_RESERVE_FRACTION of its total, which the recompute's working set and the
+    allocator's fragmentation need. A CPU engine has none: its "device" is the host RAM, and the
+    arena is where host memory is counted."""
+    def room() -> int:
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, free - int(total * DEVICE_FREE_RESERVE_FRACTION))
+    return room
+
+
+class _OnDevice:
+    """A saved tensor 'auto' kept on the device; its bytes leave the count when it is freed
+    (nothing here touches the store, so a finalizer may run anywhere)."""
+
+    __slots__ = ("tensor", "_owner", "_nbytes", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, owner: "StoredActivations", nbytes: int):
+        self.tensor, self._owner, self._nbytes = tensor, owner, nbytes
+        owner._count(Tier.DEVICE, nbytes)
+
+    def __del__(self) -> None:
+        self._owner.live_bytes[Tier.DEVICE] -= self._nbytes
 
 # [Note: chunks] A saved tensor is stored as shards of at most CHUNK_BYTES (and at most 1/16 of the
 # arena): an arena shared with the states is fragmented by their pinned copies (an NVMe optimizer's
@@ -103,7 +134,8 @@ class StoredActivations:
 
     def __init__(self, store: TieredStore, mode: Mode, *, host_reserve_bytes: int = 0,
                  read_ahead: int = 2, read_ahead_bytes: int | None = None,
-                 min_bytes: int | None = None, chunk_bytes: int | None = None):
+                 min_bytes: int | None = None, chunk_bytes: int | None = None,
+                 device_room: Callable[[], int] | None = None):
         if mode not in ("host", "nvme", "auto"):
             raise ValueError(f"StoredActivations: mode must be 'host', 'nvme' or 'auto', got {mode!r}")
         if mode == "nvme" and store.swapper is None:
@@ -112,6 +144,8 @@ class StoredActivations:
         self.store = store
         self.mode = mode
         self.host_reserve_bytes = host_reserve_bytes
+        self.device_room = device_room
+        """'auto': bytes the device may still take (None: keep nothing there)."""
         self.read_ahead = read_ahead
         capacity = store.arena.capacity_bytes
         self.read_ahead_bytes = capacity // 4 if read_ahead_bytes is None else read_ahead_bytes
@@ -123,10 +157,11 @@ class StoredActivations:
         """Packed and not yet unpacked, in pack order (the backward reads from the end); weak, so
         that a saved tensor whose graph is dropped is collected and reaches ``_dropped``."""
         self._dropped: list[tuple[tuple[str, ...], Tier, int, list[TierHandle | None] | None]] = []
-        self.live_bytes = {Tier.HOST: 0, Tier.NVME: 0}
-        """Bytes of saved tensors held now, per home tier."""
-        self.peak_bytes = {Tier.HOST: 0, Tier.NVME: 0}
-        self.saved_bytes = {Tier.HOST: 0, Tier.NVME: 0}
+        tiers = (Tier.DEVICE, Tier.HOST, Tier.NVME)
+        self.live_bytes = dict.fromkeys(tiers, 0)
+        """Bytes of saved tensors held now, per tier ('auto' keeps some on the DEVICE)."""
+        self.peak_bytes = dict.fromkeys(tiers, 0)
+        self.saved_bytes = dict.fromkeys(tiers, 0)
         """Bytes saved so far, per home tier (a step's share: the difference across it)."""
         self.kept_bytes = 0
         """Bytes of saved tensors too small to store, passed through (so far)."""
@@ -145,6 +180,8 @@ class StoredActivations:
             self.kept_bytes += nbytes
             return tensor
         self.drain()
+        if self.mode == "auto" and self.device_room is not None and nbytes <= self.device_room():
+            return _OnDevice(tensor, self, nbytes)
         home = self._home_for(nbytes)
         flat = tensor.detach().reshape(-1)
         step = max(1, self.chunk_bytes // flat.element_size())
@@ -168,10 +205,13 @@ class StoredActivations:
                 budget_bytes=e.budget_bytes) from e
         saved = _Saved(self, keys, bounds, tensor.shape, tensor.dtype, tensor.device, home, nbytes)
         self._order.append(weakref.ref(saved))
-        self.live_bytes[home] += nbytes
-        self.saved_bytes[home] += nbytes
-        self.peak_bytes[home] = max(self.peak_bytes[home], self.live_bytes[home])
+        self._count(home, nbytes)
         return saved
+
+    def _count(self, tier: Tier, nbytes: int) -> None:
+        self.live_bytes[tier] += nbytes
+        self.saved_bytes[tier] += nbytes
+        self.peak_bytes[tier] = max(self.peak_bytes[tier], self.live_bytes[tier])
 
     def _registered_of(self, keys: tuple[str, ...]) -> set[str]:
         known = set(self.store.keys())
@@ -194,6 +234,8 @@ class StoredActivations:
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
+        if isinstance(saved, _OnDevice):
+            return saved.tensor
         if saved.value is not None:
             return saved.value
         self.drain()
@@ -318,7 +360,7 @@ class StoredActivations:
         """Bytes per home tier (current, peak, saved so far) and the NVMe bytes they moved."""
         moved = self.store.nvme_bytes_by_kind().get("act", {})
         return {tier.name: {"current": self.live_bytes[tier], "peak": self.peak_bytes[tier],
-                            "saved": self.saved_bytes[tier]} for tier in (Tier.HOST, Tier.NVME)} | {
+                            "saved": self.saved_bytes[tier]} for tier in self.live_bytes} | {
             "nvme_read_bytes": moved.get("read", 0), "nvme_written_bytes": moved.get("write", 0),
             "kept_bytes": self.kept_bytes, "no_room_bytes": self.no_room_bytes, "mode": self.mode}
 
@@ -339,4 +381,5 @@ def _release_ahead(store: TieredStore, keys: tuple[str, ...],
         store.release(key, Tier.HOST)
 
 
-__all__ = ["CHUNK_BYTES", "MIN_STORED_BYTES", "StoredActivations"]
+__all__ = ["CHUNK_BYTES", "DEVICE_FREE_RESERVE_FRACTION", "MIN_STORED_BYTES", "StoredActivations",
+           "cuda_activation_room"]

@@ -241,3 +241,22 @@ def test_no_room_to_stage_keeps_the_tensor_and_says_so(tmp_path, monkeypatch, ca
     assert acts["NVME"]["saved"] == 0 and engine.store.keys() == []
     assert sum("found no room in the host arena" in r.message for r in caplog.records) == 1
     engine.close()
+
+
+def test_auto_keeps_what_the_device_has_room_for_first(tmp_path):
+    """'auto' on a device with room for two inputs ([Note: the device's room], the GPU's free
+    memory standing in): two stay where torch keeps them, the others go to the arena; each
+    tier's bytes come back to zero once the backward used them."""
+    from infinity.tiers import Tier
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, "auto", states=False, host=4 << 20))
+    stored = engine.stored_activations
+    stored.device_room = lambda: 2 * INPUT_BYTES - stored.live_bytes[Tier.DEVICE]
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    acts = engine.stats()["activations"]
+    assert acts["DEVICE"]["saved"] == acts["HOST"]["saved"] == STEPS * 2 * INPUT_BYTES
+    assert acts["DEVICE"]["peak"] == 2 * INPUT_BYTES
+    assert acts["DEVICE"]["current"] == acts["HOST"]["current"] == 0
+    engine.close()

@@ -86,3 +86,25 @@ def test_stored_activations_free_the_device_and_train_like_plain_pytorch(tmp_pat
     losses = engine_train(engine, data)
     assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
     engine.close()
+
+
+def test_auto_keeps_the_inputs_on_a_gpu_with_room(tmp_path, monkeypatch):
+    """[Note: the device's room]: a GPU with free memory keeps the inputs where torch keeps them
+    (nothing crosses PCIe); with none left beyond the reserve they go to the arena."""
+    import infinity.zero._stored_activations as stored_module
+    monkeypatch.setattr(stored_module, "MIN_STORED_BYTES", 4096)
+    torch.manual_seed(0)
+    engine = infinity.initialize(GPT(SMALL), engine_config(
+        stage=3, dtype="bf16", device="cuda:0", memory={"host_budget_bytes": 256 << 20},
+        activation_checkpointing={"units": ["Block"], "offload": "auto",
+                                  "nvme_path": str(tmp_path)}))
+    idx, targets = synthetic_batch(SMALL, BATCH, SMALL.block_size, seed=1, device=CUDA)
+    engine.backward(engine(idx, targets))
+    engine.step()
+    acts = engine.stats()["activations"]
+    assert acts["DEVICE"]["saved"] == SMALL.n_layer * BATCH * SMALL.block_size * SMALL.n_embd * 2
+    engine.stored_activations.device_room = lambda: 0
+    engine.backward(engine(idx, targets))
+    engine.step()
+    assert engine.stats()["activations"]["HOST"]["saved"] == acts["DEVICE"]["saved"]
+    engine.close()
