@@ -77,7 +77,7 @@ from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._mesh import mesh_collectives
 from infinity.zero._offload import (activation_nvme_path, activations_need_store,
                                     build_activation_store, build_store, check_nvme_space_for,
-                                    host_needs_of, resolve_offload)
+                                    host_needs_for, resolve_offload)
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._quantize import quant_settings
 from infinity.zero._step_plan import StepPlan
@@ -257,8 +257,11 @@ class InfinityEngine:
         data_parallel = self.collectives.data_parallel_size
         # Sized on the parameters as they are: a budget error leaves a recorded model untouched.
         self.offload = None
+        # The units as the parameters are now: the sizes the budgets and the space check read
+        # (the manager's own choice comes after materialisation, which replaces parameters).
+        choice = units_of(model, config.zero)
         if config.offload_param.device != "none" or config.offload_optimizer.device != "none":
-            self.offload = resolve_offload(units_of(model, config.zero), config, world_size=world,
+            self.offload = resolve_offload(choice, config, world_size=world,
                                            device=self.device, data_parallel_size=data_parallel)
         self.store, self._swapper = None, None
         if self.offload is not None:
@@ -283,14 +286,14 @@ class InfinityEngine:
         """Arena room the offloaded states want for overlap beyond their homed bytes: what
         activations offloaded 'auto' leave them (sized on the parameters as they are now)."""
         if self.offload is not None and config.activation_checkpointing.offload_tier == "auto":
-            needs = host_needs_of(model, config, self.offload.sub_group_numel, world_size=world)
+            needs = host_needs_for(choice, config, self.offload.sub_group_numel, world_size=world)
             self._states_host_room = max(0, needs.comfortable_bytes - needs.homed_bytes)
         if copy_link is not None:
             _check_copy_link(config, self.store, self.device)
             self.store.copy_link = DuplexLink(copy_link)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None and self.offload is not None:
-            check_nvme_space_for(units_of(model, config.zero), config, self.offload,
+            check_nvme_space_for(choice, config, self.offload,
                                  world_size=world, store=self.store,
                                  data_parallel_size=data_parallel)
         recording = recording_of(model)  # built under infinity.init: values come unit by unit

@@ -92,8 +92,16 @@ def host_needs_of(module: nn.Module, config: InfinityConfig, sub_group_numel: in
     """Host bytes ``module`` needs under ``config`` at one sub-group size: the shards homed on
     the host (optimizer state and gradient accumulators included), the least budget, a
     comfortable one (:func:`infinity.tiers.host_needs`)."""
-    return host_needs(_sizes_of(module, config, world_size), offload_request(config, world_size),
-                      sub_group_numel)
+    return host_needs_for(units_of(module, config.zero), config, sub_group_numel,
+                          world_size=world_size)
+
+
+def host_needs_for(choice: UnitChoice, config: InfinityConfig, sub_group_numel: int, *,
+                   world_size: int = 1) -> HostNeeds:
+    """:func:`host_needs_of` for the units of ``choice`` (already chosen)."""
+    sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
+                        param_bytes=config.precision.param_bytes)
+    return host_needs(sizes, offload_request(config, world_size), sub_group_numel)
 
 
 def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
@@ -241,5 +249,6 @@ def check_nvme_space_for(choice: UnitChoice, config: InfinityConfig, budgets: Of
 
 
 __all__ = ["activation_nvme_path", "activations_need_store", "build_activation_store",
-           "build_store", "check_nvme_space_for", "device_working_set", "host_needs_of",
-           "least_host_budget_bytes", "offload_request", "resolve_offload", "state_sizes"]
+           "build_store", "check_nvme_space_for", "device_working_set", "host_needs_for",
+           "host_needs_of", "least_host_budget_bytes", "offload_request", "resolve_offload",
+           "state_sizes"]
