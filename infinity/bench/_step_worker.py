@@ -21,10 +21,11 @@ from infinity.bench.overlap import comm_edges_s, copy_edges_s
 from infinity.bench.report import peak_rss_bytes
 from infinity.bench.roofline import nvme_moved_bytes, nvme_per_step
 from infinity.bench.thread_cpu import cpu_between, thread_cpu_s
-from infinity.config import load_config
+from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.io import Swapper, aligned_empty
 from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, extent_bytes
 from infinity.zero import host_needs_of, init, initialize, least_host_budget_bytes
+from infinity.zero._activations import apply_activation_checkpointing
 
 PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
 """Parameters on NVMe against the same configuration with every parameter in memory (issue #5)."""
@@ -59,7 +60,11 @@ def _plain(model: nn.Module, spec: dict[str, Any]):
         masters = params
     opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
 
-    loss_of = step_model(spec["model"]).loss
+    bench_model = step_model(spec["model"])
+    loss_of = bench_model.loss
+    if spec.get("activations", "none") != "none":  # the same blocks, torch.utils.checkpoint
+        apply_activation_checkpointing(model, ActivationCheckpointingConfig(
+            units=(bench_model.block_class_name,)))
 
     def step(micro_batches) -> float:
         forward_s = backward_s = 0.0
@@ -220,6 +225,15 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
                                                     least_host_budget_bytes(model, load_config(config)))
     elif mode in PARAMS_MODES:
         spec["host_param_room_bytes"] = _params_config(model, spec, config)
+    activations = spec.get("activations", "none")
+    if activations != "none":  # [Note: saved activations are shards of the store]
+        config["activation_checkpointing"] = {
+            "units": [bench_model.block_class_name],
+            "offload": {"device": "none"}.get(activations, activations)}
+        if activations in ("nvme", "auto") and mode != "stage3-nvme":
+            path = os.path.abspath(spec["dir"])
+            os.makedirs(path, exist_ok=True)
+            config["activation_checkpointing"]["nvme_path"] = path
     copy_link = link if config.get("offload_param") else None  # the copies' own link
     return _engine_runner(initialize(model, config, comm_link=link, copy_link=copy_link),
                           bench_model)
@@ -452,6 +466,13 @@ def main() -> None:
             if per_step:
                 extra[f"{lane}_link_edges_s_per_step"] = {
                     k: statistics.median(e[k] for e in per_step) for k in ("head_s", "tail_s")}
+    act_nvme = 0
+    if s.get("activations"):  # their NVMe bytes over the timed steps, per step
+        now, then = s["activations"], warm.get("activations") or {}
+        extra["activations_per_step"] = {
+            k: (now[k] - then.get(k, 0)) / len(times)
+            for k in ("nvme_read_bytes", "nvme_written_bytes")}
+        act_nvme = int((now["NVME"]["saved"] - then.get("NVME", {}).get("saved", 0)) / len(times))
     timed = _timed(s, warm, times)
     if spec["mode"] == "stage3-nvme-params":
         timed.update(_param_reads(s, warm, len(times), spec))
@@ -472,7 +493,8 @@ def main() -> None:
                s.get("bytes_moved"), dict) else 0,
            # The timed steps only (the warm-up steps, the first reading cold files, are not
            # among them): plain PyTorch keeps everything in memory and moves nothing.
-           "nvme_per_step": nvme_per_step(step_moved, s, cold_steps=0) if s else {
+           "nvme_per_step": nvme_per_step(step_moved, s, cold_steps=0,
+                                          activation_bytes=act_nvme) if s else {
                "read_bytes": 0, "write_bytes": 0},
            **_io_thread_cpu(io_thread_cpu), **_lanes_per_step(s, warm, len(times)), **extra,
            "updated_shard_bytes": s.get("updated_shard_bytes", 0) if s else 0,
@@ -482,7 +504,7 @@ def main() -> None:
     close()  # prefetches may be in flight: stop the store's threads before the interpreter does
     if spec.get("world_size", 1) > 1:
         exit_after_distributed(0)  # [Note: gloo teardown at exit] in infinity/_process_exit.py
-    if spec["mode"] in NVME_MODES:
+    if spec["mode"] in NVME_MODES or spec.get("activations") in ("nvme", "auto"):
         shutil.rmtree(os.path.abspath(spec["dir"]), ignore_errors=True)
 
 

@@ -140,6 +140,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", choices=("fp32", "compute"), default="fp32",
                         help="the engine's precision.reduce_dtype: gradients cross ranks in fp32 "
                         "(default) or in the compute dtype (FSDP2's and DeepSpeed's default)")
+    parser.add_argument("--activations", choices=("none", "device", "host", "nvme", "auto"),
+                        default="none",
+                        help="activation checkpointing of the model's blocks and where their "
+                        "saved inputs live (activation_checkpointing.offload; 'device': kept "
+                        "where torch keeps them); plain PyTorch checkpoints the same blocks "
+                        "(torch.utils.checkpoint), so the roofline's compute has the recompute "
+                        "and its disk side the activations' NVMe bytes")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="draw a per-step timeline (compute, I/O, stall) per mode "
@@ -152,7 +159,8 @@ def _worker_args(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup, "dir": args.dir,
             "host_budget_fraction": args.host_budget_fraction,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "ds_config": args.ds_config, "reduce_dtype": args.reduce_dtype}
+            "ds_config": args.ds_config, "reduce_dtype": args.reduce_dtype,
+            "activations": args.activations}
 
 
 GPU_PROXY_SEQ_LEN = 16
@@ -451,6 +459,10 @@ def _roofline_columns(r: dict[str, Any], plain: dict[str, Any] | None,
     read, write = moved
     cols: dict[str, Any] = {"nvme_read_mib_per_step": read / 2**20,
                             "nvme_write_mib_per_step": write / 2**20}
+    acts = r.get("activations_per_step")
+    if acts:  # [Note: saved activations are shards of the store]: their share of those bytes
+        cols |= {"act_nvme_read_mib_per_step": acts["nvme_read_bytes"] / 2**20,
+                 "act_nvme_write_mib_per_step": acts["nvme_written_bytes"] / 2**20}
     threads = {"io_threads_cpu_s": r.get("io_threads_cpu_s")}  # the last column
     if disk is not None and (read or write):  # [GPU-proxy row]: the step against its disk time
         cols["x_disk"] = r["step_s"] / disk.seconds(read, write)

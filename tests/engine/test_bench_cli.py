@@ -519,3 +519,27 @@ def test_step_over_a_modeled_link_bounds_the_step_with_what_cannot_hide(tmp_path
     assert row["schedule_bound_s"] >= (phases["forward"] + edges["head_s"]
                                        + phases["backward"] + edges["tail_s"]) * (1 - 1e-12)
     assert row["copy_link_edges_s"] is None  # no host<->device link in this mode
+
+
+def test_step_with_activations_on_nvme_counts_their_bytes_and_trains_like_plain(tmp_path, capsys):
+    """``--activations nvme``: plain checkpoints the same blocks (torch.utils.checkpoint) and the
+    NVMe mode puts their inputs on NVMe (the small preset: 4 blocks, inputs of 2 x 128 x 256 bf16,
+    128 KiB each): its rows carry the activations' NVMe bytes, inside the step's, and its loss is
+    plain's; the least traffic counts them once each way."""
+    argv = step_argv(tmp_path, "--json", "--no-save", "--activations", "nvme")
+    argv[argv.index("--modes") + 1] = "plain,stage3-nvme"
+    argv[argv.index("--model") + 1] = "small"
+    argv[argv.index("--seq-len") + 1] = "128"
+    assert main(argv) == 0
+    record = parse_single_json(capsys.readouterr()[0])
+    rows = {r["mode"]: r for r in record["rows"]}
+    raw = {r["mode"]: r for r in record["raw"]}
+    nvme, inputs = rows["stage3-nvme"], 4 * 2 * 128 * 256 * 2
+    saved = raw["stage3-nvme"]["stats"]["activations"]
+    assert saved["NVME"]["saved"] == 2 * inputs  # two steps, every block's input
+    assert 0 < nvme["act_nvme_write_mib_per_step"] * 2**20 <= inputs
+    assert nvme["act_nvme_write_mib_per_step"] <= nvme["nvme_write_mib_per_step"]
+    moved = raw["stage3-nvme"]["nvme_per_step"]
+    assert moved["minimum_write_bytes"] == raw["stage3-nvme"]["stats"]["bytes"]["NVME"][
+        "current"] + inputs
+    assert nvme["final_loss"] == pytest.approx(rows["plain"]["final_loss"], rel=1e-2)
