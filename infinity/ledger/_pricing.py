@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from infinity._common import GiB, MiB
 from infinity._tier import Tier
 from infinity.config import DTYPE_BYTES
-from infinity.ledger._activations import Activations, activation_bytes
+from infinity.ledger._activations import ACTIVATION_STAGING_BYTES, Activations, activation_bytes
 from infinity.ledger._estimate import (DEFAULT_SUB_GROUP_NUMEL, ENGINE_GRAD_DTYPE, Ledger,
                                        StateTerms, estimate_model_states, host_grad_dtype_of)
 from infinity.ledger._model_shape import ModelShape
@@ -223,7 +223,10 @@ def price(req: PlanRequest, hw: Hardware, *, stage: int, offload_param: str,
 def _memory(ledger: Ledger, acts: Activations, hw: Hardware,
             headroom: float) -> tuple[dict[str, int], dict[str, int]]:
     device = ledger.tier_bytes(Tier.DEVICE) + acts.device_bytes
-    host = ledger.node_bytes(Tier.HOST) + HOST_RESERVE_BYTES + acts.host_bytes * hw.ranks_per_node
+    # Activations offloaded: homed in the host arena, or staged through it on their way to NVMe.
+    staged = ACTIVATION_STAGING_BYTES if acts.nvme_bytes else 0
+    host = (ledger.node_bytes(Tier.HOST) + HOST_RESERVE_BYTES
+            + (acts.host_bytes + staged) * hw.ranks_per_node)
     nvme = ledger.node_bytes(Tier.NVME) + acts.nvme_bytes * hw.ranks_per_node
     keep = 1.0 - headroom
     if hw.shared_device_host:
