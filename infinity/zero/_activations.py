@@ -65,7 +65,8 @@ logger = logging.getLogger(__name__)
 class SavedTensorPlace(Protocol):
     """Where offloaded saved tensors go: saved-tensor hooks and their byte counts."""
 
-    def hooks(self) -> Any: ...
+    def hooks(self, owner: str = "") -> Any:
+        """Saved-tensor hooks for one checkpointed region; ``owner``: its module's name."""
 
 
 class _HostCopy:
@@ -101,7 +102,7 @@ class HostActivations:
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
-    def hooks(self) -> Any:
+    def hooks(self, owner: str = "") -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -133,15 +134,15 @@ class HostActivations:
         return out
 
 
-def _checkpointed_forward(original: Any, host: "SavedTensorPlace | None", module: nn.Module,
-                          *args: Any, **kwargs: Any) -> Any:
+def _checkpointed_forward(original: Any, host: "SavedTensorPlace | None", name: str,
+                          module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The replacement ``forward`` (bound to ``module``, so ``copy.deepcopy`` rebinds it);
     ``host``: where the saved inputs go (:class:`HostActivations`, or the store's
     :class:`~infinity.zero._stored_activations.StoredActivations`; None: they stay)."""
     forward = original if original is not None else type(module).forward.__get__(module)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    offload = host.hooks() if host is not None else contextlib.nullcontext()
+    offload = host.hooks(name) if host is not None else contextlib.nullcontext()
     if kwargs:  # bound here so a forward keyword never collides with checkpoint's own options
         forward = functools.partial(forward, **kwargs)
     with offload:
@@ -238,7 +239,7 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
         if _is_checkpointed(original):
             raise ValueError(f"activation_checkpointing: module {name!r} is already checkpointed "
                              f"(was the model passed to initialize twice?)")
-        wrapper = functools.partial(_checkpointed_forward, original, host)
+        wrapper = functools.partial(_checkpointed_forward, original, host, name)
         module.forward = types.MethodType(wrapper, module)
         handle._modules.append(module)
         handle._originals.append(original)

@@ -451,6 +451,8 @@ class InfinityEngine:
             self._broadcast_buffers()
         # [Note: the engine moves inputs] in infinity/zero/_inputs.py
         args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
+        if self.stored_activations is not None:  # what it saves now is named by this micro-step
+            self.stored_activations.micro_step = self.micro_steps
         # [Note: activations stay in the heap] in infinity/io/_host_malloc.py
         with self.manager.forward_scope(), activations_in_heap():
             try:

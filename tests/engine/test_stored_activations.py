@@ -18,8 +18,9 @@ import torch
 import infinity
 import infinity.zero._stored_activations as stored_module
 from infinity.config import load_config
-from infinity.errors import DiskSpaceError, TierCapacityError
+from infinity.errors import DiskSpaceError, SwapIOError, TierCapacityError
 from infinity.models.gpt import GPTConfig
+from infinity.tiers import Residency, Tier
 from tests._support.engine import (assert_close_run, batches, engine_config, engine_train,
                                    offload_config, reference_train, tiny_gpt)
 
@@ -247,7 +248,6 @@ def test_auto_keeps_what_the_device_has_room_for_first(tmp_path):
     """'auto' on a device with room for two inputs ([Note: the device's room], the GPU's free
     memory standing in): two stay where torch keeps them, the others go to the arena; each
     tier's bytes come back to zero once the backward used them."""
-    from infinity.tiers import Tier
     data = _data()
     ref_losses, ref_state = reference_train(_model(), data)
     engine = infinity.initialize(_model(), _config(tmp_path, "auto", states=False, host=4 << 20))
@@ -259,4 +259,101 @@ def test_auto_keeps_what_the_device_has_room_for_first(tmp_path):
     assert acts["DEVICE"]["saved"] == acts["HOST"]["saved"] == STEPS * 2 * INPUT_BYTES
     assert acts["DEVICE"]["peak"] == 2 * INPUT_BYTES
     assert acts["DEVICE"]["current"] == acts["HOST"]["current"] == 0
+    engine.close()
+
+
+def _forward_then_break_a_file(tmp_path, damage):
+    """A forward whose block inputs are on disk only (a 24 KiB arena), then ``damage`` applied to
+    the first block's first swap file; returns the engine and the loss to backward."""
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=24 << 10))
+    engine_train(engine, _data(1))  # a step first: the error must name the second one
+    (x, y), = _data(1)[0]
+    loss = engine(x, y)
+    engine.store.flush()
+    first = min(engine.store.swapper.keys(), key=lambda k: int(k.split("/")[1]))
+    assert engine.store.state(first, Tier.HOST) is Residency.ABSENT  # read from the file
+    damage(engine.store.swapper.path_of(first), engine.store.swapper.header_bytes)
+    return engine, loss, first
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "cut-short"])
+def test_a_damaged_swap_file_stops_the_backward_naming_module_step_and_file(tmp_path, damage):
+    def corrupt(path, header):
+        with open(path, "r+b") as f:
+            f.seek(header + 100)
+            f.write(bytes(range(64)))
+
+    def cut(path, header):
+        os.truncate(path, header + 1000)
+
+    engine, loss, key = _forward_then_break_a_file(
+        tmp_path, corrupt if damage == "corrupted" else cut)
+    with pytest.raises(SwapIOError) as caught:
+        engine.backward(loss)
+    message = str(caught.value)
+    assert "'blocks.0'" in message and "micro-step 1" in message and key in message
+    assert engine.store.swapper.path_of(key) in message
+    if damage == "corrupted":
+        assert "word sum differs" in message
+
+
+@pytest.mark.parametrize("mode", ["host", "nvme"])
+def test_stage_0_parity(tmp_path, mode):
+    data = _data(gas=2)
+    ref_losses, ref_state = reference_train(_model(), data)
+    cfg = engine_config(stage=0, gas=2, memory={"host_budget_bytes": 1 << 20},
+                        activation_checkpointing=_acts(mode, nvme_path=str(tmp_path / "swap")))
+    engine = infinity.initialize(_model(), cfg)
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    assert engine.stats()["activations"][mode.upper()]["saved"] == 2 * STEPS * WIDE.n_layer * INPUT_BYTES
+    engine.close()
+
+
+def test_an_evaluation_forward_between_steps_saves_nothing(tmp_path):
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=8 << 20))
+    (x, y), = data[0]
+    losses = []
+    for step in data:
+        losses += engine_train(engine, [step])
+        saved = engine.stats()["activations"]["NVME"]["saved"]
+        with torch.no_grad():
+            engine.module.eval()
+            engine(x, y)
+            engine.module.train()
+        assert engine.stats()["activations"]["NVME"]["saved"] == saved
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    engine.close()
+
+
+class _LoopedGPT(torch.nn.Module):
+    """WIDE's GPT whose blocks run twice in each forward: every unit saves two inputs a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = _model()
+
+    def forward(self, idx, targets):
+        g = self.gpt
+        x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for _ in range(2):
+            for block in g.blocks:
+                x = block(x)
+        logits = g.lm_head(g.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)),
+                                                 targets.view(-1))
+
+
+def test_a_unit_used_twice_in_one_forward(tmp_path):
+    data = _data()
+    ref_losses, ref_state = reference_train(_LoopedGPT(), data)
+    engine = infinity.initialize(_LoopedGPT(), _config(tmp_path, "nvme", states=False,
+                                                       host=24 << 10))
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    acts = engine.stats()["activations"]
+    assert acts["NVME"]["saved"] == STEPS * 2 * WIDE.n_layer * INPUT_BYTES
+    assert acts["nvme_read_bytes"] > 0
     engine.close()
