@@ -112,7 +112,8 @@ def main() -> int:
         run = json.loads(out.strip().splitlines()[-1])
         ends = run["forward_end"]
         rows[mode] = {"peak_rss_bytes": run["peak_rss_bytes"],
-                      "forward_end_in_use_bytes": statistics.median(e["in_use_bytes"] for e in ends),
+                      "forward_end_in_use_bytes": statistics.median(
+                          e["in_use_bytes"] for e in ends),
                       "forward_end_heap_bytes": statistics.median(e["heap_bytes"] for e in ends),
                       "forward_end_rss_bytes": statistics.median(e["rss_bytes"] for e in ends),
                       "final_loss": run["final_loss"], "activations": run["activations"]}

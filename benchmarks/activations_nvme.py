@@ -9,10 +9,10 @@ Reproduce::
 Each run is ``infinity train --json`` in a fresh process (its own peak RSS), the modes interleaved
 round by round. ``--host-budget`` is raised by ``infinity train`` to the least the states' NVMe
 pipeline needs (that is the host budget the NVMe mode runs under); the host mode gets that plus
-twice the activations, so that they fit beside the states' copies in flight. Per mode, medians over the rounds: the step, the step against
-its roofline (max(compute with the recompute, the disk time of every NVMe byte, activations
-included)), the peak RSS, and the activations' NVMe bytes per step against the least (each
-saved byte written once and read once).
+twice the activations, so that they fit beside the states' copies in flight. Per mode, medians over
+the rounds: the step, the step against its roofline (max(compute with the recompute, the disk time
+of every NVMe byte, activations included)), the peak RSS, and the activations' NVMe bytes per step
+against the least (each saved byte written once and read once).
 """
 
 from __future__ import annotations
