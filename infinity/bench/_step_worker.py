@@ -24,8 +24,8 @@ from infinity.bench.thread_cpu import cpu_between, thread_cpu_s
 from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.io import Swapper, aligned_empty
 from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, extent_bytes
-from infinity.zero import host_needs_of, init, initialize, least_host_budget_bytes
-from infinity.zero._activations import apply_activation_checkpointing
+from infinity.zero import (apply_activation_checkpointing, host_needs_of, init, initialize,
+                           least_host_budget_bytes)
 
 PARAMS_MODES = ("stage3-nvme-params", "stage3-mem-params")
 """Parameters on NVMe against the same configuration with every parameter in memory (issue #5)."""

@@ -7,6 +7,7 @@ with the trace-driven prefetcher of :mod:`infinity.prefetch`, and checkpoints. `
 builds a model larger than memory (recorded on meta, materialised unit by unit).
 """
 
+from infinity.zero._activations import apply_activation_checkpointing
 from infinity.zero._collectives import CollectiveError, Collectives, barrier, init_distributed
 from infinity.zero._engine import InfinityEngine, initialize
 from infinity.zero._flat_group import Unit, UnitState, UnitUse
@@ -18,6 +19,7 @@ from infinity.zero._param_manager import ParameterManager
 from infinity.zero._unit_builder import BuildProgress
 
 __all__ = ["BuildProgress", "CollectiveError", "Collectives", "InfinityEngine", "LazyInitError", "barrier",
-           "MeshRanks", "ParameterManager", "Unit", "UnitState", "UnitUse", "engine_of",
+           "MeshRanks", "ParameterManager", "Unit", "UnitState", "UnitUse",
+           "apply_activation_checkpointing", "engine_of",
            "extend_recording", "host_needs_of", "init",
            "init_distributed", "initialize", "least_host_budget_bytes", "mesh_ranks"]
