@@ -1,13 +1,16 @@
-"""Activation checkpointing chosen by the engine, with optional offload of the saved inputs to host.
+"""Activation checkpointing chosen by the engine, with optional offload of the saved inputs.
 
 ``activation_checkpointing.units`` picks the modules: 'all' (every unit module the parameter manager
 built, the root excepted) or module class names. Each chosen module's ``forward`` runs under
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: autograd keeps only the module's
 inputs, and backward runs the forward again to rebuild what it needs (Korthikanti et al. 2022,
 arXiv 2205.05198: 2sbh bytes per transformer layer instead of sbh(34 + 5as/h)). With
-``offload_to_host`` the saved inputs go to host memory when saved and back to their device when
-the recompute needs them ([Note: activations on the host]), so the device holds one layer's working
-set at a time, not L layer inputs.
+``activation_checkpointing.offload`` the saved inputs go elsewhere when saved and back to their
+device when the recompute needs them, so the device holds one layer's working set at a time, not L
+layer inputs: into the engine's tiered store (host arena, NVMe: [Note: saved activations are shards
+of the store] in infinity/zero/_stored_activations.py), or, with 'host' and no store to hold them
+(nothing else offloaded, an 'auto' host budget), into host memory of torch's ([Note: activations on
+the host]).
 
 [Note: activations on the host]
 ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` copies each saved tensor with a blocking copy
