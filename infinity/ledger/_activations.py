@@ -26,7 +26,8 @@ class Activations:
     """Activation bytes of one rank for one micro-batch (Korthikanti et al. 2022, arXiv 2205.05198)."""
 
     per_layer_bytes: int
-    """sbh(34 + 5as/h) in 16-bit: everything one layer keeps for backward without recomputation."""
+    """sbh(34 + 5as/h) in 16-bit, the 5as/h with eager attention only ([Note: fused attention keeps
+    no scores]): everything one layer keeps for backward without recomputation."""
     stored_bytes: int
     """Kept across the whole forward: all layers, or only each layer's input (2sbh) with checkpointing."""
     recompute_bytes: int
@@ -81,13 +82,29 @@ class Activations:
                 "host_bytes": self.host_bytes, "nvme_bytes": self.nvme_bytes}
 
 
+def attention_scores_term(shape: ModelShape, seq_len: int, tensor: int = 1) -> float:
+    """[Note: fused attention keeps no scores]
+    Korthikanti et al.'s 5as/h per layer (5as/(ht) over t tensor ranks) is the attention's
+    scores (2 bytes), softmax output (2) and dropout mask (1) per head and token pair: what an
+    eager attention keeps for backward. SDPA and FlashAttention (torch's default, the engine's
+    GPT, Hugging Face's default ``attn_implementation``) recompute the scores in backward from
+    q, k, v and keep one fp32 log-sum-exp per head and token (4abs bytes: a fraction of a
+    percent of the 34sbh term, 4a/34h), which the ledger leaves out. At long context the term
+    decides everything: at 4096 tokens, 8 sequences, width 2048 and 16 heads it is 160 of the
+    layer's 194 sbh, 11 of its 13 GB, and the planner refused long-context candidates that fit."""
+    if not shape.eager_attention:
+        return 0.0
+    return 5 * shape.num_heads * seq_len / (shape.hidden_size * tensor)
+
+
 def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int | None = None,
                      checkpointing: bool = False, offload_to_host: bool = False,
                      offload: str = "none", dtype_bytes: int = 2) -> Activations:
     """Activations of ``micro_batch`` sequences (Korthikanti et al., section 4, no tensor parallelism).
 
     Without recomputation a layer keeps sbh(34 + 5as/h) bytes in 16-bit (s sequence, b micro-batch,
-    h hidden, a heads; the 5as/h term is the attention scores, softmax and its dropout mask). With
+    h hidden, a heads; the 5as/h term is the attention scores, softmax and its dropout mask, kept
+    only with ``shape.eager_attention``: [Note: fused attention keeps no scores]). With
     full activation checkpointing only each layer's input, 2sbh, is kept, and one layer's working set
     is rebuilt at a time during backward. ``dtype_bytes`` = 4 scales the formula for fp32 compute.
     ``offload`` (checkpointing only; ``offload_to_host`` is 'host'): 'host' or 'nvme', where the
@@ -113,11 +130,11 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int | None
                          "checkpointed layers are offloaded); enable checkpointing or drop the "
                          "offload")
     s = seq_len or shape.seq_len
-    b, h, a, L = micro_batch, shape.hidden_size, shape.num_heads, shape.num_layers
+    b, h, L = micro_batch, shape.hidden_size, shape.num_layers
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
         raise ValueError(f"micro_batch: expected an integer >= 1, got {b!r}")
     scale = dtype_bytes / 2
-    per_layer = ceil_bytes(s * b * h * (34 + 5 * a * s / h) * scale)
+    per_layer = ceil_bytes(s * b * h * (34 + attention_scores_term(shape, s)) * scale)
     head = ceil_bytes(4 * s * b * h * scale + 4 * s * b * shape.vocab_size)
     if checkpointing:
         stored = ceil_bytes(L * 2 * s * b * h * scale)

@@ -59,7 +59,7 @@ from typing import Any
 
 from infinity._tier import Tier
 from infinity.config import DTYPE_BYTES
-from infinity.ledger._activations import activation_bytes
+from infinity.ledger._activations import activation_bytes, attention_scores_term
 from infinity.ledger._comm_time import (Cluster, Traffic, hierarchical_all_to_all,
                                         plan_quantized_bytes, ring_all_gather, ring_all_reduce,
                                         ring_reduce_scatter)
@@ -284,14 +284,16 @@ def mesh_layouts(req: MeshRequest, cluster: Cluster) -> list[MeshLayout]:
 def _tp_activation_bytes(shape: ModelShape, *, micro_batch: int, checkpointing: bool,
                          tensor: int, dtype_bytes: int) -> int:
     """Activations per rank (Korthikanti et al. 2022, section 4.2: tensor parallelism without
-    sequence parallelism keeps sbh(10 + 24/t + 5as/(ht)) per layer)."""
+    sequence parallelism keeps sbh(10 + 24/t + 5as/(ht)) per layer, the last term with eager
+    attention only: [Note: fused attention keeps no scores] in infinity/ledger/_activations.py)."""
     base = activation_bytes(shape, micro_batch=micro_batch, checkpointing=checkpointing,
                             dtype_bytes=dtype_bytes)
     if tensor == 1:
         return base.total_bytes
-    s, b, h, a = shape.seq_len, micro_batch, shape.hidden_size, shape.num_heads
+    s, b, h = shape.seq_len, micro_batch, shape.hidden_size
     scale = dtype_bytes / 2
-    per_layer = ceil_bytes(s * b * h * (10 + 24 / tensor + 5 * a * s / (h * tensor)) * scale)
+    per_layer = ceil_bytes(s * b * h * (10 + 24 / tensor + attention_scores_term(shape, s, tensor))
+                           * scale)
     head = ceil_bytes(4 * s * b * h * scale + 4 * s * b * shape.vocab_size / tensor)
     stored = base.stored_bytes if checkpointing else shape.num_layers * per_layer
     return stored + (per_layer if checkpointing else 0) + head

@@ -35,6 +35,11 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False
     """llama-family only: RMSNorm over each head's q and k (Qwen3)."""
+    eager_attention: bool = False
+    """The attention's scores, softmax and dropout mask are materialised and kept for backward
+    (an 'eager' attention implementation: Korthikanti's 5as/h term per layer); False: SDPA or
+    FlashAttention, which keep none of them ([Note: fused attention keeps no scores] in
+    infinity/ledger/_activations.py)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpt2", "llama"):

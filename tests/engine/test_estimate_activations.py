@@ -4,6 +4,7 @@ with ``offload_to_host``, ``infinity estimate``'s flags and config, and the engi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,10 +16,21 @@ from infinity.ledger import ModelShape, Tier, activation_bytes
 from tests._support.engine import TINY, batches, engine_config, tiny_gpt
 
 S, B, H, A, L, V = 1024, 4, 2048, 16, 24, 50000
-SHAPE = ModelShape(kind="gpt2", num_layers=L, hidden_size=H, num_heads=A, vocab_size=V, seq_len=S)
+# Korthikanti's formula as the paper writes it: eager attention, which keeps the scores.
+SHAPE = ModelShape(kind="gpt2", num_layers=L, hidden_size=H, num_heads=A, vocab_size=V, seq_len=S,
+                   eager_attention=True)
 PER_LAYER = S * B * H * (34 + 5 * A * S / H)  # sbh(34 + 5as/h), 16-bit, no recomputation
 HEAD = 4 * S * B * H + 4 * S * B * V  # final norm and projection inputs, fp32 logits
 INPUTS = L * 2 * S * B * H  # 2sbh per layer: what full checkpointing keeps
+
+
+def test_fused_attention_keeps_no_scores():
+    """[Note: fused attention keeps no scores]: SDPA / FlashAttention (the default shape) keep
+    34sbh per layer, not the eager 5as/h on top; the kept inputs (2sbh) are the same."""
+    fused = dataclasses.replace(SHAPE, eager_attention=False)
+    acts = activation_bytes(fused, micro_batch=B, checkpointing=True)
+    assert acts.per_layer_bytes == S * B * H * 34
+    assert acts.stored_bytes == INPUTS
 
 
 def test_without_checkpointing_everything_is_on_the_device():
@@ -60,7 +72,7 @@ def test_offload_without_checkpointing_is_rejected():
 def _shape_file(tmp_path) -> str:
     path = tmp_path / "shape.json"
     path.write_text(json.dumps({"kind": "gpt2", "num_layers": L, "hidden_size": H, "num_heads": A,
-                                "vocab_size": V, "seq_len": S}))
+                                "vocab_size": V, "seq_len": S, "eager_attention": True}))
     return str(path)
 
 
