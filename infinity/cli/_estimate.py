@@ -30,6 +30,9 @@ _NATIVE_KEYS = set(ModelShape.__dataclass_fields__)
 def shape_from_hf_config(raw: Mapping[str, Any], *, seq_len: int | None = None) -> ModelShape:
     """A :class:`ModelShape` from a Hugging Face ``config.json`` dict (llama family or gpt2)."""
     model_type = raw.get("model_type")
+    # [Note: fused attention keeps no scores] in infinity/ledger/_activations.py: SDPA unless
+    # the file asks for eager attention.
+    eager = "eager" in (raw.get("attn_implementation"), raw.get("_attn_implementation"))
     if model_type == "gpt2":
         h = raw["n_embd"]
         positions = raw.get("n_positions", raw.get("n_ctx", 1024))
@@ -37,7 +40,8 @@ def shape_from_hf_config(raw: Mapping[str, Any], *, seq_len: int | None = None) 
                           num_heads=raw["n_head"], vocab_size=raw["vocab_size"],
                           intermediate_size=raw.get("n_inner") or 4 * h,
                           max_position_embeddings=positions, seq_len=seq_len or positions,
-                          tie_word_embeddings=raw.get("tie_word_embeddings", True))
+                          tie_word_embeddings=raw.get("tie_word_embeddings", True),
+                          eager_attention=eager)
     if model_type in _LLAMA_FAMILY:
         extra = dict(_LLAMA_FAMILY[model_type])
         if "attention_bias" in raw:
@@ -51,7 +55,8 @@ def shape_from_hf_config(raw: Mapping[str, Any], *, seq_len: int | None = None) 
                               intermediate_size=raw["intermediate_size"],
                               max_position_embeddings=positions, seq_len=seq_len or positions,
                               tie_word_embeddings=raw.get("tie_word_embeddings", False),
-                              mlp_bias=bool(raw.get("mlp_bias", False)), **extra)
+                              mlp_bias=bool(raw.get("mlp_bias", False)),
+                              eager_attention=eager, **extra)
         except KeyError as e:
             raise ValueError(f"Hugging Face config ({model_type}): missing key {e.args[0]!r}") from None
     known = ", ".join(["gpt2", *_LLAMA_FAMILY])

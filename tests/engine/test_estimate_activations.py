@@ -194,3 +194,13 @@ def test_engine_writes_to_nvme_the_bytes_the_ledger_puts_there(tmp_path, monkeyp
     ledger = activation_bytes(shape, micro_batch=batch, checkpointing=True, offload="nvme")
     assert acts["NVME"]["saved"] == acts["nvme_written_bytes"] == ledger.nvme_bytes
     assert acts["NVME"]["peak"] == ledger.nvme_bytes
+
+
+def test_a_hugging_face_config_asking_for_eager_attention_keeps_the_scores():
+    from infinity.cli._estimate import shape_from_hf_config
+    raw = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256,
+           "num_attention_heads": 4, "vocab_size": 1000, "intermediate_size": 512}
+    assert not shape_from_hf_config(raw).eager_attention
+    assert shape_from_hf_config({**raw, "_attn_implementation": "eager"}).eager_attention
+    assert shape_from_hf_config({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2,
+                                 "vocab_size": 100, "attn_implementation": "eager"}).eager_attention
