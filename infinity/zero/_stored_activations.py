@@ -210,14 +210,17 @@ class StoredActivations:
         name = f"act/{self._next}"
         self._next += 1
         keys = tuple(f"{name}/{i}" for i in range(len(bounds)))
-        sums = []
+        sums = [_word_sum(flat[lo:hi]) for lo, hi in bounds]
         try:
-            for key, (lo, hi) in zip(keys, bounds):
-                sums.append(_word_sum(flat[lo:hi]))
-                self.store.register(key, hi - lo, flat.dtype, home, initial=flat[lo:hi])
+            try:
+                self._register(keys, bounds, flat, home)
+            except TierCapacityError:
+                if not (home is Tier.HOST and self.mode == "auto" and self.store.swapper):
+                    raise
+                home = Tier.NVME  # 'auto' found the arena's room in pieces: NVMe after all
+                self._check_disk(nbytes)
+                self._register(keys, bounds, flat, home)
         except TierCapacityError as e:
-            for key in self._registered_of(keys):  # the chunks before the one that failed
-                self.store.unregister(key)
             if home is Tier.NVME:
                 return self._no_room(tensor, nbytes, e)
             raise TierCapacityError(
@@ -237,9 +240,19 @@ class StoredActivations:
         self.saved_bytes[tier] += nbytes
         self.peak_bytes[tier] = max(self.peak_bytes[tier], self.live_bytes[tier])
 
-    def _registered_of(self, keys: tuple[str, ...]) -> set[str]:
-        known = set(self.store.keys())
-        return {k for k in keys if k in known}
+    def _register(self, keys: tuple[str, ...], bounds: tuple[tuple[int, int], ...],
+                  flat: torch.Tensor, home: Tier) -> None:
+        """Register every chunk homed on ``home``, or none: on an error the chunks registered
+        before it are unregistered and the error raised."""
+        done: list[str] = []
+        try:
+            for key, (lo, hi) in zip(keys, bounds):
+                self.store.register(key, hi - lo, flat.dtype, home, initial=flat[lo:hi])
+                done.append(key)
+        except BaseException:
+            for key in done:
+                self.store.unregister(key)
+            raise
 
     def _no_room(self, tensor: torch.Tensor, nbytes: int, error: TierCapacityError) -> torch.Tensor:
         """[Note: no room is not an error] An NVMe home is written from an arena copy; where the
