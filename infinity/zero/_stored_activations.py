@@ -353,7 +353,13 @@ class StoredActivations:
                 return handle.wait()
             except TierCapacityError:  # no room ahead: read it now, the window let go
                 self._let_window_go()
-        return self.store.acquire(key, Tier.HOST).wait()
+        try:
+            return self.store.acquire(key, Tier.HOST).wait()
+        except TierCapacityError:
+            # Every arena extent pinned: this store's own reads ahead may be what holds them.
+            # Let them go and read once more; if the states hold it all, the error stands.
+            self._let_window_go()
+            return self.store.acquire(key, Tier.HOST).wait()
 
     def _let_window_go(self) -> None:
         for ref in self._order:

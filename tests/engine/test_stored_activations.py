@@ -380,3 +380,29 @@ def test_auto_goes_to_nvme_when_the_arena_has_the_room_only_in_pieces(tmp_path, 
     acts = engine.stats()["activations"]
     assert acts["HOST"]["saved"] == 0 and acts["NVME"]["saved"] == STEPS * WIDE.n_layer * INPUT_BYTES
     engine.close()
+
+
+def test_a_read_back_without_room_lets_its_reads_ahead_go_and_reads_again(tmp_path, monkeypatch):
+    """The blocking read of a saved input finds the arena pinned full once: the reads issued
+    ahead are let go and the read is tried again; training is unchanged."""
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=64 << 10))
+    store, real = engine.store, engine.store.acquire
+    refused: list[str] = []
+
+    def acquire(key, tier, **kw):
+        if key.startswith("act/") and not kw.get("ahead") and len(refused) < 2 \
+                and key not in refused:
+            refused.append(key)
+            raise TierCapacityError("pinned full (test)", tier="HOST", requested_bytes=1,
+                                    used_bytes=0, budget_bytes=64 << 10)
+        return real(key, tier, **kw)
+
+    monkeypatch.setattr(store, "acquire", acquire)
+    losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    assert len(refused) == 2
+    assert engine.stats()["activations"]["NVME"]["current"] == 0
+    assert [k for k in store.keys() if k.startswith("act/")] == []  # every pin released, freed
+    engine.close()
