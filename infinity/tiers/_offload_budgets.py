@@ -176,6 +176,10 @@ class OffloadBudgets:
     host_param_cache_bytes: int = 0
     """The host room for NVMe parameter shards sized by ``memory.host_param_cache_bytes``
     ([Note: the parameter share]); 0 when it is 'auto'."""
+    states_host_room_bytes: int = 0
+    """Arena room the states want for overlap beyond their homed shards (the comfortable need
+    less the homed bytes, :func:`host_needs`): what activations offloaded 'auto' leave them
+    ([Note: the activations' room])."""
 
 
 def extent_bytes(nbytes: int) -> int:
@@ -409,7 +413,8 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
     # optimizer's read-ahead room ([Note: the parameter share]).
     cache = max(0, share - _PARAM_STAGING_SLOTS * _slot_bytes(sizes, request, sub))
     cache += _gathered_room(sizes, request)  # the gathered units', not the optimizer's
-    activations = _activation_room(sizes, request, sub, host, grads_on_nvme=grads_on_nvme)
+    needs = host_needs(sizes, request, sub, grads_on_nvme=grads_on_nvme)
+    activations = _activation_room(request, host, needs)
     window, resident = _optimizer_host_room(sizes, request, sub, host - cache - activations,
                                             device_holds_params=holds_params,
                                             grads_on_nvme=grads_on_nvme)
@@ -418,11 +423,12 @@ def resolve_offload_budgets(sizes: StateSizes, request: OffloadRequest, *,
                           largest_unit_bytes=largest_unit, overlap=overlap,
                           optimizer_window_sub_groups=window,
                           optimizer_host_resident_bytes=resident, device_holds_params=holds_params,
-                          grads_on_nvme=grads_on_nvme, host_param_cache_bytes=share)
+                          grads_on_nvme=grads_on_nvme, host_param_cache_bytes=share,
+                          states_host_room_bytes=max(0, needs.comfortable_bytes
+                                                     - needs.homed_bytes))
 
 
-def _activation_room(sizes: StateSizes, request: OffloadRequest, sub: int, host: int, *,
-                     grads_on_nvme: bool) -> int:
+def _activation_room(request: OffloadRequest, host: int, needs: HostNeeds) -> int:
     """[Note: the activations' room] Saved activations in the store ([Note: saved activations
     are shards of the store] in infinity/zero/_stored_activations.py) share the arena with the
     states. The NVMe optimizer's read-ahead window and host-resident sub-groups take whatever
@@ -432,13 +438,13 @@ def _activation_room(sizes: StateSizes, request: OffloadRequest, sub: int, host:
     explicit budget with activations on HOST ('host', 'auto') keeps for them what it holds
     beyond the states' comfortable need (:func:`host_needs`), and one bound for NVMe ('nvme',
     'auto') at least their staging; the states' consumers of spare room size from the rest. An
-    'auto' budget is sized for the states alone: it keeps only the staging."""
+    'auto' budget is sized for the states alone: it keeps only the staging. The other side of
+    the same rule, ``states_host_room_bytes``, is what 'auto' activations leave the states."""
     if request.activations == "none":
         return 0
     room = 0
     if request.activations in ("host", "auto") and request.host_budget_bytes != "auto":
-        comfortable = host_needs(sizes, request, sub, grads_on_nvme=grads_on_nvme).comfortable_bytes
-        room = max(0, host - comfortable)
+        room = max(0, host - needs.comfortable_bytes)
     if request.activations in ("nvme", "auto"):
         room = max(room, request.activation_staging_bytes)
     return room

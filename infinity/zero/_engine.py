@@ -77,7 +77,7 @@ from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._mesh import mesh_collectives
 from infinity.zero._offload import (activation_nvme_path, activations_need_store,
                                     build_activation_store, build_store, check_nvme_space_for,
-                                    host_needs_for, resolve_offload)
+                                    resolve_offload)
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._quantize import quant_settings
 from infinity.zero._step_plan import StepPlan
@@ -282,12 +282,6 @@ class InfinityEngine:
             # ([Note: huge pages where the disk moves the arena] in infinity/tiers/_arena.py).
             self.store.arena.pause_direct_io_advice()
         self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
-        self._states_host_room = 0
-        """Arena room the offloaded states want for overlap beyond their homed bytes: what
-        activations offloaded 'auto' leave them (sized on the parameters as they are now)."""
-        if self.offload is not None and config.activation_checkpointing.offload_tier == "auto":
-            needs = host_needs_for(choice, config, self.offload.sub_group_numel, world_size=world)
-            self._states_host_room = max(0, needs.comfortable_bytes - needs.homed_bytes)
         if copy_link is not None:
             _check_copy_link(config, self.store, self.device)
             self.store.copy_link = DuplexLink(copy_link)
@@ -374,7 +368,8 @@ class InfinityEngine:
         tier = self.config.activation_checkpointing.offload_tier
         if tier == "none" or self.store is None:
             return None
-        return StoredActivations(self.store, tier, host_reserve_bytes=self._states_host_room,
+        reserve = self.offload.states_host_room_bytes if self.offload is not None else 0
+        return StoredActivations(self.store, tier, host_reserve_bytes=reserve,
                                  device_room=(cuda_activation_room(self.device)
                                               if self.device.type == "cuda" else None))
 

@@ -21,8 +21,9 @@ from infinity.ledger import (ACTIVATION_STAGING_BYTES, DEFAULT_PREFETCH_UNITS, f
                              host_grad_dtype)
 from infinity.tiers import (AUTO_HOST_RAM_FRACTION, SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet,
                             HostNeeds, NvmeBytes, NvmeDemand, OffloadBudgets, OffloadRequest,
-                            StateSizes, StoreConfig, Tier, TieredStore, check_nvme_space, extent_bytes, host_needs,
-                            least_host_bytes, nvme_bytes, resolve_offload_budgets)
+                            StateSizes, StoreConfig, Tier, TieredStore, check_nvme_space,
+                            extent_bytes, host_needs, least_host_bytes, nvme_bytes,
+                            resolve_offload_budgets)
 from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS
 from infinity.zero._unit_choice import UnitChoice, units_of
 
@@ -92,16 +93,8 @@ def host_needs_of(module: nn.Module, config: InfinityConfig, sub_group_numel: in
     """Host bytes ``module`` needs under ``config`` at one sub-group size: the shards homed on
     the host (optimizer state and gradient accumulators included), the least budget, a
     comfortable one (:func:`infinity.tiers.host_needs`)."""
-    return host_needs_for(units_of(module, config.zero), config, sub_group_numel,
-                          world_size=world_size)
-
-
-def host_needs_for(choice: UnitChoice, config: InfinityConfig, sub_group_numel: int, *,
-                   world_size: int = 1) -> HostNeeds:
-    """:func:`host_needs_of` for the units of ``choice`` (already chosen)."""
-    sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
-                        param_bytes=config.precision.param_bytes)
-    return host_needs(sizes, offload_request(config, world_size), sub_group_numel)
+    return host_needs(_sizes_of(module, config, world_size), offload_request(config, world_size),
+                      sub_group_numel)
 
 
 def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
@@ -249,6 +242,5 @@ def check_nvme_space_for(choice: UnitChoice, config: InfinityConfig, budgets: Of
 
 
 __all__ = ["activation_nvme_path", "activations_need_store", "build_activation_store",
-           "build_store", "check_nvme_space_for", "device_working_set", "host_needs_for",
-           "host_needs_of", "least_host_budget_bytes", "offload_request", "resolve_offload",
-           "state_sizes"]
+           "build_store", "check_nvme_space_for", "device_working_set", "host_needs_of",
+           "least_host_budget_bytes", "offload_request", "resolve_offload", "state_sizes"]

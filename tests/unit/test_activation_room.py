@@ -51,3 +51,15 @@ def test_an_auto_budget_is_sized_for_the_states_alone():
     plain = resolve_offload_budgets(SIZES, _request("none", "auto"), device=CPU)
     assert auto.host_budget_bytes == plain.host_budget_bytes
     assert auto == plain
+
+
+def test_the_states_room_is_the_other_side_of_the_same_rule():
+    """What 'auto' activations leave the states (``states_host_room_bytes``) is their
+    comfortable need less their homed shards, from the same :func:`host_needs` the activations'
+    room is cut by."""
+    needs = host_needs(SIZES, _request("none", "auto"), SUB)
+    comfortable = needs.comfortable_bytes
+    budgets = resolve_offload_budgets(SIZES, _request("auto", comfortable + 20 * SLOT), device=CPU)
+    assert budgets.states_host_room_bytes == comfortable - needs.homed_bytes
+    assert _room(_request("none", comfortable + 20 * SLOT)) - _room(
+        _request("auto", comfortable + 20 * SLOT)) == pytest.approx(20 * SLOT, abs=SLOT)
