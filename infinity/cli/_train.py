@@ -138,7 +138,7 @@ def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
             logger.warning("%s gives %d bytes, below the %d the NVMe pipeline needs for this "
                            "model; using %d", flag, wanted, least, least)
         config["memory"] = {"host_budget_bytes": max(wanted, least)}
-    offload = _activation_offload(args, config)
+    offload = _activation_offload(args)
     if offload is not None:
         config["activation_checkpointing"] = {"units": ["Block"], "offload": offload}
         if offload in ("nvme", "auto") and args.offload != "nvme":
@@ -147,7 +147,7 @@ def _config(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     return config
 
 
-def _activation_offload(args: argparse.Namespace, config: dict[str, Any]) -> str | None:
+def _activation_offload(args: argparse.Namespace) -> str | None:
     """``--activations``: the checkpointed blocks' offload ('none': checkpointed and kept on the
     device, 'host', 'nvme', 'auto'), or None for no checkpointing. 'auto' checkpoints, offloading
     'auto', where the ledger's activations of a micro-batch without checkpointing pass the
@@ -156,12 +156,16 @@ def _activation_offload(args: argparse.Namespace, config: dict[str, Any]) -> str
         return None
     if args.activations != "auto":
         return {"device": "none"}.get(args.activations, args.activations)
-    gpt = getattr(args, "gpt_config", None) or _model_config(args)
-    shape = ModelShape(kind="gpt2", num_layers=gpt.n_layer, hidden_size=gpt.n_embd,
-                       num_heads=gpt.n_head, vocab_size=gpt.vocab_size, seq_len=args.seq_len)
-    plain = activation_bytes(shape, micro_batch=args.batch_size,
+    plain = activation_bytes(_shape(args), micro_batch=args.batch_size,
                              dtype_bytes=DTYPE_BYTES[args.dtype]).total_bytes
     return "auto" if plain > device_activation_room_bytes() else None
+
+
+def _shape(args: argparse.Namespace) -> ModelShape:
+    """The ledger's shape of the GPT ``args`` trains, at its ``--seq-len``."""
+    gpt = getattr(args, "gpt_config", None) or _model_config(args)
+    return ModelShape(kind="gpt2", num_layers=gpt.n_layer, hidden_size=gpt.n_embd,
+                      num_heads=gpt.n_head, vocab_size=gpt.vocab_size, seq_len=args.seq_len)
 
 
 def device_activation_room_bytes() -> int:
@@ -365,16 +369,13 @@ def _activations_summary(engine: Any, args: argparse.Namespace,
     acts = engine.config.activation_checkpointing
     if not acts.enabled:
         return None
-    gpt = args.gpt_config
-    shape = ModelShape(kind="gpt2", num_layers=gpt.n_layer, hidden_size=gpt.n_embd,
-                       num_heads=gpt.n_head, vocab_size=gpt.vocab_size, seq_len=args.seq_len)
     tier = acts.offload_tier
     stored = engine.stats()["activations"]
     # 'auto' is priced where it put most of them
     priced = tier if tier != "auto" else max(
         (("none", "DEVICE"), ("host", "HOST"), ("nvme", "NVME")),
         key=lambda t: stored[t[1]]["saved"])[0]
-    ledger = activation_bytes(shape, micro_batch=args.batch_size, checkpointing=True,
+    ledger = activation_bytes(_shape(args), micro_batch=args.batch_size, checkpointing=True,
                               offload=priced, dtype_bytes=DTYPE_BYTES[args.dtype])
     steps = max(1, micro_steps // args.grad_accum)
     measured: dict[str, Any] = {"nvme_saved_bytes_per_step": 0}

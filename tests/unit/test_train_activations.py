@@ -26,7 +26,7 @@ def _args(**kw) -> argparse.Namespace:
 @pytest.mark.parametrize("flag, offload", [("none", None), ("device", "none"), ("host", "host"),
                                            ("nvme", "nvme")])
 def test_the_flag_names_the_offload(flag, offload):
-    assert train._activation_offload(_args(activations=flag), {}) == offload
+    assert train._activation_offload(_args(activations=flag)) == offload
 
 
 def test_auto_offloads_where_the_plain_activations_pass_the_device_room(monkeypatch):
@@ -35,6 +35,6 @@ def test_auto_offloads_where_the_plain_activations_pass_the_device_room(monkeypa
     plain = (demo.n_layer * s * b * h * 34  # 16-bit layer terms (SDPA: no scores kept)
              + 4 * s * b * h + 4 * s * b * demo.vocab_size)  # head inputs, fp32 logits
     monkeypatch.setattr(train, "device_activation_room_bytes", lambda: int(plain) + 1)
-    assert train._activation_offload(_args(seq_len=s, batch_size=b), {}) is None
+    assert train._activation_offload(_args(seq_len=s, batch_size=b)) is None
     monkeypatch.setattr(train, "device_activation_room_bytes", lambda: int(plain) - 1)
-    assert train._activation_offload(_args(seq_len=s, batch_size=b), {}) == "auto"
+    assert train._activation_offload(_args(seq_len=s, batch_size=b)) == "auto"
