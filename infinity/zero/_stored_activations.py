@@ -103,6 +103,7 @@ class _OnDevice:
     def __del__(self) -> None:
         self._owner.live_bytes[Tier.DEVICE] -= self._nbytes
 
+
 # [Note: chunks] A saved tensor is stored as shards of at most CHUNK_BYTES (and at most 1/16 of the
 # arena): an arena shared with the states is fragmented by their pinned copies (an NVMe optimizer's
 # sub-groups in a deferred step's forward, parameter shards in flight), and one 12 MiB extent may

@@ -362,14 +362,13 @@ def test_a_unit_used_twice_in_one_forward(tmp_path):
 def test_auto_goes_to_nvme_when_the_arena_has_the_room_only_in_pieces(tmp_path, monkeypatch):
     """'auto' chose the arena (its reclaimable bytes sufficed) but no hole held a chunk: the
     input goes to NVMe instead, and training is unchanged."""
-    from infinity.tiers import Tier as _Tier
     data = _data()
     ref_losses, ref_state = reference_train(_model(), data)
     engine = infinity.initialize(_model(), _config(tmp_path, "auto", states=False, host=4 << 20))
     store, real = engine.store, engine.store.register
 
     def register(key, numel, dtype, home, **kw):
-        if key.startswith("act/") and home is _Tier.HOST:
+        if key.startswith("act/") and home is Tier.HOST:
             raise TierCapacityError("fragmented (test)", tier="HOST", requested_bytes=numel,
                                     used_bytes=0, budget_bytes=4 << 20)
         return real(key, numel, dtype, home, **kw)
