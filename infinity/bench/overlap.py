@@ -133,10 +133,10 @@ def _link_bytes(record: dict[str, Any]) -> float:
 
 FORWARD_PHASES = ("forward-gather", "broadcast")
 BACKWARD_PHASES = ("backward-gather", "secondary-gather", "reduce-grad", "replicate-reduce",
-                   "flush", "other")
+                   "flush", "reduce-rows", "other")
 """Which collectives a phase of the step carries (Phase values); the rest (step-gather, norm)
 run in ``engine.step()``."""
-REDUCE_PHASES = ("reduce-grad", "replicate-reduce", "flush")
+REDUCE_PHASES = ("reduce-grad", "replicate-reduce", "flush", "reduce-rows")
 """The gradient reductions among them ([Note: what cannot hide])."""
 
 

@@ -50,6 +50,9 @@ class Phase(enum.Enum):
     BROADCAST = "broadcast"
     REPLICATE_REDUCE = "replicate-reduce"
     """HSDP: a gradient shard summed across the replicas of its shard group."""
+    REDUCE_ROWS = "reduce-rows"
+    """The embeddings' gradient rows of a backward, all-gathered over the data-parallel group
+    at its end ([Note: embedding rows cross ranks as rows] in infinity/zero/_embedding_rows.py)."""
     OTHER = "other"
     """Checkpoint bookkeeping, size agreement and the like: small and rare."""
 

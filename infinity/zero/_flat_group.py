@@ -183,8 +183,14 @@ class Unit:
     """A hook on the module's inputs fired (its backward finished) in this backward: the
     condition of HELD -> IDLE for a unit with frozen parameters."""
     grads_arrived: set[int] = dataclasses.field(default_factory=set)
-    """id() of the trainable parameters whose gradient arrived in this backward: the condition of
-    HELD -> IDLE, and of its reduction."""
+    """id() of the trainable parameters whose gradient autograd accumulated in this backward: the
+    condition of HELD -> IDLE, and of its reduction."""
+    rows_only: frozenset[int] = frozenset()
+    """id() of the trainable parameters whose gradient comes as rows at the end of backward, not
+    from autograd ([Note: embedding rows cross ranks as rows] in
+    infinity/zero/_embedding_rows.py): not waited for by :attr:`grads_complete`."""
+    rows_arrived: set[int] = dataclasses.field(default_factory=set)
+    """id() of the parameters whose rows arrived in this backward."""
     pending: list = dataclasses.field(default_factory=list)
     """While GATHERING: the issued all-gathers' handles and what to do once they landed
     (callables: give back a store copy the gather read, keep an hpZ secondary shard)."""
@@ -212,7 +218,13 @@ class Unit:
 
     @property
     def grads_complete(self) -> bool:
-        return len(self.grads_arrived) == self.num_trainable
+        """Every gradient autograd accumulates for it arrived (rows are not waited for)."""
+        return len(self.grads_arrived - self.rows_only) == self.num_trainable - len(self.rows_only)
+
+    @property
+    def every_grad_arrived(self) -> bool:
+        """Every trainable parameter got a gradient, through autograd or as rows."""
+        return len(self.grads_arrived | self.rows_arrived) == self.num_trainable
 
     def enter_forward(self) -> None:
         if self.use is UnitUse.PINNED:
@@ -258,6 +270,7 @@ class Unit:
     def end_step(self) -> None:
         """The backward ended, or a forward raised: nothing of this step reads it any more."""
         self.grads_arrived = set()
+        self.rows_arrived = set()
         self.inputs_done = False
         self.users = 0
         if self.use is not UnitUse.PINNED and self.use is not UnitUse.IDLE:

@@ -34,13 +34,24 @@ from __future__ import annotations
 RESYNC_WINDOW = 8
 """Entries of the last step's list searched for a use it did not predict at the cursor."""
 LOOKAHEAD_UNITS = 2
-"""Units gathered ahead of the one computing (the ledger's DEFAULT_PREFETCH_UNITS)."""
+"""Units gathered ahead of the one computing (the ledger's DEFAULT_PREFETCH_UNITS): without
+their sizes, this many units; with them, this many of the largest unit's bytes."""
 
 
 class GatherAhead:
-    """The last training step's units in the order of use, and a cursor into it."""
+    """The last training step's units in the order of use, and a cursor into it.
 
-    def __init__(self) -> None:
+    ``gathered_bytes``: each unit's gathered bytes. Given, the units ahead fill
+    ``LOOKAHEAD_UNITS`` times the largest unit's bytes (at least one unit), not that many units:
+    the ledger's ``gathered_units`` reserves that much whatever the units' sizes, and where the
+    largest unit is a 50k-vocabulary root five times a block, two blocks ahead left four fifths
+    of it unused while the link had nothing to do (the LM head's backward, the longest compute of
+    the backward, gathers nothing itself)."""
+
+    def __init__(self, gathered_bytes: dict[int, int] | None = None) -> None:
+        self._bytes = gathered_bytes
+        self._budget = (LOOKAHEAD_UNITS * max(gathered_bytes.values(), default=0)
+                        if gathered_bytes else 0)
         self._last: list[tuple[int, bool]] = []
         """(unit, in backward) in the order the last complete training step used them."""
         self._now: list[tuple[int, bool]] = []
@@ -70,16 +81,25 @@ class GatherAhead:
         self._cursor = cur + window.index(entry) + 1 if entry in window else None
 
     def ahead(self, unit: int, backward: bool) -> list[int]:
-        """Up to ``LOOKAHEAD_UNITS`` units used after the current use, other than ``unit``, in
-        the same phase (the first entry of the other phase ends them); [] when unknown."""
+        """The units used after the current use, other than ``unit``, up to ``LOOKAHEAD_UNITS``
+        of them or of the largest unit's bytes, in the same phase (the first entry of the other
+        phase ends them); [] when unknown."""
         if self._cursor is None:
             return []
         out: list[int] = []
-        for u, b in self._last[self._cursor:self._cursor + RESYNC_WINDOW]:
-            if b != backward or len(out) == LOOKAHEAD_UNITS:
+        total = 0
+        window = RESYNC_WINDOW if self._bytes is None else len(self._last)
+        for u, b in self._last[self._cursor:self._cursor + window]:
+            if b != backward:
+                break
+            if self._bytes is None and len(out) == LOOKAHEAD_UNITS:
                 break
             if u != unit and u not in out:
+                size = self._bytes.get(u, 0) if self._bytes is not None else 0
+                if out and total + size > self._budget:
+                    break
                 out.append(u)
+                total += size
         return out
 
     def used_next(self, unit: int) -> bool:

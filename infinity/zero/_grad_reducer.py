@@ -54,6 +54,7 @@ from infinity.io import advise_huge_pages, engine_buffers, pinned_staging_ring
 from infinity.optim import StoredGrad
 from infinity.tiers import CopyLane, Tier, TieredStore, TierHandle
 from infinity.zero._collectives import DONE, CommHandle, Collectives, Phase
+from infinity.zero._embedding_rows import RowsPayload
 from infinity.zero._flat_group import FlatGroup, ParamSlot
 from infinity.zero._grad_norm import sum_of_squares
 from infinity.zero._quantize import QuantSpec
@@ -233,15 +234,20 @@ class GradientReducer:
         advise_huge_pages(staging)  # [Note: first touch of large host buffers] in infinity/io
         return staging
 
-    def issue(self, groups: Iterable[FlatGroup], *, context: str) -> "Reduction":
+    def issue(self, groups: Iterable[FlatGroup], *, context: str, pieces: int = 1
+              ) -> "Reduction":
         """Average each trainable group's staging buffer over the ranks into its accumulator
         (``context`` names the collective in errors); a group without staging contributes zeros
         (the ranks that have some still need this rank's part of the collective). The
         collectives are issued here; the accumulation runs at the returned reduction's wait
-        ([Note: issue and wait] in infinity/zero/_collectives.py)."""
-        return Reduction([self._issue_group(g, context) for g in groups if g.requires_grad])
+        ([Note: issue and wait] in infinity/zero/_collectives.py). ``pieces`` > 1: a stage 2-3
+        reduce-scatter is cut into that many, the first issued here, the others by
+        :meth:`Reduction.issue_piece` ([Note: a large reduction spread over the backward])."""
+        return Reduction([self._issue_group(g, context, pieces) for g in groups
+                          if g.requires_grad])
 
-    def _issue_group(self, g: FlatGroup, context: str) -> "_GroupReduction":
+    def _issue_group(self, g: FlatGroup, context: str, pieces: int = 1
+                     ) -> "_GroupReduction | _PiecewiseReduction":
         stage, device = self.config.stage, self.config.device
         staging = self._completed_staging(g)
         g.grad_staging = None  # the next stage() makes a buffer and its staged set anew
@@ -271,6 +277,9 @@ class GradientReducer:
                                          context=context, phase=Phase.REDUCE_GRAD)
             self.coll.all_reduce_replicas(part, context=context)
             return _GroupReduction(self, g, DONE, lambda: part, (staging, part))
+        if stage >= 2 and pieces > 1 and g.shard_numel >= pieces:
+            part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
+            return _PiecewiseReduction(self, g, staging, wire, part, pieces, context)
         if stage >= 2:
             part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
             handle = self.coll.reduce_scatter_sum_async(part, wire, context=context,
@@ -294,6 +303,43 @@ class GradientReducer:
                 return staging[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
             return staging
         return _GroupReduction(self, g, handle, reduced, (staging, wire))
+
+    def reduce_rows(self, payload: torch.Tensor, max_bytes: int, groups: list[FlatGroup], *,
+                    context: str) -> None:
+        """[Note: embedding rows cross ranks as rows] in infinity/zero/_embedding_rows.py:
+        all-gather every data-parallel rank's packed rows (``payload``, this rank's; padded to
+        ``max_bytes``, the largest rank's, a multiple of 8) and add those in this rank's
+        partition of each of ``groups`` (numbered as packed) into its accumulator. Synchronous:
+        it runs at the end of backward, where nothing is left to overlap."""
+        world = self.coll.world
+        size = world.world_size
+        out = torch.empty(size * max_bytes, dtype=torch.uint8, device=payload.device)
+        mine = torch.zeros(max_bytes, dtype=torch.uint8, device=payload.device)
+        mine[:payload.numel()] = payload
+        world.all_gather(out, mine, context=context, phase=Phase.REDUCE_ROWS)
+        parts = [RowsPayload.unpack(out[r * max_bytes:(r + 1) * max_bytes]) for r in range(size)]
+        number = torch.cat([p[0] for p in parts])
+        index = torch.cat([p[1] for p in parts])
+        values = torch.cat([p[2] for p in parts])
+        for i, g in enumerate(groups):
+            mask = number == i
+            if not bool(mask.any()):
+                continue  # no rank has rows of it: its accumulator stays as it is
+            lo, hi = self._partition_range(g)
+            at, vals = index[mask], values[mask]
+            inside = (at >= lo) & (at < hi)
+            part = torch.zeros(hi - lo, dtype=torch.float32, device=self.config.device)
+            part.index_add_(0, (at[inside] - lo).to(part.device), vals[inside].to(part.device))
+            self._finish(g, part if self.staging_dtype == torch.float32
+                         else part.to(self.staging_dtype))
+
+    def _partition_range(self, g: FlatGroup) -> tuple[int, int]:
+        """The flat range of ``g`` this rank's accumulator holds: the whole buffer at stage 0 and
+        for stage 1's device accumulators, this rank's shard otherwise."""
+        stage = self.config.stage
+        if stage == 0 or (stage == 1 and not self.offloaded):
+            return 0, g.padded_numel
+        return self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
 
     def _finish(self, g: FlatGroup, part: torch.Tensor) -> None:
         """One group's reduced gradient is in ``part``: accumulate it, tell the optimizer."""
@@ -489,13 +535,81 @@ class _GroupReduction:
         self.reducer._finish(self.group, self.result())
         self.buffers = ()
 
+    def issue_next(self) -> bool:
+        """Nothing left to issue: one collective, issued whole."""
+        return False
+
+
+class _PiecewiseReduction:
+    """[Note: a large reduction spread over the backward]
+    A collective runs over the link whole, and the link serves its transfers in the order they
+    were issued (one NCCL communicator; the modeled link): so a unit reduced in the hooks much
+    larger than the others holds every transfer issued after it. When a tied or untied LM head
+    completes the root early in the backward ([Note: embedding rows cross ranks as rows] in
+    infinity/zero/_embedding_rows.py), that is a 50k-vocabulary table's reduce-scatter (0.69 s
+    of link on the 135M GPT at L = T0, 5x a block's) ahead of the next blocks' backward
+    gathers: the blocks then wait for their parameters. So such a unit's reduce-scatter is cut
+    into pieces along its shard (piece i: every rank's slice [lo_i, hi_i) of its shard, copied
+    out contiguously, reduce-scattered into this rank's ``part[lo_i:hi_i]``), the first issued
+    at its turn and one more with each later unit's reduction (the same sequence on every
+    rank: the reduction order is), the rest at the end of backward: the table's bytes ride in
+    the slack each block leaves on the link. Each piece's copy is the only extra memory (the
+    staging is dropped once the last piece is copied out); the manager chooses the pieces
+    (``ParameterManager._pieces``); the sum is the same sum."""
+
+    def __init__(self, reducer: GradientReducer, group: FlatGroup, staging: torch.Tensor,
+                 wire: torch.Tensor, part: torch.Tensor, pieces: int, context: str):
+        self.reducer = reducer
+        self.group = group
+        self.staging_dtype = staging.dtype
+        self.buffers: tuple[torch.Tensor, ...] = (staging, wire, part)
+        self.wire: torch.Tensor | None = wire
+        self.part = part
+        self.context = context
+        shard = group.shard_numel
+        size = -(-shard // pieces)
+        self.bounds = [(lo, min(shard, lo + size)) for lo in range(0, shard, size)]
+        self.handles: list[CommHandle] = []
+        self.issue_next()
+
+    def issue_next(self) -> bool:
+        """Issue the next piece; False when every piece was issued already."""
+        i = len(self.handles)
+        if i == len(self.bounds):
+            return False
+        lo, hi = self.bounds[i]
+        coll = self.reducer.coll
+        piece = self.wire.view(coll.world_size, -1)[:, lo:hi].contiguous().view(-1)
+        self.handles.append(coll.reduce_scatter_sum_async(
+            self.part[lo:hi], piece, context=f"{self.context} (piece {i + 1}/{len(self.bounds)})",
+            phase=Phase.REDUCE_GRAD))
+        self.buffers += (piece,)
+        if len(self.handles) == len(self.bounds):  # all copied out: the staging may go
+            self.wire = None
+            self.buffers = tuple(b for b in self.buffers[2:])
+        return True
+
+    def wait(self) -> None:
+        while self.issue_next():
+            pass
+        for handle in self.handles:
+            handle.wait()
+        part = self.part
+        self.reducer.coll.all_reduce_replicas(part, context=self.context)
+        self.reducer._finish(self.group, part.to(self.staging_dtype))
+        self.buffers = ()
+
 
 class Reduction:
     """A unit's gradient reduction, issued by :meth:`GradientReducer.issue`: :meth:`wait`
     completes every group's collective and accumulates it; a second wait does nothing."""
 
-    def __init__(self, groups: list[_GroupReduction]):
+    def __init__(self, groups: list[_GroupReduction | _PiecewiseReduction]):
         self._groups = groups
+
+    def issue_piece(self) -> bool:
+        """Issue the next piece of each group reduced in pieces; False when none was left."""
+        return any([r.issue_next() for r in self._groups])  # a list: every group issues
 
     def wait(self) -> None:
         groups, self._groups = self._groups, []

@@ -61,6 +61,7 @@ from infinity.optim import StoredGrad
 from infinity.prefetch import Level
 from infinity.tiers import Tier, TieredStore
 from infinity.zero._collectives import Collectives, Phase
+from infinity.zero._embedding_rows import EmbeddingRows, RowsPayload
 from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
 from infinity.zero._gather_ahead import GatherAhead
 from infinity.zero._grad_presence import GradPresence
@@ -71,7 +72,7 @@ from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS
 from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
-from infinity.zero._reduce_order import ReduceOrder
+from infinity.zero._reduce_order import ReduceOrder, backward_order, spread_pieces
 from infinity.zero._tensor_parallel import full_value, local_grad
 from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
 from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
@@ -170,9 +171,35 @@ class ParameterManager:
         self.presence = GradPresence(self.units, collectives, config.device)
         """Which parameters got a gradient in this window ([Note: parameters without a
         gradient] in infinity/zero/_grad_presence.py)."""
-        self._reduce_order = (ReduceOrder([u.index for u in self.units if u.num_trainable])
-                              if collectives.data_parallel_size > 1 else None)
+        trainable = {id(s.param) for g in self.trainable_groups() for s in g.slots}
+        self._rows = (EmbeddingRows(module, trainable, self._on_rows,
+                                    unit_of=lambda p: self._slot_of[id(p)][0].index)
+                      if collectives.data_parallel_size > 1 else None)
+        """[Note: embedding rows cross ranks as rows] in infinity/zero/_embedding_rows.py; None
+        at one rank, where nothing crosses ranks."""
+        if self._rows is not None and not self._rows.modules:
+            self._rows = None
+        self._row_slots: dict[int, tuple[int, ParamSlot]] = {}
+        """id(weight) of a tapped embedding -> (its group's number in ``_row_groups``, slot)."""
+        self._row_groups: list[FlatGroup] = []
+        """The groups holding a tapped weight, in one fixed order (the rows' group numbers)."""
+        if self._rows is not None:
+            for m in self._rows.modules:
+                unit, group, slot = self._slot_of[id(m.weight)]
+                if group not in self._row_groups:
+                    self._row_groups.append(group)
+                self._row_slots[id(m.weight)] = (self._row_groups.index(group), slot)
+                if id(m.weight) in self._rows.rows_only:
+                    unit.rows_only = unit.rows_only | {id(m.weight)}
+        self._row_entries: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        """This backward's rows: (group number, slot offset, unique ids, rows)."""
+        self._reduce_order: ReduceOrder | None = None
         """[Note: every rank reduces every unit in one order]; None at one rank."""
+        self._pieces: dict[int, int] = {}
+        """Units whose reductions go in pieces, and how many ([Note: a large reduction spread
+        over the backward] in infinity/zero/_grad_reducer.py)."""
+        if collectives.data_parallel_size > 1:
+            self._order_reductions()
         borrow = (CAN_BORROW_STORAGE and self.world_size == 1
                   and config.weight_quant is None and self.hpz is None
                   and (config.params_read_on_host
@@ -204,8 +231,10 @@ class ParameterManager:
         self._install_hooks(choice.hooked)
         self._fetcher = self._build_fetcher()
         """Trace-driven prefetch of offloaded parameter shards; None: demand fetches only."""
-        self._gather_ahead = (GatherAhead() if self._fetcher is None and self.stage == 3
-                              and self.world_size > 1 else None)
+        self._gather_ahead = (
+            GatherAhead({u.index: sum(g.padded_numel * g.full.element_size() for g in u.groups)
+                         for u in self.units if not u.always_gathered})
+            if self._fetcher is None and self.stage == 3 and self.world_size > 1 else None)
         """[Note: gathers issued ahead] for units on the device; None: the prefetcher
         leads the gathers (offloaded shards), or they are local copies (one rank)."""
         self._ahead_on = False
@@ -325,6 +354,8 @@ class ParameterManager:
     # ------------------------------------------------------------------ hooks
 
     def _install_hooks(self, hooked: list[tuple[nn.Module, str, list[int]]]) -> None:
+        if self._rows is not None:
+            self._rows.install()
         for u in self.units:
             for g in u.groups:
                 if g.requires_grad:
@@ -431,6 +462,8 @@ class ParameterManager:
                     f"values, or engine.save_checkpoint(dir) and `infinity consolidate`")
 
     def remove_hooks(self) -> None:
+        if self._rows is not None:
+            self._rows.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -494,6 +527,16 @@ class ParameterManager:
                     self._reduce(self.units[index], Phase.REDUCE_GRAD)
             # else a late one stays staged: the end of backward reduces it on every rank
             self._maybe_drop_hold(unit)
+
+    def _on_rows(self, param: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """A tapped embedding's backward: this rank's rows of ``param``'s gradient, reduced at
+        the end of backward ([Note: embedding rows cross ranks as rows])."""
+        unit = self._slot_of[id(param)][0]
+        self._enter_backward()
+        number, slot = self._row_slots[id(param)]
+        self._row_entries.append((number, slot.offset, ids, rows))
+        self.presence.note(param)
+        unit.rows_arrived.add(id(param))
 
     def _mark_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
@@ -619,8 +662,20 @@ class ParameterManager:
             self._maybe_release(unit)
             self._after_compute(unit)
 
+    def _order_reductions(self) -> None:
+        """The order of the units' reductions and the units reduced in pieces, from the units
+        and the embedding taps (several data-parallel ranks)."""
+        order = backward_order(
+            self.module, self.units,
+            skip_modules=self._rows.tapped_modules if self._rows is not None else set())
+        self._reduce_order = ReduceOrder(order)
+        numel = {u.index: sum(g.padded_numel for g in u.groups if g.requires_grad)
+                 for u in self.units}
+        self._pieces = spread_pieces(order, numel) if self.stage >= 2 else {}
+
     def _reduce(self, unit: Unit, phase: Phase) -> None:
-        self.storage.issue_reduce(unit, phase, self.micro_step)
+        pieces = self._pieces.get(unit.index, 1) if phase is Phase.REDUCE_GRAD else 1
+        self.storage.issue_reduce(unit, phase, self.micro_step, pieces=pieces)
 
     # ------------------------------------------------------------------ the training loop
 
@@ -698,9 +753,14 @@ class ParameterManager:
         # gradient]): one all-reduce, so that every rank reduces the same units again.
         n = len(self.units)
         flags = [int(any(g.grad_staging is not None for g in u.groups)) for u in self.units]
-        flags += [int(u.num_trainable > 0 and not u.grads_complete) for u in self.units]
+        flags += [int(u.num_trainable > 0 and not u.every_grad_arrived) for u in self.units]
+        payload = None
+        if self._rows is not None:  # [Note: embedding rows cross ranks as rows]
+            entries, self._row_entries = self._row_entries, []
+            payload = RowsPayload.pack(entries, 1.0 / self.coll.data_parallel_size, self.device)
+            flags.append(-(-payload.numel() // 8) * 8)  # the largest rank's pads every one's
         if self.coll.data_parallel_size > 1:  # replicas must agree too: they reduce together
-            pending = torch.tensor(flags, dtype=torch.int32, device=self.device)
+            pending = torch.tensor(flags, dtype=torch.int64, device=self.device)
             self.coll.all_reduce_max(pending,
                                      context=f"end of backward (micro-step {self.micro_step})")
             flags = pending.tolist()
@@ -708,13 +768,52 @@ class ParameterManager:
             if flag:
                 self._reduce(unit, Phase.FLUSH)
         self.storage.wait_reductions()
-        self.presence.end_backward({u.index for u, f in zip(self.units, flags[n:]) if f})
+        if payload is not None:
+            self._reduce_rows(entries, payload, flags[2 * n])
+        self.presence.end_backward({u.index for u, f in zip(self.units, flags[n:2 * n]) if f})
         self._ahead_on = False  # nothing is kept past the step
         self._drop_holds()
         if self.hpz is not None:
             self.hpz.drop()  # every backward gather is done (see self.hpz)
         self.micro_step += 1
         self._to(TrainingState.IDLE)
+
+    def _reduce_rows(self, entries: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+                     payload: torch.Tensor, max_bytes: int) -> None:
+        """The end of backward's rows, on every rank: all-gathered as rows while that moves
+        fewer bytes than reducing their groups densely, else added into the staging buffers and
+        reduced with their units (every rank takes the same branch: ``max_bytes`` is the
+        largest rank's)."""
+        if max_bytes <= RowsPayload.HEADER * 8:
+            return  # no rank has rows
+        ranks = self.coll.data_parallel_size
+        dense_bytes = sum(g.padded_numel for g in self._row_groups) * 4
+        names = ", ".join(f"unit {u.index} {u.name!r}" for u in self.units
+                          if any(g in self._row_groups for g in u.groups))
+        context = f"reduce of the embedding rows of {names} (micro-step {self.micro_step})"
+        if ranks * max_bytes < dense_bytes:
+            self.reducer.reduce_rows(payload, max_bytes, self._row_groups, context=context)
+            return
+        for number, offset, ids, rows in entries:
+            group = self._row_groups[number]
+            slot = next(s for s in group.slots if s.offset == offset and s.numel)
+            grad = torch.zeros(slot.numel, dtype=torch.float32, device=self.device)
+            grad.view(-1, rows.shape[1]).index_add_(0, ids.to(self.device), rows.to(self.device))
+            self.reducer.stage(group, slot, grad)
+        for unit in self.units:  # in index order on every rank
+            if any(g in self._row_groups for g in unit.groups):
+                self._reduce(unit, Phase.FLUSH)
+        self.storage.wait_reductions()
+        # That reduced the rows' units twice in this backward (their dense part in the hooks):
+        # from now on their embeddings' gradients go through autograd, as without rows.
+        self._rows.remove()
+        self._rows, self._row_groups, self._row_slots = None, [], {}
+        for unit in self.units:
+            unit.rows_only = frozenset()
+        self._order_reductions()
+        logger.info("embedding gradients: the rows of a backward (%d B on the largest rank) "
+                    "were not fewer bytes than their tables; reduced densely from now on",
+                    max_bytes)
 
     def abort_backward(self) -> None:
         """The backward (or its end, :meth:`finish_backward`) raised: back to IDLE, so that the

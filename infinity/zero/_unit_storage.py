@@ -64,6 +64,9 @@ class UnitStorage:
         gives them back (while borrowed they are pinned)."""
         self.reductions: collections.deque[Reduction] = collections.deque()
         """Gradient reductions issued and not yet waited, oldest first."""
+        self.spread: collections.deque[Reduction] = collections.deque()
+        """Reductions issued in pieces, waited at the end of backward ([Note: a large reduction
+        spread over the backward] in infinity/zero/_grad_reducer.py)."""
 
     # ------------------------------------------------------------------ gather
 
@@ -226,24 +229,37 @@ class UnitStorage:
 
     # ------------------------------------------------------------------ reduce
 
-    def issue_reduce(self, unit: Unit, phase: Phase, step: int) -> None:
+    def issue_reduce(self, unit: Unit, phase: Phase, step: int, *, pieces: int = 1) -> None:
         """Issue the reduction of ``unit``'s staged gradients. The oldest reductions land first
         (FSDP2 waits for the last reduce-scatter at the next one), so at most
-        ``reduce_inflight`` are in flight beside this unit's staging."""
+        ``reduce_inflight`` are in flight beside this unit's staging. ``pieces`` > 1: its
+        reduce-scatter goes in that many pieces, one more with each later reduction
+        ([Note: a large reduction spread over the backward] in infinity/zero/_grad_reducer.py);
+        such a reduction is not counted in ``reduce_inflight`` (the unit's staging is what the
+        bound would have freed, and it lives until the last piece is copied out either way)."""
         self._check(unit, phase, step)
         context = f"{phase.value} of unit {unit.index} {unit.name!r} (micro-step {step})"
         while self.reduce_inflight and len(self.reductions) >= self.reduce_inflight:
             self.reductions.popleft().wait()
+        for spread in self.spread:
+            spread.issue_piece()
         with torch.profiler.record_function(f"infinity::reduce ({unit.name})"):
-            self.reductions.append(self.reducer.issue(unit.groups, context=context))
+            reduction = self.reducer.issue(unit.groups, context=context, pieces=pieces)
+        (self.spread if pieces > 1 else self.reductions).append(reduction)
         self._on_bytes_changed()
         if not self.reduce_inflight:
             self.wait_reductions()
 
     def wait_reductions(self) -> None:
+        """Wait for every reduction issued; the pieces not issued yet go first, in order."""
+        for spread in self.spread:
+            while spread.issue_piece():
+                pass
         while self.reductions:
             self.reductions.popleft().wait()
+        while self.spread:
+            self.spread.popleft().wait()
 
     def tensors_in_flight(self) -> list[torch.Tensor]:
         """The buffers of reductions issued and not yet waited."""
-        return [t for r in self.reductions for t in r.tensors()]
+        return [t for r in (*self.reductions, *self.spread) for t in r.tensors()]

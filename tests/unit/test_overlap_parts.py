@@ -77,8 +77,30 @@ def test_a_unit_used_twice_in_a_row_is_kept():
     assert ahead.used_next(1) and ahead.ahead(1, False) == [2]
 
 
+def test_gathers_ahead_fill_the_largest_units_bytes_not_a_count():
+    """The root (unit 0) is five blocks: two of its size ahead are ten blocks."""
+    ahead = GatherAhead({0: 500, **{u: 100 for u in range(1, 13)}, 13: 300})
+    ahead.begin_step()
+    step = [(0, False), *[(u, False) for u in range(1, 14)], (0, True),
+            *[(u, True) for u in range(13, 0, -1)]]
+    for unit, backward in step:
+        ahead.use(unit, backward)
+    ahead.begin_step()
+    ahead.use(0, False)
+    assert ahead.ahead(0, False) == list(range(1, 11))  # 1000 bytes
+    for u in range(1, 11):
+        ahead.use(u, False)
+    assert ahead.ahead(10, False) == [11, 12, 13]  # to the end of the forward
+    for u in (11, 12, 13):
+        ahead.use(u, False)
+    ahead.use(0, True)
+    assert ahead.ahead(0, True) == [13, 12, 11, 10, 9, 8, 7, 6]  # 300 + 7 x 100
+    ahead.use(13, True)
+    assert ahead.ahead(13, True) == list(range(12, 2, -1))
+
+
 def test_reductions_follow_the_fixed_order_whatever_the_completion_order():
-    order = ReduceOrder([0, 1, 2, 3])
+    order = ReduceOrder([3, 2, 1, 0])
     assert order.order == [3, 2, 1, 0]
     assert order.complete(2) == []  # 3 first
     assert order.complete(3) == [3, 2]

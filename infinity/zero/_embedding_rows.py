@@ -1,0 +1,192 @@
+"""Embedding gradients as rows: what an embedding adds to its weight's gradient crosses ranks as
+the rows its tokens touched, at the end of backward.
+
+[Note: embedding rows cross ranks as rows]
+An embedding is the first module of the forward, so its gradient is the last of the backward,
+and the unit that holds it (the root, with a language model's 50k-256k x hidden table) can only
+be reduced after the backward's last kernel: every byte of that reduction sits between the
+backward and the optimizer step, where nothing hides it. With a tied LM head it is worse: the
+head makes its dense gradient of the same weight at the *start* of the backward, but the two add
+into one ``param.grad`` that autograd hands over at the end. On the 135M GPT at 2 ranks (29 % of
+the parameters in the tied table) that tail was 0.69 s of link time a step that no schedule can
+overlap (#30's schedule bound).
+
+Yet what the embedding adds is rows: only the rows of the tokens in this rank's batch (512 of
+50,257 at batch 4 x 128), and an embedding's backward never reads its weight. So with several
+data-parallel ranks each plain ``nn.Embedding`` with a trainable managed weight runs through
+:class:`_EmbeddingRowsFunction` (its forward is ``F.embedding``): the weight goes in detached,
+so autograd's accumulation of the weight waits only for the weight's other users (the tied
+head: its gradient is then complete at the head's backward, and the unit reduced at once, a
+backward ahead of the rest), and the backward hands this rank's rows (unique token ids, their
+summed gradient rows in fp32) to the parameter manager instead of a gradient. A zero-size
+tensor that requires grad (the *anchor*) is the Function's only differentiable input: it makes
+autograd run the backward, and gets no gradient.
+
+At the end of backward the manager reduces the rows of every rank in one all-gather over the
+data-parallel group (padded to the largest rank's rows, whose size rides on the end-of-backward
+flags all-reduce that runs anyway), and each rank adds the rows that fall in its partition into
+its accumulator: (W - 1) x a few MB on the wire instead of the table, exact fp32 sums. Where the
+rows are not smaller than the table (huge batches, tiny vocabularies) the ranks, agreeing
+through the same flags, add them into the staging buffer instead and reduce the unit densely.
+The reduction order ([Note: every rank reduces every unit in one order]) places a unit by its
+gradients that autograd accumulates, so the root with a tied head is reduced first.
+
+Not tapped (their gradient goes through autograd as before): subclasses that change
+``forward`` (a scaled embedding), ``max_norm`` (it writes the weight), ``scale_grad_by_freq``
+and ``sparse`` (torch's own sparse gradient), tensor-parallel (DTensor) weights, frozen weights,
+and everything at one rank (nothing crosses ranks there). A weight that is also read outside
+its modules (``x @ wte.weight.T`` in a model's forward) still gets that use's gradient through
+autograd: it is reduced with its unit, densely, as a late gradient where the unit was complete.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infinity.zero._tensor_parallel import is_dtensor
+
+RowsSink = Callable[[nn.Parameter, torch.Tensor, torch.Tensor], None]
+"""(weight, unique token ids (int64, n), their gradient rows (fp32, n x row numel))."""
+
+
+def _tappable(module: nn.Module, managed: set[int]) -> bool:
+    """A plain ``nn.Embedding`` whose trainable weight the manager holds and whose gradient is
+    rows only (see the note for what is left out)."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+            and isinstance(weight, nn.Parameter) and weight.requires_grad
+            and id(weight) in managed and not is_dtensor(weight)
+            and module.max_norm is None and not module.scale_grad_by_freq and not module.sparse)
+
+
+class _EmbeddingRowsFunction(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose backward gives its rows to a sink, not to autograd."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, anchor: torch.Tensor,
+                module: nn.Embedding, sink: RowsSink) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.module, ctx.sink = module, sink
+        return F.embedding(ids, weight, module.padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        module = ctx.module
+        width = grad_out.shape[-1]
+        flat_ids = ids.reshape(-1)
+        grads = grad_out.reshape(-1, width)
+        if module.padding_idx is not None:  # torch leaves that row's gradient at zero
+            keep = flat_ids != module.padding_idx
+            flat_ids, grads = flat_ids[keep], grads[keep]
+        unique, inverse = torch.unique(flat_ids, return_inverse=True)
+        rows = torch.zeros(unique.numel(), width, dtype=torch.float32, device=grads.device)
+        rows.index_add_(0, inverse, grads.float())
+        ctx.sink(module.weight, unique, rows)
+        return None, None, None, None, None
+
+
+MIN_VOCABULARY_ROWS = 4096
+"""A unit's embeddings are tapped when one of them has at least this many rows (a vocabulary;
+a position table rides with its unit's vocabulary: the unit is complete only when all of its
+parameters are). A smaller table is about as many bytes as a batch's rows, and its tail is
+short anyway."""
+
+
+class EmbeddingRows:
+    """The tapped embeddings of one model ([Note: embedding rows cross ranks as rows])."""
+
+    def __init__(self, model: nn.Module, managed: set[int], sink: RowsSink, *,
+                 unit_of: Callable[[nn.Parameter], int]):
+        """``managed``: id() of the trainable parameters the manager reduces; ``unit_of``: the
+        unit index of one of them."""
+        candidates = [m for m in model.modules() if _tappable(m, managed)]
+        vocabularies = {unit_of(m.weight) for m in candidates
+                        if m.num_embeddings >= MIN_VOCABULARY_ROWS}
+        self.modules: list[nn.Embedding] = [m for m in candidates
+                                            if unit_of(m.weight) in vocabularies]
+        tapped = {id(m) for m in self.modules}
+        holders: dict[int, list[nn.Module]] = {}
+        for m in model.modules():
+            for p in m._parameters.values():
+                if p is not None:
+                    holders.setdefault(id(p), []).append(m)
+        self.tapped_modules: set[int] = tapped
+        """id() of the tapped modules: their use of the weight is not accumulated by autograd."""
+        self.rows_only: set[int] = {id(m.weight) for m in self.modules
+                                    if all(id(h) in tapped for h in holders[id(m.weight)])}
+        """id() of the weights held only by tapped embeddings: autograd accumulates nothing into
+        them (unless read outside their modules), their gradient is the rows."""
+        self._sink = sink
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+
+    def install(self) -> None:
+        for m in self.modules:
+            m.forward = types.MethodType(self._forward, m)  # an instance attribute: removable
+
+    def remove(self) -> None:
+        for m in self.modules:
+            if "forward" in m.__dict__:
+                del m.forward
+
+    def _anchor(self, device: torch.device) -> torch.Tensor:
+        anchor = self._anchors.get(device)
+        if anchor is None:
+            anchor = self._anchors[device] = torch.zeros(0, device=device, requires_grad=True)
+        return anchor
+
+    def _forward(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if not (torch.is_grad_enabled() and weight.requires_grad):
+            return nn.Embedding.forward(module, ids)
+        return _EmbeddingRowsFunction.apply(ids, weight.detach(), self._anchor(weight.device),
+                                            module, self._sink)
+
+
+class RowsPayload:
+    """One rank's rows of one backward, packed for the all-gather: a header (rows, values), per
+    row (group number, flat start in the group's buffer, length), then the values (fp32)."""
+
+    HEADER = 2
+
+    @staticmethod
+    def pack(entries: list[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float,
+             device: torch.device) -> torch.Tensor:
+        """``entries``: (group number, slot offset, unique ids, rows (n x row numel)); values
+        multiplied by ``scale`` (1 / data-parallel ranks). A uint8 tensor."""
+        metas, values = [], []
+        for number, offset, ids, rows in entries:
+            width = rows.shape[1] if rows.dim() == 2 else 0
+            meta = torch.empty(ids.numel(), 3, dtype=torch.int64, device=device)
+            meta[:, 0] = number
+            meta[:, 1] = ids.to(device) * width + offset
+            meta[:, 2] = width
+            metas.append(meta)
+            values.append(rows.reshape(-1).to(device=device, dtype=torch.float32) * scale)
+        meta = torch.cat(metas) if metas else torch.empty(0, 3, dtype=torch.int64, device=device)
+        vals = torch.cat(values) if values else torch.empty(0, dtype=torch.float32, device=device)
+        header = torch.tensor([meta.shape[0], vals.numel()], dtype=torch.int64, device=device)
+        return torch.cat([header.view(torch.uint8), meta.reshape(-1).view(torch.uint8),
+                          vals.view(torch.uint8)])
+
+    @staticmethod
+    def unpack(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(group number per element, flat index per element, value per element) of one rank's
+        payload (its padding ignored)."""
+        head = RowsPayload.HEADER * 8
+        n_rows, n_values = payload[:head].view(torch.int64).tolist()
+        meta_end = head + n_rows * 24
+        meta = payload[head:meta_end].view(torch.int64).view(n_rows, 3)
+        values = payload[meta_end:meta_end + n_values * 4].view(torch.float32)
+        lens = meta[:, 2]
+        starts_of = torch.cumsum(lens, 0) - lens
+        within = torch.arange(n_values, device=payload.device) - \
+            torch.repeat_interleave(starts_of, lens, output_size=n_values)
+        index = torch.repeat_interleave(meta[:, 1], lens, output_size=n_values) + within
+        number = torch.repeat_interleave(meta[:, 0], lens, output_size=n_values)
+        return number, index, values

@@ -1,0 +1,195 @@
+"""Embedding gradients crossing ranks as rows ([Note: embedding rows cross ranks as rows] in
+infinity/zero/_embedding_rows.py), on 2 gloo ranks, against one process of plain PyTorch
+(``torch.optim.AdamW``) on the global batch: a tied GPT with a vocabulary large enough to be
+tapped at every stage, with gradient accumulation, clipping, an offloaded optimizer and bf16;
+and a model whose second embedding one rank uses in some steps, with an untied head and a
+padding index."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._support.launch import launch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_torch_thread")]
+
+STEPS = 4
+VOCAB = 4099  # at least MIN_VOCABULARY_ROWS, and not a multiple of anything convenient
+CONFIGS = [  # (name, stage, dtype, gradient accumulation steps, clip, extra engine settings)
+    *[(f"s{s}-fp32", s, "fp32", 1, 0.0, {}) for s in (0, 1, 2, 3)],
+    ("s3-fp32-gas2-clip", 3, "fp32", 2, 0.05, {}),
+    ("s2-fp32-gas2-cpu-adam", 2, "fp32", 2, 0.05, {"opt": "cpu"}),
+    ("s3-fp32-cpu-adam", 3, "fp32", 1, 0.0, {"opt": "cpu"}),
+    ("s3-fp32-gas2-nvme", 3, "fp32", 2, 0.05, {"opt": "nvme", "param": "nvme",
+                                               "host": 4 << 20}),
+    ("s3-bf16-gas2-clip", 3, "bf16", 2, 0.05, {}),
+    # The root in pieces ([Note: a large reduction spread over the backward]): pieces of 8000
+    # elements instead of a million, so that this small root is cut.
+    ("s3-fp32-pieces", 3, "fp32", 1, 0.0, {"min_piece_numel": 8000}),
+    ("s2-fp32-gas2-clip-pieces", 2, "fp32", 2, 0.05, {"min_piece_numel": 8000}),
+]
+
+
+def _gpt_config():
+    from infinity.models.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=16)
+
+
+def worker_gpt(rank: int, world_size: int, out_dir: str) -> dict:
+    import os
+
+    import infinity
+    from infinity.zero import _reduce_order
+    from tests._support.engine import (batches, engine_config, engine_train, offload_config,
+                                       tiny_gpt)
+
+    out = {}
+    default_piece = _reduce_order.MIN_PIECE_NUMEL
+    for name, stage, dtype, gas, clip, extra in CONFIGS:
+        extra = dict(extra)
+        _reduce_order.MIN_PIECE_NUMEL = extra.pop("min_piece_numel", default_piece)
+        if extra:  # the stored gradient slices too: [Note: gradients on NVMe]
+            config = offload_config(os.path.join(out_dir, f"swap-{name}-r{rank}"), stage=stage,
+                                    dtype=dtype, gas=gas, clip=clip, sub_group_numel=5000,
+                                    **extra)
+        else:
+            config = engine_config(stage=stage, dtype=dtype, gas=gas, clip=clip)
+        engine = infinity.initialize(tiny_gpt(config=_gpt_config()), config)
+        reduced: list[str] = []  # the units' reductions, in issue order
+        issue = engine.manager.storage.issue_reduce
+
+        def logged(unit, phase, step, *, pieces=1, issue=issue, reduced=reduced):
+            reduced.append(f"{phase.value}:{unit.name}" + (f"/{pieces}" if pieces > 1 else ""))
+            issue(unit, phase, step, pieces=pieces)
+        engine.manager.storage.issue_reduce = logged
+        losses = engine_train(engine, batches(STEPS, gas, config=_gpt_config()), rank=rank,
+                              world_size=world_size)
+        root = next(u for u in engine.manager.units if u.name == "<root>")
+        out[name] = {"losses": losses, "state": engine.full_state_dict(),
+                     "sent": engine.stats()["collective_bytes_sent"], "reduced": reduced,
+                     "root_padded_numel": sum(g.padded_numel for g in root.groups),
+                     "trainable_padded_numel": sum(g.padded_numel for u in engine.manager.units
+                                                   for g in u.groups if g.requires_grad)}
+        engine.close()
+    return out
+
+
+def test_a_tied_vocabulary_reduced_as_rows_trains_as_plain_pytorch():
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
+
+    results = launch(__file__, "worker_gpt", timeout_s=300)
+    for name, _stage, dtype, gas, clip, _extra in CONFIGS:
+        ref_losses, ref_state = reference_train(
+            tiny_gpt(config=_gpt_config()), batches(STEPS, gas, config=_gpt_config()),
+            dtype=dtype, clip=clip, splits=1 if dtype == "fp32" else 2)
+        for res in results:
+            got = res[name]
+            assert_close_run(got["losses"], got["state"], ref_losses, ref_state, dtype)
+        got = results[0][name]
+        # The root (the tied table and the position table) is complete at the head's backward,
+        # so it is reduced first in every backward, ahead of the blocks.
+        backwards = STEPS * gas
+        root = "reduce-grad:<root>/4" if "pieces" in name else "reduce-grad:<root>"
+        assert got["reduced"] == [root, "reduce-grad:blocks.1", "reduce-grad:blocks.0",
+                                  "reduce-grad:<persistent>"] * backwards, name
+        # Each trainable element is reduced densely once per backward (the tables' slots hold
+        # the head's gradient, and zeros for the position table); the tokens' rows on top, in
+        # far fewer bytes than the tables.
+        sent = got["sent"]
+        assert sent["reduce-grad"] == backwards * got["trainable_padded_numel"] * 4, name
+        assert 0 < sent["reduce-rows"] < backwards * got["root_padded_numel"] * 4 / 10, name
+        assert "flush" not in sent, name
+
+
+def worker_branch(rank: int, world_size: int, out_dir: str) -> dict:
+    import infinity
+    from tests._support.engine import engine_config
+    from tests._support.rows_model import RowsModel, batch, run_record, uses_extra
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = RowsModel()
+        engine = infinity.initialize(model, engine_config(stage=stage, gas=2, clip=0.05,
+                                                          unit_class_names=("Layer",)))
+        losses = []
+        for t in range(STEPS):
+            for m in range(2):
+                engine.module.use_extra = uses_extra(rank, t, m)
+                idx, targets = batch(t, m)
+                loss = engine(idx.chunk(world_size)[rank], targets.chunk(world_size)[rank])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        out[stage] = run_record(engine, model, losses)
+        out[stage]["sent"] = engine.stats()["collective_bytes_sent"]
+        engine.close()
+    return out
+
+
+def test_an_embedding_one_rank_uses_trains_as_plain_pytorch():
+    """The second table (tapped: its unit has a vocabulary) is used by rank 0 in even steps'
+    first micro-batch only: its rows come from one rank, and in odd steps from none, so it is not
+    stepped then (torch's rule). The token table has a padding index and an untied head."""
+    from tests._support.engine import assert_close_state
+    from tests._support.rows_model import reference
+
+    ref_losses, ref_state, ref_steps = reference(STEPS, gas=2)
+    assert ref_steps["extra.weight"] == (STEPS + 1) // 2 and ref_steps["head.weight"] == STEPS
+    results = launch(__file__, "worker_branch", timeout_s=300)
+    for stage in (0, 1, 2, 3):
+        for rank, res in enumerate(results):
+            got = res[stage]
+            assert got["losses"] == pytest.approx(ref_losses[rank], abs=1e-5), stage
+            assert_close_state(got["state"], ref_state, atol=2e-5)
+            assert got["steps"] == ref_steps, stage
+            assert got["sent"]["reduce-rows"] > 0, stage
+
+
+FALLBACK_STEPS = 3
+
+
+def _fallback_config():
+    from infinity.models.gpt import GPTConfig
+
+    # 4096 x 4 table: 64 KiB; 32 x 64 tokens a rank touch ~1600 rows (40 B each with their
+    # index): the rows are more bytes than the table.
+    return GPTConfig(vocab_size=4096, block_size=64, n_layer=1, n_head=1, n_embd=4)
+
+
+def _fallback_data():
+    import torch
+
+    def tokens(seed):
+        return torch.randint(0, 4096, (64, 64), generator=torch.Generator().manual_seed(seed))
+    return [[(tokens(s), tokens(99 + s))] for s in range(FALLBACK_STEPS)]
+
+
+def worker_fallback(rank: int, world_size: int, out_dir: str) -> dict:
+    import infinity
+    from tests._support.engine import engine_config, engine_train, tiny_gpt
+
+    engine = infinity.initialize(tiny_gpt(config=_fallback_config()), engine_config(stage=3))
+    tapped_at_start = engine.manager._rows is not None
+    losses = engine_train(engine, _fallback_data(), rank=rank, world_size=world_size)
+    units = engine.manager.units
+    out = {"losses": losses, "state": engine.full_state_dict(), "tapped": tapped_at_start,
+           "tapped_after": engine.manager._rows is not None,
+           "sent": engine.stats()["collective_bytes_sent"],
+           "trainable": sum(g.padded_numel for u in units for g in u.groups if g.requires_grad),
+           "root": sum(g.padded_numel for u in units if u.name == "<root>" for g in u.groups)}
+    engine.close()
+    return out
+
+
+def test_rows_larger_than_their_table_are_reduced_densely_and_then_no_longer_tapped():
+    from tests._support.engine import assert_close_run, reference_train, tiny_gpt
+
+    ref_losses, ref_state = reference_train(tiny_gpt(config=_fallback_config()), _fallback_data())
+    for got in launch(__file__, "worker_fallback", timeout_s=300):
+        assert_close_run(got["losses"], got["state"], ref_losses, ref_state, "fp32")
+        assert got["tapped"] and not got["tapped_after"]
+        # The first backward reduces the root twice (its head's gradient in the hooks, the
+        # rows densely at the end); then once a backward, through autograd.
+        assert "reduce-rows" not in got["sent"]
+        assert got["sent"]["reduce-grad"] == 4 * (FALLBACK_STEPS * got["trainable"] + got["root"])
