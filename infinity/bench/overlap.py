@@ -172,7 +172,10 @@ def link_edges_s(head_log: list[tuple[str, str | None, float]],
     only when the backward's compute ends, and the step reads them. On a GPT with tied
     embeddings that unit is the root (the embedding is used first, the tied head's gradient
     is summed into it last): on the 135M preset 29 % of the parameters, so the largest gather
-    and the largest reduction of the step. A unit's transfers in a row count together (its
+    and the largest reduction of the step. With several ranks its embeddings' gradient crosses
+    as rows ([Note: embedding rows cross ranks as rows] in infinity/zero/_embedding_rows.py):
+    the head's part is reduced at the start of the backward, and the root's last transfer, the
+    tail, is the rows' all-gather (a few MB). A unit's transfers in a row count together (its
     groups; hpZ's or the replicas' second collective). Without a forward gather to name the
     first unit (stages 1-2) the tail is the last unit's transfers alone: a looser bound."""
     heads = _units(head_log, head_tags)

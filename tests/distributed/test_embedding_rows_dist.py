@@ -193,3 +193,54 @@ def test_rows_larger_than_their_table_are_reduced_densely_and_then_no_longer_tap
         # rows densely at the end); then once a backward, through autograd.
         assert "reduce-rows" not in got["sent"]
         assert got["sent"]["reduce-grad"] == 4 * (FALLBACK_STEPS * got["trainable"] + got["root"])
+
+
+LINK = dict(bandwidth_gbytes_per_s=0.2, latency_us=300.0, poison_until_wait=True)
+"""A slow link whose transfers land only at their wait (as in test_overlap_dist.py)."""
+
+
+def worker_link(rank: int, world_size: int, out_dir: str, sabotage: bool) -> dict:
+    """Stages 3 and 2, the root in pieces, under the poisoning link; ``sabotage``: the pieces'
+    reduction accumulated without waiting for its collectives."""
+    import infinity
+    from infinity import LinkModel
+    from infinity.zero import _grad_reducer, _reduce_order
+    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
+
+    _reduce_order.MIN_PIECE_NUMEL = 8000
+    if sabotage:
+        def no_wait(self):
+            while self.issue_next():
+                pass
+            self.reducer._finish(self.group, self.part.to(self.staging_dtype))
+        _grad_reducer._PiecewiseReduction.wait = no_wait
+    out = {}
+    for stage in (3, 2):
+        engine = infinity.initialize(tiny_gpt(config=_gpt_config()), engine_config(stage=stage),
+                                     comm_link=LinkModel(**LINK))
+        losses = engine_train(engine, batches(STEPS, 1, config=_gpt_config()), rank=rank,
+                              world_size=world_size)
+        out[stage] = {"losses": losses, "state": engine.full_state_dict(),
+                      "sent": engine.stats()["collective_bytes_sent"]}
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_pieces_and_rows_under_a_slow_link_and_a_missing_wait(sabotage):
+    import math
+
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
+
+    results = launch(__file__, "worker_link", timeout_s=300, args={"sabotage": sabotage})
+    ref_losses, ref_state = reference_train(tiny_gpt(config=_gpt_config()),
+                                            batches(STEPS, 1, config=_gpt_config()))
+    for res in results:
+        for stage in (3, 2):
+            got = res[stage]
+            assert got["sent"]["reduce-rows"] > 0
+            if sabotage:  # the pieces' results land at their wait: without it, NaN
+                values = got["losses"] + [float(v.abs().sum()) for v in got["state"].values()]
+                assert not all(math.isfinite(v) for v in values), stage
+            else:
+                assert_close_run(got["losses"], got["state"], ref_losses, ref_state, "fp32")
