@@ -244,3 +244,43 @@ def test_pieces_and_rows_under_a_slow_link_and_a_missing_wait(sabotage):
                 assert not all(math.isfinite(v) for v in values), stage
             else:
                 assert_close_run(got["losses"], got["state"], ref_losses, ref_state, "fp32")
+
+
+MESH_CASES = [  # (name, stage, mesh section)
+    ("hsdp-s3", 3, {"replicate": 2, "shard": 2}),
+    ("hsdp-s2", 2, {"replicate": 2, "shard": 2}),
+    ("ddp4-s1", 1, {"shard": 1}),
+]
+
+
+def worker_mesh(rank: int, world_size: int, out_dir: str) -> dict:
+    """4 ranks over a mesh, the root in pieces: the rows are all-gathered over all four
+    data-parallel ranks (no replica sum after them), the pieces summed across the replicas."""
+    import infinity
+    from infinity.zero import _reduce_order
+    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
+
+    _reduce_order.MIN_PIECE_NUMEL = 8000
+    out = {}
+    for name, stage, mesh in MESH_CASES:
+        engine = infinity.initialize(tiny_gpt(config=_gpt_config()),
+                                     engine_config(stage=stage, clip=0.05, mesh=mesh))
+        losses = engine_train(engine, batches(STEPS, 1, config=_gpt_config()), rank=rank,
+                              world_size=world_size)
+        out[name] = {"losses": losses, "state": engine.full_state_dict(),
+                     "sent": engine.stats()["collective_bytes_sent"]}
+        engine.close()
+    return out
+
+
+def test_rows_and_pieces_over_a_mesh_train_as_plain_pytorch():
+    from tests._support.engine import assert_close_run, batches, reference_train, tiny_gpt
+
+    ref_losses, ref_state = reference_train(tiny_gpt(config=_gpt_config()),
+                                            batches(STEPS, 1, config=_gpt_config()), clip=0.05)
+    results = launch(__file__, "worker_mesh", world_size=4, timeout_s=300)
+    for name, _stage, _mesh in MESH_CASES:
+        for rank in (0, 3):
+            got = results[rank][name]
+            assert_close_run(got["losses"], got["state"], ref_losses, ref_state, "fp32")
+            assert got["sent"]["reduce-rows"] > 0, name
