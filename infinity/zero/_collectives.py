@@ -394,6 +394,20 @@ class Collectives:
         self._run(context, dist.all_to_all_single, out, inp,
                   wire_bytes=self._ring(inp.numel() * inp.element_size()), phase=phase)
 
+    def all_to_all_uneven(self, out: torch.Tensor, inp: torch.Tensor, *, out_splits: list[int],
+                          in_splits: list[int], context: str, phase: Phase = Phase.OTHER
+                          ) -> None:
+        """Rank r's ``out`` chunk s (``out_splits[s]`` elements) receives rank s's ``inp`` chunk r
+        (``in_splits[r]``). Counted and charged to the link as what this rank sends to the
+        others (its own chunk stays)."""
+        if self.world_size == 1:
+            out.copy_(inp)
+            return
+        sent = (sum(in_splits) - in_splits[self.rank]) * inp.element_size()
+        self._count(phase, sent)
+        self._run(context, dist.all_to_all_single, out, inp, output_split_sizes=out_splits,
+                  input_split_sizes=in_splits, wire_bytes=sent, phase=phase)
+
     def all_reduce_sum(self, tensor: torch.Tensor, *, context: str,
                        phase: Phase = Phase.OTHER) -> None:
         self.all_reduce_sum_async(tensor, context=context, phase=phase).wait()

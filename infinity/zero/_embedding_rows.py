@@ -22,12 +22,16 @@ summed gradient rows in fp32) to the parameter manager instead of a gradient. A 
 tensor that requires grad (the *anchor*) is the Function's only differentiable input: it makes
 autograd run the backward, and gets no gradient.
 
-At the end of backward the manager reduces the rows of every rank in one all-gather over the
-data-parallel group (padded to the largest rank's rows, whose size rides on the end-of-backward
-flags all-reduce that runs anyway), and each rank adds the rows that fall in its partition into
-its accumulator: (W - 1) x a few MB on the wire instead of the table, exact fp32 sums. Where the
-rows are not smaller than the table (huge batches, tiny vocabularies) the ranks, agreeing
-through the same flags, add them into the staging buffer instead and reduce the unit densely.
+At the end of backward the manager reduces the rows. At stages 2-3 without replicas each row
+goes to the rank whose shard holds it (split where it crosses a shard's end): an all-to-all of
+the chunks' sizes, then one of the chunks, so a rank sends and receives about its own rows' bytes
+(a few MB instead of the table) whatever the number of ranks. Where every rank needs every row
+(stages 0-1, or replicas over a mesh) they are all-gathered over the data-parallel group, padded
+to the largest rank's. Each rank adds what falls in its partition into its accumulator: exact
+fp32 sums. What the largest rank sends rides on the end-of-backward flags all-reduce that runs
+anyway; where that is not fewer bytes than reducing the tables densely (huge batches, tiny
+vocabularies, all-gathers over many ranks) the ranks, agreeing through the same flags, add the
+rows into the staging buffer instead, reduce the units densely, and remove the taps for good.
 The reduction order ([Note: every rank reduces every unit in one order]) places a unit by its
 gradients that autograd accumulates, so the root with a tied head is reduced first.
 
@@ -170,9 +174,59 @@ class RowsPayload:
             values.append(rows.reshape(-1).to(device=device, dtype=torch.float32) * scale)
         meta = torch.cat(metas) if metas else torch.empty(0, 3, dtype=torch.int64, device=device)
         vals = torch.cat(values) if values else torch.empty(0, dtype=torch.float32, device=device)
-        header = torch.tensor([meta.shape[0], vals.numel()], dtype=torch.int64, device=device)
-        return torch.cat([header.view(torch.uint8), meta.reshape(-1).view(torch.uint8),
-                          vals.view(torch.uint8)])
+        return RowsPayload._bytes(meta, vals)
+
+    @staticmethod
+    def pack_routed(entries: list[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float,
+                    device: torch.device, *, shard_numel: list[int], world: int
+                    ) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`pack`, one payload per destination rank, concatenated: each row goes to the
+        rank whose shard of its group holds it (``shard_numel[group number]`` elements each),
+        split in two where it crosses a shard's end. Returns the bytes and each destination's
+        byte count (each a multiple of 8)."""
+        metas, values = [], []
+        for number, offset, ids, rows in entries:
+            width = rows.shape[1]
+            if not ids.numel() or not width:
+                continue
+            shard = shard_numel[number]
+            starts = ids.to(device) * width + offset
+            first = starts // shard
+            parts = (starts + width - 1) // shard - first + 1
+            row = torch.repeat_interleave(torch.arange(ids.numel(), device=device), parts)
+            j = torch.arange(row.numel(), device=device) - torch.repeat_interleave(
+                torch.cumsum(parts, 0) - parts, parts)
+            dest = first[row] + j
+            lo = torch.maximum(starts[row], dest * shard)
+            hi = torch.minimum(starts[row] + width, (dest + 1) * shard)
+            meta = torch.stack([torch.full_like(lo, number), lo, hi - lo, dest], 1)
+            flat = rows.reshape(-1).to(device=device, dtype=torch.float32) * scale
+            lens = hi - lo
+            within = torch.arange(int(lens.sum()), device=device) - torch.repeat_interleave(
+                torch.cumsum(lens, 0) - lens, lens)
+            base = torch.repeat_interleave(row * width + (lo - starts[row]), lens)
+            metas.append(meta)
+            values.append((torch.repeat_interleave(dest, lens), flat[base + within]))
+        chunks, sizes = [], []
+        for d in range(world):
+            mine = [m[m[:, 3] == d, :3] for m in metas]
+            vals = [v[dd == d] for dd, v in values]
+            chunk = RowsPayload._bytes(torch.cat(mine) if mine else
+                                       torch.empty(0, 3, dtype=torch.int64, device=device),
+                                       torch.cat(vals) if vals else
+                                       torch.empty(0, dtype=torch.float32, device=device))
+            pad = -chunk.numel() % 8
+            if pad:
+                chunk = torch.cat([chunk, torch.zeros(pad, dtype=torch.uint8, device=device)])
+            chunks.append(chunk)
+            sizes.append(chunk.numel())
+        return torch.cat(chunks), sizes
+
+    @staticmethod
+    def _bytes(meta: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        header = torch.tensor([meta.shape[0], vals.numel()], dtype=torch.int64, device=vals.device)
+        return torch.cat([header.view(torch.uint8), meta.contiguous().reshape(-1).view(torch.uint8),
+                          vals.contiguous().view(torch.uint8)])
 
     @staticmethod
     def unpack(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

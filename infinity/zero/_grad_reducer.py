@@ -304,7 +304,14 @@ class GradientReducer:
             return staging
         return _GroupReduction(self, g, handle, reduced, (staging, wire))
 
-    def reduce_rows(self, payload: torch.Tensor, max_bytes: int, groups: list[FlatGroup], *,
+    @property
+    def routes_rows(self) -> bool:
+        """Rows go to the rank whose shard holds them (:meth:`route_rows`): every partition is a
+        shard (stages 2-3) and no replica needs them too; else every rank gets every rank's rows
+        (:meth:`gather_rows`)."""
+        return self.config.stage >= 2 and self.coll.replicate is None
+
+    def gather_rows(self, payload: torch.Tensor, max_bytes: int, groups: list[FlatGroup], *,
                     context: str) -> None:
         """[Note: embedding rows cross ranks as rows] in infinity/zero/_embedding_rows.py:
         all-gather every data-parallel rank's packed rows (``payload``, this rank's; padded to
@@ -317,7 +324,30 @@ class GradientReducer:
         mine = torch.zeros(max_bytes, dtype=torch.uint8, device=payload.device)
         mine[:payload.numel()] = payload
         world.all_gather(out, mine, context=context, phase=Phase.REDUCE_ROWS)
-        parts = [RowsPayload.unpack(out[r * max_bytes:(r + 1) * max_bytes]) for r in range(size)]
+        self._add_rows([out[r * max_bytes:(r + 1) * max_bytes] for r in range(size)], groups)
+
+    def route_rows(self, payload: torch.Tensor, sizes: list[int], groups: list[FlatGroup], *,
+                   context: str) -> None:
+        """:meth:`gather_rows` for :attr:`routes_rows`: ``payload`` holds one chunk per shard
+        rank (``sizes`` bytes each, :meth:`RowsPayload.pack_routed`); an all-to-all of the sizes,
+        then one of the chunks, so each rank receives only the rows of its shard: the bytes of
+        one rank's rows, whatever the number of ranks."""
+        device = payload.device
+        send = torch.tensor(sizes, dtype=torch.int64, device=device)
+        recv = torch.empty_like(send)
+        self.coll.all_to_all(recv, send, context=f"{context}: sizes", phase=Phase.REDUCE_ROWS)
+        recv_sizes = recv.tolist()
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+        self.coll.all_to_all_uneven(out, payload, out_splits=recv_sizes, in_splits=sizes,
+                                    context=context, phase=Phase.REDUCE_ROWS)
+        bounds = [0]
+        for n in recv_sizes:
+            bounds.append(bounds[-1] + n)
+        self._add_rows([out[lo:hi] for lo, hi in zip(bounds, bounds[1:])], groups)
+
+    def _add_rows(self, chunks: list[torch.Tensor], groups: list[FlatGroup]) -> None:
+        """Add the rows of packed ``chunks`` that fall in this rank's partition of each group."""
+        parts = [RowsPayload.unpack(c) for c in chunks]
         number = torch.cat([p[0] for p in parts])
         index = torch.cat([p[1] for p in parts])
         values = torch.cat([p[2] for p in parts])

@@ -754,11 +754,18 @@ class ParameterManager:
         n = len(self.units)
         flags = [int(any(g.grad_staging is not None for g in u.groups)) for u in self.units]
         flags += [int(u.num_trainable > 0 and not u.every_grad_arrived) for u in self.units]
-        payload = None
+        payload, sizes = None, None
         if self._rows is not None:  # [Note: embedding rows cross ranks as rows]
             entries, self._row_entries = self._row_entries, []
-            payload = RowsPayload.pack(entries, 1.0 / self.coll.data_parallel_size, self.device)
-            flags.append(-(-payload.numel() // 8) * 8)  # the largest rank's pads every one's
+            scale = 1.0 / self.coll.data_parallel_size
+            if self.reducer.routes_rows:  # the bytes this rank sends
+                payload, sizes = RowsPayload.pack_routed(
+                    entries, scale, self.device, world=self.world_size,
+                    shard_numel=[g.shard_numel for g in self._row_groups])
+                flags.append(payload.numel() - sizes[self.rank])
+            else:  # the largest rank's pads every one's
+                payload = RowsPayload.pack(entries, scale, self.device)
+                flags.append(-(-payload.numel() // 8) * 8)
         if self.coll.data_parallel_size > 1:  # replicas must agree too: they reduce together
             pending = torch.tensor(flags, dtype=torch.int64, device=self.device)
             self.coll.all_reduce_max(pending,
@@ -769,7 +776,7 @@ class ParameterManager:
                 self._reduce(unit, Phase.FLUSH)
         self.storage.wait_reductions()
         if payload is not None:
-            self._reduce_rows(entries, payload, flags[2 * n])
+            self._reduce_rows(entries, payload, sizes, flags[2 * n])
         self.presence.end_backward({u.index for u, f in zip(self.units, flags[n:2 * n]) if f})
         self._ahead_on = False  # nothing is kept past the step
         self._drop_holds()
@@ -779,20 +786,25 @@ class ParameterManager:
         self._to(TrainingState.IDLE)
 
     def _reduce_rows(self, entries: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-                     payload: torch.Tensor, max_bytes: int) -> None:
-        """The end of backward's rows, on every rank: all-gathered as rows while that moves
-        fewer bytes than reducing their groups densely, else added into the staging buffers and
-        reduced with their units (every rank takes the same branch: ``max_bytes`` is the
-        largest rank's)."""
-        if max_bytes <= RowsPayload.HEADER * 8:
-            return  # no rank has rows
+                     payload: torch.Tensor, sizes: list[int] | None, max_bytes: int) -> None:
+        """The end of backward's rows, on every rank: sent as rows (to the rank holding each,
+        ``sizes`` per rank, or to every rank) while that moves fewer bytes than reducing their
+        groups densely, else added into the staging buffers and reduced with their units (every
+        rank takes the same branch: ``max_bytes``, what the largest rank sends or pads to, is
+        the same everywhere)."""
         ranks = self.coll.data_parallel_size
         dense_bytes = sum(g.padded_numel for g in self._row_groups) * 4
         names = ", ".join(f"unit {u.index} {u.name!r}" for u in self.units
                           if any(g in self._row_groups for g in u.groups))
         context = f"reduce of the embedding rows of {names} (micro-step {self.micro_step})"
-        if ranks * max_bytes < dense_bytes:
-            self.reducer.reduce_rows(payload, max_bytes, self._row_groups, context=context)
+        if sizes is not None:  # a reduce-scatter sends (W - 1) / W of the buffer
+            if max_bytes < dense_bytes * (ranks - 1) / ranks:
+                self.reducer.route_rows(payload, sizes, self._row_groups, context=context)
+                return
+        elif max_bytes <= RowsPayload.HEADER * 8:
+            return  # no rank has rows
+        elif ranks * max_bytes < dense_bytes:
+            self.reducer.gather_rows(payload, max_bytes, self._row_groups, context=context)
             return
         for number, offset, ids, rows in entries:
             group = self._row_groups[number]

@@ -152,8 +152,8 @@ FALLBACK_STEPS = 3
 def _fallback_config():
     from infinity.models.gpt import GPTConfig
 
-    # 4096 x 4 table: 64 KiB; 32 x 64 tokens a rank touch ~1600 rows (40 B each with their
-    # index): the rows are more bytes than the table.
+    # 4096 x 4 table: 64 KiB; 128 x 64 tokens a rank touch ~3500 rows (40 B each with their
+    # index), half of them sent to the other rank: more bytes than half the table.
     return GPTConfig(vocab_size=4096, block_size=64, n_layer=1, n_head=1, n_embd=4)
 
 
@@ -161,7 +161,7 @@ def _fallback_data():
     import torch
 
     def tokens(seed):
-        return torch.randint(0, 4096, (64, 64), generator=torch.Generator().manual_seed(seed))
+        return torch.randint(0, 4096, (256, 64), generator=torch.Generator().manual_seed(seed))
     return [[(tokens(s), tokens(99 + s))] for s in range(FALLBACK_STEPS)]
 
 
@@ -247,6 +247,7 @@ def test_pieces_and_rows_under_a_slow_link_and_a_missing_wait(sabotage):
 
 
 MESH_CASES = [  # (name, stage, mesh section)
+    ("shard4-s3", 3, {}),  # each rank's rows go to the three others' shards (an all-to-all)
     ("hsdp-s3", 3, {"replicate": 2, "shard": 2}),
     ("hsdp-s2", 2, {"replicate": 2, "shard": 2}),
     ("ddp4-s1", 1, {"shard": 1}),
@@ -254,8 +255,9 @@ MESH_CASES = [  # (name, stage, mesh section)
 
 
 def worker_mesh(rank: int, world_size: int, out_dir: str) -> dict:
-    """4 ranks over a mesh, the root in pieces: the rows are all-gathered over all four
-    data-parallel ranks (no replica sum after them), the pieces summed across the replicas."""
+    """4 ranks, the root in pieces: over 4 shards the rows are routed to their shards; over a
+    mesh they are all-gathered over all four data-parallel ranks (no replica sum after them),
+    the pieces summed across the replicas."""
     import infinity
     from infinity.zero import _reduce_order
     from tests._support.engine import batches, engine_config, engine_train, tiny_gpt

@@ -126,3 +126,23 @@ def test_a_unit_much_larger_than_the_others_is_spread_over_the_units_after_it():
     assert spread_pieces([1, 5, 4, 3, 2, 0], {1: 3 * MIN_PIECE_NUMEL, **blocks, 0: 10}) == {}
     assert spread_pieces([5, 4, 3, 2, 1], {1: 39 * MIN_PIECE_NUMEL, **blocks}) == {}  # last
     assert spread_pieces([1, 5, 4], {1: 3 * MIN_PIECE_NUMEL + 5, 5: 100, 4: 100}) == {1: 3}
+
+
+def test_routed_rows_go_to_the_shard_that_holds_them_split_at_its_end():
+    """Three shards of 10 elements, rows of 4 from offset 2: the row of id 4 ([18, 22)) is cut
+    at 20; every chunk unpacks to its own shard's indices, and together to the rows."""
+    ids = torch.tensor([0, 2, 1, 5, 4])
+    rows = torch.arange(20, dtype=torch.float32).view(5, 4)
+    payload, sizes = RowsPayload.pack_routed([(0, 2, ids, rows)], 0.5, torch.device("cpu"),
+                                             shard_numel=[10], world=3)
+    assert sum(sizes) == payload.numel() and all(n % 8 == 0 for n in sizes)
+    want = torch.zeros(30)
+    for r, i in enumerate(ids.tolist()):
+        want[2 + 4 * i:6 + 4 * i] = rows[r] / 2
+    got, at = torch.zeros(30), 0
+    for dest, n in enumerate(sizes):
+        number, index, values = RowsPayload.unpack(payload[at:at + n])
+        at += n
+        assert bool(((index // 10) == dest).all()) and bool((number == 0).all())
+        got.index_add_(0, index, values)
+    assert torch.equal(got, want)
