@@ -195,6 +195,20 @@ def test_rows_larger_than_their_table_are_reduced_densely_and_then_no_longer_tap
         assert got["sent"]["reduce-grad"] == 4 * (FALLBACK_STEPS * got["trainable"] + got["root"])
 
 
+def _train_gpt(rank: int, world_size: int, config: dict, **initialize) -> dict:
+    """The tapped GPT trained for STEPS steps: losses, the full state, the bytes by kind."""
+    import infinity
+    from tests._support.engine import batches, engine_train, tiny_gpt
+
+    engine = infinity.initialize(tiny_gpt(config=_gpt_config()), config, **initialize)
+    losses = engine_train(engine, batches(STEPS, 1, config=_gpt_config()), rank=rank,
+                          world_size=world_size)
+    out = {"losses": losses, "state": engine.full_state_dict(),
+           "sent": engine.stats()["collective_bytes_sent"]}
+    engine.close()
+    return out
+
+
 LINK = dict(bandwidth_gbytes_per_s=0.2, latency_us=300.0, poison_until_wait=True)
 """A slow link whose transfers land only at their wait (as in test_overlap_dist.py)."""
 
@@ -202,10 +216,9 @@ LINK = dict(bandwidth_gbytes_per_s=0.2, latency_us=300.0, poison_until_wait=True
 def worker_link(rank: int, world_size: int, out_dir: str, sabotage: bool) -> dict:
     """Stages 3 and 2, the root in pieces, under the poisoning link; ``sabotage``: the pieces'
     reduction accumulated without waiting for its collectives."""
-    import infinity
     from infinity import LinkModel
     from infinity.zero import _grad_reducer, _reduce_order
-    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
+    from tests._support.engine import engine_config
 
     _reduce_order.MIN_PIECE_NUMEL = 8000
     if sabotage:
@@ -214,16 +227,8 @@ def worker_link(rank: int, world_size: int, out_dir: str, sabotage: bool) -> dic
                 pass
             self.reducer._finish(self.group, self.part.to(self.staging_dtype))
         _grad_reducer._PiecewiseReduction.wait = no_wait
-    out = {}
-    for stage in (3, 2):
-        engine = infinity.initialize(tiny_gpt(config=_gpt_config()), engine_config(stage=stage),
-                                     comm_link=LinkModel(**LINK))
-        losses = engine_train(engine, batches(STEPS, 1, config=_gpt_config()), rank=rank,
-                              world_size=world_size)
-        out[stage] = {"losses": losses, "state": engine.full_state_dict(),
-                      "sent": engine.stats()["collective_bytes_sent"]}
-        engine.close()
-    return out
+    return {stage: _train_gpt(rank, world_size, engine_config(stage=stage),
+                              comm_link=LinkModel(**LINK)) for stage in (3, 2)}
 
 
 @pytest.mark.parametrize("sabotage", [False, True])
@@ -258,21 +263,12 @@ def worker_mesh(rank: int, world_size: int, out_dir: str) -> dict:
     """4 ranks, the root in pieces: over 4 shards the rows are routed to their shards; over a
     mesh they are all-gathered over all four data-parallel ranks (no replica sum after them),
     the pieces summed across the replicas."""
-    import infinity
     from infinity.zero import _reduce_order
-    from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
+    from tests._support.engine import engine_config
 
     _reduce_order.MIN_PIECE_NUMEL = 8000
-    out = {}
-    for name, stage, mesh in MESH_CASES:
-        engine = infinity.initialize(tiny_gpt(config=_gpt_config()),
-                                     engine_config(stage=stage, clip=0.05, mesh=mesh))
-        losses = engine_train(engine, batches(STEPS, 1, config=_gpt_config()), rank=rank,
-                              world_size=world_size)
-        out[name] = {"losses": losses, "state": engine.full_state_dict(),
-                     "sent": engine.stats()["collective_bytes_sent"]}
-        engine.close()
-    return out
+    return {name: _train_gpt(rank, world_size, engine_config(stage=stage, clip=0.05, mesh=mesh))
+            for name, stage, mesh in MESH_CASES}
 
 
 def test_rows_and_pieces_over_a_mesh_train_as_plain_pytorch():
