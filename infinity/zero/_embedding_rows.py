@@ -152,38 +152,29 @@ class EmbeddingRows:
                                             module, self._sink)
 
 
+def _offsets_within(counts: torch.Tensor) -> torch.Tensor:
+    """For runs of ``counts`` elements laid end to end: each element's place in its run."""
+    total = int(counts.sum())
+    return torch.arange(total, device=counts.device) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts, output_size=total)
+
+
 class RowsPayload:
-    """One rank's rows of one backward, packed for the all-gather: a header (rows, values), per
-    row (group number, flat start in the group's buffer, length), then the values (fp32)."""
+    """Rows of one backward, packed for another rank: a header (rows, values), per row (group
+    number, flat start in the group's buffer, length), then the values (fp32)."""
 
     HEADER = 2
 
     @staticmethod
     def pack(entries: list[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device, *, shard_numel: list[int], world: int
+             ) -> tuple[torch.Tensor, list[int]]:
         """``entries``: (group number, slot offset, unique ids, rows (n x row numel)); values
-        multiplied by ``scale`` (1 / data-parallel ranks). A uint8 tensor."""
-        metas, values = [], []
-        for number, offset, ids, rows in entries:
-            width = rows.shape[1] if rows.dim() == 2 else 0
-            meta = torch.empty(ids.numel(), 3, dtype=torch.int64, device=device)
-            meta[:, 0] = number
-            meta[:, 1] = ids.to(device) * width + offset
-            meta[:, 2] = width
-            metas.append(meta)
-            values.append(rows.reshape(-1).to(device=device, dtype=torch.float32) * scale)
-        meta = torch.cat(metas) if metas else torch.empty(0, 3, dtype=torch.int64, device=device)
-        vals = torch.cat(values) if values else torch.empty(0, dtype=torch.float32, device=device)
-        return RowsPayload._bytes(meta, vals)
-
-    @staticmethod
-    def pack_routed(entries: list[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float,
-                    device: torch.device, *, shard_numel: list[int], world: int
-                    ) -> tuple[torch.Tensor, list[int]]:
-        """:meth:`pack`, one payload per destination rank, concatenated: each row goes to the
-        rank whose shard of its group holds it (``shard_numel[group number]`` elements each),
-        split in two where it crosses a shard's end. Returns the bytes and each destination's
-        byte count (each a multiple of 8)."""
+        multiplied by ``scale`` (1 / data-parallel ranks). One payload per destination rank,
+        concatenated: each row goes to the rank whose shard of its group holds it
+        (``shard_numel[group number]`` elements each), split in two where it crosses a shard's
+        end; ``world`` 1 with the groups' whole sizes is one payload for every rank. Returns the
+        bytes (uint8) and each destination's byte count (each a multiple of 8)."""
         metas, values = [], []
         for number, offset, ids, rows in entries:
             width = rows.shape[1]
@@ -194,19 +185,15 @@ class RowsPayload:
             first = starts // shard
             parts = (starts + width - 1) // shard - first + 1
             row = torch.repeat_interleave(torch.arange(ids.numel(), device=device), parts)
-            j = torch.arange(row.numel(), device=device) - torch.repeat_interleave(
-                torch.cumsum(parts, 0) - parts, parts)
-            dest = first[row] + j
+            dest = first[row] + _offsets_within(parts)
             lo = torch.maximum(starts[row], dest * shard)
             hi = torch.minimum(starts[row] + width, (dest + 1) * shard)
-            meta = torch.stack([torch.full_like(lo, number), lo, hi - lo, dest], 1)
-            flat = rows.reshape(-1).to(device=device, dtype=torch.float32) * scale
             lens = hi - lo
-            within = torch.arange(int(lens.sum()), device=device) - torch.repeat_interleave(
-                torch.cumsum(lens, 0) - lens, lens)
+            meta = torch.stack([torch.full_like(lo, number), lo, lens, dest], 1)
+            flat = rows.reshape(-1).to(device=device, dtype=torch.float32) * scale
             base = torch.repeat_interleave(row * width + (lo - starts[row]), lens)
             metas.append(meta)
-            values.append((torch.repeat_interleave(dest, lens), flat[base + within]))
+            values.append((torch.repeat_interleave(dest, lens), flat[base + _offsets_within(lens)]))
         chunks, sizes = [], []
         for d in range(world):
             mine = [m[m[:, 3] == d, :3] for m in metas]
@@ -238,9 +225,7 @@ class RowsPayload:
         meta = payload[head:meta_end].view(torch.int64).view(n_rows, 3)
         values = payload[meta_end:meta_end + n_values * 4].view(torch.float32)
         lens = meta[:, 2]
-        starts_of = torch.cumsum(lens, 0) - lens
-        within = torch.arange(n_values, device=payload.device) - \
-            torch.repeat_interleave(starts_of, lens, output_size=n_values)
-        index = torch.repeat_interleave(meta[:, 1], lens, output_size=n_values) + within
+        index = torch.repeat_interleave(meta[:, 1], lens, output_size=n_values) + \
+            _offsets_within(lens)
         number = torch.repeat_interleave(meta[:, 0], lens, output_size=n_values)
         return number, index, values

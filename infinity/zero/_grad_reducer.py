@@ -329,7 +329,7 @@ class GradientReducer:
     def route_rows(self, payload: torch.Tensor, sizes: list[int], groups: list[FlatGroup], *,
                    context: str) -> None:
         """:meth:`gather_rows` for :attr:`routes_rows`: ``payload`` holds one chunk per shard
-        rank (``sizes`` bytes each, :meth:`RowsPayload.pack_routed`); an all-to-all of the sizes,
+        rank (``sizes`` bytes each, :meth:`RowsPayload.pack`); an all-to-all of the sizes,
         then one of the chunks, so each rank receives only the rows of its shard: the bytes of
         one rank's rows, whatever the number of ranks."""
         device = payload.device

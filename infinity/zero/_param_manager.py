@@ -191,8 +191,8 @@ class ParameterManager:
                 self._row_slots[id(m.weight)] = (self._row_groups.index(group), slot)
                 if id(m.weight) in self._rows.rows_only:
                     unit.rows_only = unit.rows_only | {id(m.weight)}
-        self._row_entries: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        """This backward's rows: (group number, slot offset, unique ids, rows)."""
+        self._row_entries: list[tuple[int, ParamSlot, torch.Tensor, torch.Tensor]] = []
+        """This backward's rows: (group number, slot, unique ids, rows)."""
         self._reduce_order: ReduceOrder | None = None
         """[Note: every rank reduces every unit in one order]; None at one rank."""
         self._pieces: dict[int, int] = {}
@@ -534,7 +534,7 @@ class ParameterManager:
         unit = self._slot_of[id(param)][0]
         self._enter_backward()
         number, slot = self._row_slots[id(param)]
-        self._row_entries.append((number, slot.offset, ids, rows))
+        self._row_entries.append((number, slot, ids, rows))
         self.presence.note(param)
         unit.rows_arrived.add(id(param))
 
@@ -758,14 +758,17 @@ class ParameterManager:
         if self._rows is not None:  # [Note: embedding rows cross ranks as rows]
             entries, self._row_entries = self._row_entries, []
             scale = 1.0 / self.coll.data_parallel_size
+            packed = [(number, slot.offset, ids, rows) for number, slot, ids, rows in entries]
             if self.reducer.routes_rows:  # the bytes this rank sends
-                payload, sizes = RowsPayload.pack_routed(
-                    entries, scale, self.device, world=self.world_size,
+                payload, sizes = RowsPayload.pack(
+                    packed, scale, self.device, world=self.world_size,
                     shard_numel=[g.shard_numel for g in self._row_groups])
                 flags.append(payload.numel() - sizes[self.rank])
-            else:  # the largest rank's pads every one's
-                payload = RowsPayload.pack(entries, scale, self.device)
-                flags.append(-(-payload.numel() // 8) * 8)
+            else:  # every rank's, padded to the largest rank's
+                payload, _ = RowsPayload.pack(
+                    packed, scale, self.device, world=1,
+                    shard_numel=[g.padded_numel for g in self._row_groups])
+                flags.append(payload.numel())
         if self.coll.data_parallel_size > 1:  # replicas must agree too: they reduce together
             pending = torch.tensor(flags, dtype=torch.int64, device=self.device)
             self.coll.all_reduce_max(pending,
@@ -785,7 +788,7 @@ class ParameterManager:
         self.micro_step += 1
         self._to(TrainingState.IDLE)
 
-    def _reduce_rows(self, entries: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+    def _reduce_rows(self, entries: list[tuple[int, ParamSlot, torch.Tensor, torch.Tensor]],
                      payload: torch.Tensor, sizes: list[int] | None, max_bytes: int) -> None:
         """The end of backward's rows, on every rank: sent as rows (to the rank holding each,
         ``sizes`` per rank, or to every rank) while that moves fewer bytes than reducing their
@@ -806,9 +809,8 @@ class ParameterManager:
         elif ranks * max_bytes < dense_bytes:
             self.reducer.gather_rows(payload, max_bytes, self._row_groups, context=context)
             return
-        for number, offset, ids, rows in entries:
+        for number, slot, ids, rows in entries:
             group = self._row_groups[number]
-            slot = next(s for s in group.slots if s.offset == offset and s.numel)
             grad = torch.zeros(slot.numel, dtype=torch.float32, device=self.device)
             grad.view(-1, rows.shape[1]).index_add_(0, ids.to(self.device), rows.to(self.device))
             self.reducer.stage(group, slot, grad)

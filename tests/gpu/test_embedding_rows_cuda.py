@@ -36,7 +36,8 @@ def test_rows_on_the_gpu_sum_to_torchs_embedding_gradient():
     dense = torch.zeros_like(head_only)
     dense[unique] = rows
     torch.testing.assert_close(head_only + dense, table.weight.grad, rtol=1e-5, atol=1e-6)
-    payload = RowsPayload.pack([(0, 0, unique, rows)], 0.5, CUDA)
+    payload, _ = RowsPayload.pack([(0, 0, unique, rows)], 0.5, CUDA, shard_numel=[8192 * 64],
+                                  world=1)
     number, index, values = RowsPayload.unpack(payload)
     assert values.device.type == "cuda"
     back = torch.zeros(8192 * 64, device=CUDA).index_add_(0, index, values)

@@ -62,16 +62,19 @@ def test_small_tables_alone_and_what_changes_the_weight_are_not_tapped():
 def test_the_payload_gives_back_every_row_at_its_flat_index():
     rows_a = torch.arange(6, dtype=torch.float32).view(2, 3)
     rows_b = torch.arange(10, 14, dtype=torch.float32).view(1, 4)
-    payload = RowsPayload.pack([(0, 100, torch.tensor([0, 5]), rows_a),
-                                (1, 8, torch.tensor([2]), rows_b)], 0.5, torch.device("cpu"))
-    assert payload.dtype == torch.uint8
-    padded = torch.zeros(-(-payload.numel() // 8) * 8 + 16, dtype=torch.uint8)
+    payload, sizes = RowsPayload.pack([(0, 100, torch.tensor([0, 5]), rows_a),
+                                       (1, 8, torch.tensor([2]), rows_b)], 0.5,
+                                      torch.device("cpu"), shard_numel=[200, 50], world=1)
+    assert payload.dtype == torch.uint8 and sizes == [payload.numel()]
+    assert payload.numel() % 8 == 0
+    padded = torch.zeros(payload.numel() + 16, dtype=torch.uint8)  # padded as the all-gather
     padded[:payload.numel()] = payload
     number, index, values = RowsPayload.unpack(padded)
     assert number.tolist() == [0] * 6 + [1] * 4
     assert index.tolist() == [100, 101, 102, 115, 116, 117, 16, 17, 18, 19]
     assert values.tolist() == [v / 2 for v in range(6)] + [v / 2 for v in range(10, 14)]
-    empty = RowsPayload.unpack(RowsPayload.pack([], 1.0, torch.device("cpu")))
+    empty = RowsPayload.unpack(RowsPayload.pack([], 1.0, torch.device("cpu"), shard_numel=[],
+                                                world=1)[0])
     assert [t.numel() for t in empty] == [0, 0, 0]
 
 
@@ -133,8 +136,8 @@ def test_routed_rows_go_to_the_shard_that_holds_them_split_at_its_end():
     at 20; every chunk unpacks to its own shard's indices, and together to the rows."""
     ids = torch.tensor([0, 2, 1, 5, 4])
     rows = torch.arange(20, dtype=torch.float32).view(5, 4)
-    payload, sizes = RowsPayload.pack_routed([(0, 2, ids, rows)], 0.5, torch.device("cpu"),
-                                             shard_numel=[10], world=3)
+    payload, sizes = RowsPayload.pack([(0, 2, ids, rows)], 0.5, torch.device("cpu"),
+                                      shard_numel=[10], world=3)
     assert sum(sizes) == payload.numel() and all(n % 8 == 0 for n in sizes)
     want = torch.zeros(30)
     for r, i in enumerate(ids.tolist()):
