@@ -33,7 +33,9 @@ anyway; where that is not fewer bytes than reducing the tables densely (huge bat
 vocabularies, all-gathers over many ranks) the ranks, agreeing through the same flags, add the
 rows into the staging buffer instead, reduce the units densely, and remove the taps for good.
 The reduction order ([Note: every rank reduces every unit in one order]) places a unit by its
-gradients that autograd accumulates, so the root with a tied head is reduced first.
+gradients that autograd accumulates, so the root with a tied head is reduced first; at stages
+2-3 the head's backward itself issues most of that reduction ([Note: the head's gradient
+reduced as it is made] in infinity/zero/_head_grad.py).
 
 Not tapped (their gradient goes through autograd as before): subclasses that change
 ``forward`` (a scaled embedding), ``max_norm`` (it writes the weight), ``scale_grad_by_freq``

@@ -115,6 +115,8 @@ class GradientReducer:
         self._landing: CopyLane | None = None
         self._landing_errors: list[BaseException] = []
         self._on_wait: Callable[[float], None] = lambda seconds: None
+        self._early: dict[int, _PiecewiseReduction] = {}
+        """id(group) -> its reduction begun before its unit's turn (:meth:`begin_pieces`)."""
 
     def attach_down_link(self, link: ModeledLink, on_wait: Callable[[float], None]) -> None:
         """[Note: gradients down a modeled link]: the copies down to host accumulators go on
@@ -249,16 +251,22 @@ class GradientReducer:
     def _issue_group(self, g: FlatGroup, context: str, pieces: int = 1
                      ) -> "_GroupReduction | _PiecewiseReduction":
         stage, device = self.config.stage, self.config.device
+        early = self._early.pop(id(g), None)
         staging = self._completed_staging(g)
         g.grad_staging = None  # the next stage() makes a buffer and its staged set anew
+        if early is not None:  # begun in the head's backward: its turn issues one more piece
+            early.issue_next()
+            return early
+        if stage >= 2 and pieces > 1 and g.shard_numel >= pieces and self.world_size > 1 \
+                and self.config.grad_quant is None:
+            part = torch.empty(g.shard_numel, dtype=self._wire_dtype(staging), device=device)
+            return _PiecewiseReduction(self, g, staging, part, pieces, context)
         if self.data_parallel_size > 1:
             staging.div_(self.data_parallel_size)
         # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
         # bytes with bf16/fp16); the sum lands back in the staging's dtype (fp32 unless
         # [Note: staging in the accumulator's dtype]) for the accumulator.
-        wire = staging if (self.data_parallel_size == 1
-                           or self.config.reduce_dtype == torch.float32
-                           or self.config.grad_quant is not None) \
+        wire = staging if self._wire_dtype(staging) == staging.dtype \
             else staging.to(self.config.reduce_dtype)
         if stage >= 2 and self.world_size == 1:
             part = wire  # the shard is the whole buffer: no reduce-scatter, no copy
@@ -277,9 +285,6 @@ class GradientReducer:
                                          context=context, phase=Phase.REDUCE_GRAD)
             self.coll.all_reduce_replicas(part, context=context)
             return _GroupReduction(self, g, DONE, lambda: part, (staging, part))
-        if stage >= 2 and pieces > 1 and g.shard_numel >= pieces:
-            part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
-            return _PiecewiseReduction(self, g, staging, wire, part, pieces, context)
         if stage >= 2:
             part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
             handle = self.coll.reduce_scatter_sum_async(part, wire, context=context,
@@ -303,6 +308,44 @@ class GradientReducer:
                 return staging[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
             return staging
         return _GroupReduction(self, g, handle, reduced, (staging, wire))
+
+    def _wire_dtype(self, staging: torch.Tensor) -> torch.dtype:
+        """What a reduction of ``staging`` carries: ``precision.reduce_dtype`` over several
+        ranks (qgZ quantizes the staging's own dtype), else the staging's."""
+        if (self.data_parallel_size == 1 or self.config.reduce_dtype == torch.float32
+                or self.config.grad_quant is not None):
+            return staging.dtype
+        return self.config.reduce_dtype
+
+    def begin_pieces(self, g: FlatGroup, pieces: int, context: str
+                     ) -> "_PiecewiseReduction | None":
+        """[Note: the head's gradient reduced as it is made] in infinity/zero/_head_grad.py:
+        ``g``'s reduce-scatter in ``pieces``, none issued yet, over its staging buffer (made
+        now when there is none): the caller fills pieces and issues them
+        (:meth:`_PiecewiseReduction.issue_piece`) before the unit's turn; at its turn
+        (:meth:`issue`) the reduction goes on as one spread over the backward. None where a
+        reduction of ``g`` began already in this backward, or where it is not a reduce-scatter
+        in pieces (stages 0-1, one shard, qgZ, a shard smaller than ``pieces``)."""
+        if (self.config.stage < 2 or self.world_size == 1 or self.config.grad_quant is not None
+                or pieces < 2 or g.shard_numel < pieces or id(g) in self._early):
+            return None
+        if g.grad_staging is None:
+            g.grad_staging = self._new_staging(g)
+            g.grad_staged = set()
+        part = torch.empty(g.shard_numel, dtype=self._wire_dtype(g.grad_staging),
+                           device=self.config.device)
+        reduction = _PiecewiseReduction(self, g, g.grad_staging, part, pieces, context,
+                                        issue_first=False)
+        self._early[id(g)] = reduction
+        return reduction
+
+    def drop_early(self) -> None:
+        """A backward that raised: forget the reductions begun in it (their pieces in flight
+        landed first). The staging buffers keep every value, so the next backward's end reduces
+        them whole ([Note: staging writes each gradient once])."""
+        early, self._early = self._early, {}
+        for reduction in early.values():
+            reduction.drop()
 
     @property
     def routes_rows(self) -> bool:
@@ -580,44 +623,63 @@ class _PiecewiseReduction:
     of link on the 135M GPT at L = T0, 5x a block's) ahead of the next blocks' backward
     gathers: the blocks then wait for their parameters. So such a unit's reduce-scatter is cut
     into pieces along its shard (piece i: every rank's slice [lo_i, hi_i) of its shard, copied
-    out contiguously, reduce-scattered into this rank's ``part[lo_i:hi_i]``), the first issued
-    at its turn and one more with each later unit's reduction (the same sequence on every
-    rank: the reduction order is), the rest at the end of backward: the table's bytes ride in
-    the slack each block leaves on the link. Each piece's copy is the only extra memory (the
-    staging is dropped once the last piece is copied out); the manager chooses the pieces
-    (``ParameterManager._pieces``); the sum is the same sum."""
+    out contiguously and divided by the ranks, reduce-scattered into this rank's
+    ``part[lo_i:hi_i]``), the first issued at its turn and one more with each later unit's
+    reduction (the same sequence on every rank: the reduction order is), the rest at the end
+    of backward: the table's bytes ride in the slack each block leaves on the link; a tapped
+    LM head issues most of them before the unit's turn, as its backward makes them ([Note: the
+    head's gradient reduced as it is made] in infinity/zero/_head_grad.py). Each piece's copy
+    is the only extra memory (the staging is dropped once the last piece is copied out); the
+    manager chooses the pieces (``ParameterManager._pieces``); the sum is the same sum."""
 
     def __init__(self, reducer: GradientReducer, group: FlatGroup, staging: torch.Tensor,
-                 wire: torch.Tensor, part: torch.Tensor, pieces: int, context: str):
+                 part: torch.Tensor, pieces: int, context: str, *, issue_first: bool = True):
+        """``staging``: the unit's gradient, not yet divided by the ranks (each piece is, as it
+        is copied out); ``part``: this rank's shard of the sum, in the wire's dtype.
+        ``issue_first``: issue the first piece now (its turn); False: the caller issues pieces
+        by number first ([Note: the head's gradient reduced as it is made] in
+        infinity/zero/_head_grad.py)."""
         self.reducer = reducer
         self.group = group
         self.staging_dtype = staging.dtype
-        self.buffers: tuple[torch.Tensor, ...] = (staging, wire, part)
-        self.wire: torch.Tensor | None = wire
+        self.staging: torch.Tensor | None = staging
         self.part = part
+        self.buffers: tuple[torch.Tensor, ...] = (staging, part)
         self.context = context
-        shard = group.shard_numel
-        size = -(-shard // pieces)
-        self.bounds = [(lo, min(shard, lo + size)) for lo in range(0, shard, size)]
-        self.handles: list[CommHandle] = []
-        self.issue_next()
+        self.bounds = piece_bounds(group.shard_numel, pieces)
+        self.handles: list[CommHandle | None] = [None] * len(self.bounds)
+        self._left = len(self.bounds)
+        if issue_first:
+            self.issue_next()
+
+    def issue_piece(self, i: int) -> None:
+        """Issue piece ``i`` (its elements in the staging buffer are final on every rank)."""
+        if self.handles[i] is not None:
+            raise RuntimeError(f"{self.context}: piece {i + 1} issued twice")
+        lo, hi = self.bounds[i]
+        coll, ranks = self.reducer.coll, self.reducer.data_parallel_size
+        piece = torch.empty((coll.world_size, hi - lo), dtype=self.staging_dtype,
+                            device=self.part.device)
+        piece.copy_(self.staging.view(coll.world_size, -1)[:, lo:hi])
+        piece = piece.view(-1).div_(ranks)
+        if piece.dtype != self.part.dtype:
+            piece = piece.to(self.part.dtype)
+        self.handles[i] = coll.reduce_scatter_sum_async(
+            self.part[lo:hi], piece, context=f"{self.context} (piece {i + 1}/{len(self.bounds)})",
+            phase=Phase.REDUCE_GRAD)
+        self.buffers += (piece,)
+        self._left -= 1
+        if not self._left:  # all copied out: the staging may go
+            self.staging = None
+            self.buffers = tuple(b for b in self.buffers[1:])
 
     def issue_next(self) -> bool:
-        """Issue the next piece; False when every piece was issued already."""
-        i = len(self.handles)
-        if i == len(self.bounds):
-            return False
-        lo, hi = self.bounds[i]
-        coll = self.reducer.coll
-        piece = self.wire.view(coll.world_size, -1)[:, lo:hi].contiguous().view(-1)
-        self.handles.append(coll.reduce_scatter_sum_async(
-            self.part[lo:hi], piece, context=f"{self.context} (piece {i + 1}/{len(self.bounds)})",
-            phase=Phase.REDUCE_GRAD))
-        self.buffers += (piece,)
-        if len(self.handles) == len(self.bounds):  # all copied out: the staging may go
-            self.wire = None
-            self.buffers = tuple(b for b in self.buffers[2:])
-        return True
+        """Issue the first piece not issued yet; False when every piece was issued already."""
+        for i, handle in enumerate(self.handles):
+            if handle is None:
+                self.issue_piece(i)
+                return True
+        return False
 
     def wait(self) -> None:
         while self.issue_next():
@@ -628,6 +690,20 @@ class _PiecewiseReduction:
         self.reducer.coll.all_reduce_replicas(part, context=self.context)
         self.reducer._finish(self.group, part.to(self.staging_dtype))
         self.buffers = ()
+
+    def drop(self) -> None:
+        """Wait for the pieces in flight and keep nothing (:meth:`GradientReducer.drop_early`)."""
+        for handle in self.handles:
+            if handle is not None:
+                handle.wait()
+        self.buffers, self.staging = (), None
+
+
+def piece_bounds(shard_numel: int, pieces: int) -> list[tuple[int, int]]:
+    """The slices [lo, hi) of a shard that a reduction in ``pieces`` reduce-scatters one by one
+    (every rank's slice of its own shard, each)."""
+    size = -(-shard_numel // pieces)
+    return [(lo, min(shard_numel, lo + size)) for lo in range(0, shard_numel, size)]
 
 
 class Reduction:
@@ -651,8 +727,9 @@ class Reduction:
                 raise
 
     def tensors(self) -> list[torch.Tensor]:
-        """The device buffers in flight (staging, wire, output), for the device's byte count: not
-        a host accumulator staged in place (``_stages_in_host``), which the store counts."""
+        """The device buffers in flight (staging, wire, output, pieces), for the device's byte
+        count: not a host accumulator staged in place (``_stages_in_host``), which the store
+        counts."""
         return [t for r in self._groups for t in r.buffers
                 if r.group.grad_host is None or t.untyped_storage().data_ptr()
                 != r.group.grad_host.untyped_storage().data_ptr()]

@@ -66,6 +66,8 @@ from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
 from infinity.zero._gather_ahead import GatherAhead
 from infinity.zero._grad_presence import GradPresence
 from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
+from infinity.zero._head_grad import (HeadPlan, HeadTaps, head_candidates, plan_head,
+                                     weight_rows_grad)
 from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._managed import check_not_wrapped, mark_managed
 from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS, ManagerConfig
@@ -193,6 +195,16 @@ class ParameterManager:
                     unit.rows_only = unit.rows_only | {id(m.weight)}
         self._row_entries: list[tuple[int, ParamSlot, torch.Tensor, torch.Tensor]] = []
         """This backward's rows: (group number, slot, unique ids, rows)."""
+        heads = (head_candidates(module, trainable,
+                                 self._rows.tapped_modules if self._rows is not None else set())
+                 if collectives.data_parallel_size > 1 and config.stage >= 2
+                 and config.grad_quant is None else [])
+        self._heads: HeadTaps | None = HeadTaps(heads, self._on_head) if heads else None
+        """[Note: the head's gradient reduced as it is made] in infinity/zero/_head_grad.py;
+        None: no head is tapped (kept by :meth:`_order_reductions` only where its unit is
+        reduced in pieces that it alone fills)."""
+        self._head_plans: dict[int, HeadPlan] = {}
+        """id(tapped head) -> the pieces its backward issues."""
         self._reduce_order: ReduceOrder | None = None
         """[Note: every rank reduces every unit in one order]; None at one rank."""
         self._pieces: dict[int, int] = {}
@@ -356,6 +368,8 @@ class ParameterManager:
     def _install_hooks(self, hooked: list[tuple[nn.Module, str, list[int]]]) -> None:
         if self._rows is not None:
             self._rows.install()
+        if self._heads is not None:
+            self._heads.install()
         for u in self.units:
             for g in u.groups:
                 if g.requires_grad:
@@ -464,6 +478,8 @@ class ParameterManager:
     def remove_hooks(self) -> None:
         if self._rows is not None:
             self._rows.remove()
+        if self._heads is not None:
+            self._heads.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -516,6 +532,12 @@ class ParameterManager:
         self._enter_backward()
         self.reducer.stage(group, slot, local_grad(param, param.grad))
         param.grad = None
+        if self._heads is None or not self._heads.first_part(param):
+            self._grad_staged(unit, param)
+
+    def _grad_staged(self, unit: Unit, param: torch.Tensor) -> None:
+        """``param``'s gradient of this backward is staged: reduce its unit if that completed
+        it (in the reduction order over several ranks)."""
         self.presence.note(param)
         complete, late = unit.grad_arrived(id(param))  # complete until the backward ends
         if complete:
@@ -527,6 +549,45 @@ class ParameterManager:
                     self._reduce(self.units[index], Phase.REDUCE_GRAD)
             # else a late one stays staged: the end of backward reduces it on every rank
             self._maybe_drop_hold(unit)
+
+    def _on_head(self, module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor
+                 ) -> torch.Tensor:
+        """A tapped head's backward ([Note: the head's gradient reduced as it is made] in
+        infinity/zero/_head_grad.py): its weight's gradient staged, the pieces of the unit's
+        reduction it alone fills issued as their rows are made; returns the input's gradient."""
+        weight = module.weight
+        unit, group, slot = self._slot_of[id(weight)]
+        self._enter_backward()
+        rows, width = weight.shape
+        inputs, grads = x.reshape(-1, width), grad_out.reshape(-1, rows)
+        plan = self._head_plans.get(id(module))
+        reduction = None
+        if (plan is not None and self._heads.calls.get(id(module)) == 1
+                and self.state is TrainingState.BACKWARD
+                and self._reduce_order is not None and self._reduce_order.pending(unit.index)
+                and not (group.grad_staging is not None and id(slot) in group.grad_staged)):
+            reduction = self.reducer.begin_pieces(
+                group, plan.pieces, f"{Phase.REDUCE_GRAD.value} of unit {unit.index} "
+                                    f"{unit.name!r} (micro-step {self.micro_step})")
+        if reduction is None:  # called again, or reduced already: staged whole, as autograd's
+            self.reducer.stage(group, slot, grads.t() @ inputs)
+        else:
+            staging = group.grad_staging
+            table = staging[slot.offset:slot.offset + slot.numel].view(rows, width)
+            with torch.profiler.record_function(f"infinity::head pieces ({unit.name})"):
+                for number, row_ranges, zeros in plan.early:
+                    for lo, hi in row_ranges:
+                        table[lo:hi].copy_(weight_rows_grad(grads, inputs, lo, hi))
+                    for lo, hi in zeros:  # rows' and padding elements: zeros, as at its turn
+                        staging[lo:hi].zero_()
+                    reduction.issue_piece(number)
+                for lo, hi in plan.rest:
+                    table[lo:hi].copy_(weight_rows_grad(grads, inputs, lo, hi))
+            group.grad_staged.add(id(slot))
+        grad_x = (grads @ weight).view(x.shape)  # before the unit may be released
+        if not self._heads.first_part(weight):
+            self._grad_staged(unit, weight)  # its unit's turn may be now
+        return grad_x
 
     def _on_rows(self, param: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """A tapped embedding's backward: this rank's rows of ``param``'s gradient, reduced at
@@ -663,8 +724,12 @@ class ParameterManager:
             self._after_compute(unit)
 
     def _order_reductions(self) -> None:
-        """The order of the units' reductions and the units reduced in pieces, from the units
-        and the embedding taps (several data-parallel ranks)."""
+        """The order of the units' reductions, the units reduced in pieces, and the tapped
+        heads' plans, from the units and the taps (several data-parallel ranks). A head whose
+        unit is not reduced in pieces, or in none that the head alone fills, is untapped."""
+        heads = self._heads.modules if self._heads is not None else []
+        # A tapped head's weight counts as autograd's: its gradient completes its unit, at the
+        # head's backward (the manager is handed it there).
         order = backward_order(
             self.module, self.units,
             skip_modules=self._rows.tapped_modules if self._rows is not None else set())
@@ -672,6 +737,31 @@ class ParameterManager:
         numel = {u.index: sum(g.padded_numel for g in u.groups if g.requires_grad)
                  for u in self.units}
         self._pieces = spread_pieces(order, numel) if self.stage >= 2 else {}
+        self._head_plans, untap = {}, []
+        for m in heads:
+            unit, group, slot = self._slot_of[id(m.weight)]
+            pieces = self._pieces.get(unit.index, 1)
+            late = [(s.offset, s.offset + s.numel) for s in group.slots
+                    if s.numel and s is not slot and id(s.param) not in unit.rows_only]
+            plan = plan_head(world=self.world_size, shard_numel=group.shard_numel,
+                             pieces=pieces, offset=slot.offset, rows=m.weight.shape[0],
+                             width=m.weight.shape[1], late=late) \
+                if pieces > 1 and self.world_size > 1 else None
+            if plan is not None and plan.early:
+                self._head_plans[id(m)] = plan
+            else:
+                untap.append(m)
+        if untap:
+            self._untap_heads(untap)
+            self._order_reductions()
+
+    def _untap_heads(self, heads: list[nn.Linear]) -> None:
+        """Their gradients go through autograd from now on."""
+        self._heads.remove(heads)
+        for m in heads:
+            self._head_plans.pop(id(m), None)
+        if not self._heads.modules:
+            self._heads = None
 
     def _reduce(self, unit: Unit, phase: Phase) -> None:
         pieces = self._pieces.get(unit.index, 1) if phase is Phase.REDUCE_GRAD else 1
@@ -781,6 +871,14 @@ class ParameterManager:
         if payload is not None:
             self._reduce_rows(entries, payload, sizes, flags[2 * n])
         self.presence.end_backward({u.index for u, f in zip(self.units, flags[n:2 * n]) if f})
+        if self._heads is not None:
+            again = self._heads.end_backward()
+            if again:  # [Note: the head's gradient reduced as it is made]: called twice
+                logger.info("LM head %s was called more than once between backwards: its "
+                            "weight's gradient goes through autograd from now on",
+                            ", ".join(type(m).__name__ for m in again))
+                self._untap_heads(again)
+                self._order_reductions()
         self._ahead_on = False  # nothing is kept past the step
         self._drop_holds()
         if self.hpz is not None:
@@ -822,6 +920,8 @@ class ParameterManager:
         # from now on their embeddings' gradients go through autograd, as without rows.
         self._rows.remove()
         self._rows, self._row_groups, self._row_slots = None, [], {}
+        if self._heads is not None:  # a tied head's weight is the table's: dense too
+            self._untap_heads(list(self._heads.modules))
         for unit in self.units:
             unit.rows_only = frozenset()
         self._order_reductions()
@@ -833,6 +933,9 @@ class ParameterManager:
         """The backward (or its end, :meth:`finish_backward`) raised: back to IDLE, so that the
         engine can go on. Holds and staged gradients are left as they are: the next
         :meth:`finish_backward` reduces what was staged and drops the holds."""
+        self.reducer.drop_early()
+        if self._heads is not None:
+            self._heads.end_backward()
         if self.state is TrainingState.BACKWARD:
             self._to(TrainingState.IDLE)
 

@@ -105,6 +105,10 @@ class ReduceOrder:
             self._pos += 1
         return due
 
+    def pending(self, unit: int) -> bool:
+        """``unit`` was not reduced yet in this backward."""
+        return unit not in self.order[:self._pos]
+
     def rest(self) -> list[int]:
         """End of backward: the units not reduced yet, in order; starts the next backward."""
         rest = self.order[self._pos:]

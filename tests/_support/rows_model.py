@@ -1,7 +1,8 @@
 """A model with the embeddings [Note: embedding rows cross ranks as rows] (in
 infinity/zero/_embedding_rows.py) taps, for the single-process and the 2-rank tests: a token
 table with a padding index, a position table, a second table that ``use_extra`` switches on,
-two repeated layers and an untied head."""
+two repeated layers and an untied head (which ``head_twice`` calls twice a forward: [Note: the
+head's gradient reduced as it is made] in infinity/zero/_head_grad.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class RowsModel(nn.Module):
         self.layers = nn.ModuleList([Layer(), Layer()])
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.use_extra = True
+        self.head_twice = False
 
     def forward(self, idx, targets):
         h = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -41,6 +43,8 @@ class RowsModel(nn.Module):
         for layer in self.layers:
             h = layer(h)
         logits = self.head(h)
+        if self.head_twice:
+            logits = logits + self.head(torch.tanh(h))
         return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
 
 
@@ -61,12 +65,13 @@ def run_record(engine, model: nn.Module, losses: list[float]) -> dict:
             "steps": {n: engine.optimizer.step_of(p) for n, p in model.named_parameters()}}
 
 
-def reference(steps: int, gas: int):
+def reference(steps: int, gas: int, *, head_twice: bool = False):
     """Plain PyTorch on the global batch, each rank's half run as it chooses (losses per rank,
     state, per-parameter optimizer step counts)."""
     from tests._support.engine import BETAS, EPS, LR, WD
 
     model = RowsModel()
+    model.head_twice = head_twice
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     losses = [[], []]
     for t in range(steps):

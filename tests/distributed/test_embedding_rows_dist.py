@@ -40,7 +40,7 @@ def worker_gpt(rank: int, world_size: int, out_dir: str) -> dict:
     import os
 
     import infinity
-    from infinity.zero import _reduce_order
+    from infinity.zero import _grad_reducer, _reduce_order
     from tests._support.engine import (batches, engine_config, engine_train, offload_config,
                                        tiny_gpt)
 
@@ -63,6 +63,12 @@ def worker_gpt(rank: int, world_size: int, out_dir: str) -> dict:
             reduced.append(f"{phase.value}:{unit.name}" + (f"/{pieces}" if pieces > 1 else ""))
             issue(unit, phase, step, pieces=pieces)
         engine.manager.storage.issue_reduce = logged
+        piece = _grad_reducer._PiecewiseReduction.issue_piece
+
+        def logged_piece(self, i, piece=piece, reduced=reduced):
+            reduced.append(f"piece:{self.group.key}")
+            piece(self, i)
+        _grad_reducer._PiecewiseReduction.issue_piece = logged_piece
         losses = engine_train(engine, batches(STEPS, gas, config=_gpt_config()), rank=rank,
                               world_size=world_size)
         root = next(u for u in engine.manager.units if u.name == "<root>")
@@ -72,6 +78,7 @@ def worker_gpt(rank: int, world_size: int, out_dir: str) -> dict:
                      "trainable_padded_numel": sum(g.padded_numel for u in engine.manager.units
                                                    for g in u.groups if g.requires_grad)}
         engine.close()
+        _grad_reducer._PiecewiseReduction.issue_piece = piece
     return out
 
 
@@ -88,11 +95,15 @@ def test_a_tied_vocabulary_reduced_as_rows_trains_as_plain_pytorch():
             assert_close_run(got["losses"], got["state"], ref_losses, ref_state, dtype)
         got = results[0][name]
         # The root (the tied table and the position table) is complete at the head's backward,
-        # so it is reduced first in every backward, ahead of the blocks.
+        # so it is reduced first in every backward, ahead of the blocks. In pieces (stages
+        # 2-3), every piece holds the tied table only (and the position table's zeros): the
+        # head's backward issues them all, before the root's turn ([Note: the head's gradient
+        # reduced as it is made]).
         backwards = STEPS * gas
-        root = "reduce-grad:<root>/4" if "pieces" in name else "reduce-grad:<root>"
-        assert got["reduced"] == [root, "reduce-grad:blocks.1", "reduce-grad:blocks.0",
-                                  "reduce-grad:<persistent>"] * backwards, name
+        root = (["piece:u1.float32.train"] * 4 + ["reduce-grad:<root>/4"] if "pieces" in name
+                else ["reduce-grad:<root>"])
+        assert got["reduced"] == (root + ["reduce-grad:blocks.1", "reduce-grad:blocks.0",
+                                          "reduce-grad:<persistent>"]) * backwards, name
         # Each trainable element is reduced densely once per backward (the tables' slots hold
         # the head's gradient, and zeros for the position table); the tokens' rows on top, in
         # far fewer bytes than the tables.
@@ -102,16 +113,25 @@ def test_a_tied_vocabulary_reduced_as_rows_trains_as_plain_pytorch():
         assert "flush" not in sent, name
 
 
+BRANCH_CASES = [(0, False), (1, False), (2, False), (3, False), (3, True)]
+"""(stage, the head called twice a forward)."""
+
+
 def worker_branch(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
+    from infinity.zero import _reduce_order
     from tests._support.engine import engine_config
     from tests._support.rows_model import RowsModel, batch, run_record, uses_extra
 
+    # The root (three tables and the untied head) in pieces at stages 2-3: the head is tapped.
+    _reduce_order.MIN_PIECE_NUMEL = 8000
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage, twice in BRANCH_CASES:
         model = RowsModel()
+        model.head_twice = twice
         engine = infinity.initialize(model, engine_config(stage=stage, gas=2, clip=0.05,
                                                           unit_class_names=("Layer",)))
+        tapped = engine.manager._heads is not None
         losses = []
         for t in range(STEPS):
             for m in range(2):
@@ -121,8 +141,9 @@ def worker_branch(rank: int, world_size: int, out_dir: str) -> dict:
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-        out[stage] = run_record(engine, model, losses)
-        out[stage]["sent"] = engine.stats()["collective_bytes_sent"]
+        out[stage, twice] = run_record(engine, model, losses)
+        out[stage, twice].update(sent=engine.stats()["collective_bytes_sent"], tapped=tapped,
+                                 tapped_after=engine.manager._heads is not None)
         engine.close()
     return out
 
@@ -130,20 +151,25 @@ def worker_branch(rank: int, world_size: int, out_dir: str) -> dict:
 def test_an_embedding_one_rank_uses_trains_as_plain_pytorch():
     """The second table (tapped: its unit has a vocabulary) is used by rank 0 in even steps'
     first micro-batch only: its rows come from one rank, and in odd steps from none, so it is not
-    stepped then (torch's rule). The token table has a padding index and an untied head."""
+    stepped then (torch's rule). The token table has a padding index and an untied head, tapped
+    at stages 2-3 ([Note: the head's gradient reduced as it is made]); called twice a forward,
+    the first backward stages its gradient whole and the tap is removed."""
     from tests._support.engine import assert_close_state
     from tests._support.rows_model import reference
 
-    ref_losses, ref_state, ref_steps = reference(STEPS, gas=2)
-    assert ref_steps["extra.weight"] == (STEPS + 1) // 2 and ref_steps["head.weight"] == STEPS
     results = launch(__file__, "worker_branch", timeout_s=300)
-    for stage in (0, 1, 2, 3):
+    for stage, twice in BRANCH_CASES:
+        ref_losses, ref_state, ref_steps = reference(STEPS, gas=2, head_twice=twice)
+        assert ref_steps["extra.weight"] == (STEPS + 1) // 2
+        assert ref_steps["head.weight"] == STEPS
         for rank, res in enumerate(results):
-            got = res[stage]
+            got = res[stage, twice]
             assert got["losses"] == pytest.approx(ref_losses[rank], abs=1e-5), stage
             assert_close_state(got["state"], ref_state, atol=2e-5)
             assert got["steps"] == ref_steps, stage
             assert got["sent"]["reduce-rows"] > 0, stage
+            assert got["tapped"] == (stage >= 2), stage
+            assert got["tapped_after"] == (stage >= 2 and not twice), stage
 
 
 FALLBACK_STEPS = 3
