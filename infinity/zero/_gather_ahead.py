@@ -18,7 +18,8 @@ root, whose forward ends the forward and whose pre-backward starts the backward 
 reshard its root after forward either), and a module called twice in a row. Gathers ahead stay
 inside the phase (forward or backward) they are predicted in: a gather's phase decides its group
 under hpZ and its count in ``collective_bytes_sent``, so the backward's first unit is gathered at
-its pre-backward hook. A use the list does not predict moves the cursor to that unit's next
+its pre-backward hook, except at the forward's end ([Note: the backward's gathers start in the
+forward's tail]). A use the list does not predict moves the cursor to that unit's next
 place within a small window, or stops the predictions for the step; nothing raises.
 
 Memory: the unit computing, the units gathered ahead and a kept root: the ledger's
@@ -26,6 +27,17 @@ Memory: the unit computing, the units gathered ahead and a kept root: the ledger
 fills (by bytes: on the 135M GPT the root is five blocks, so ten blocks go ahead, and the LM
 head's backward, the longest compute of the backward and one that gathers nothing, has their
 gathers beside it: 0.5 s of a 4.8 s step at 2 ranks over the modeled link).
+
+[Note: the backward's gathers start in the forward's tail]
+The forward's last units (the last block, then the LM head's logits, 0.35 s of the 135M GPT's
+1.4 s forward) gather nothing more: their gathers were issued ahead. Kept inside the forward,
+the predictions left the link idle there, and the backward's first gathers then shared the
+head's backward with the root's reduction ([Note: the head's gradient reduced as it is made] in
+infinity/zero/_head_grad.py), more link work than that window holds. So the forward's
+predictions run on into the backward's units (issued as backward gathers: their phase decides
+the group under hpZ and the count in ``collective_bytes_sent``), within the same bytes; the
+backward's never run into the next forward (the optimizer step comes between). Units computing
+now (the root, whose forward spans the whole forward) are not gathered ahead nor counted.
 
 Every rank must issue the same collectives in the same order. The uses that drive this are the
 stage-3 hooks, whose gathers already have to match across ranks, so the recorded lists, the
@@ -83,29 +95,41 @@ class GatherAhead:
         window = self._last[cur:cur + RESYNC_WINDOW]
         self._cursor = cur + window.index(entry) + 1 if entry in window else None
 
-    def ahead(self, unit: int, backward: bool) -> list[int]:
-        """The units used after the current use, other than ``unit``, up to ``LOOKAHEAD_UNITS``
-        of them or of the largest unit's bytes, in the same phase (the first entry of the other
-        phase ends them); [] when unknown."""
+    def ahead(self, unit: int, backward: bool, busy: frozenset[int] | set[int] = frozenset()
+              ) -> list[tuple[int, bool]]:
+        """The uses after the current one, as (unit, in backward), other than ``unit`` and the
+        units in ``busy`` (computing now), up to ``LOOKAHEAD_UNITS`` of them or of the largest
+        unit's bytes: from the forward on into the backward, from the backward not into the next
+        forward ([Note: the backward's gathers start in the forward's tail]); [] when
+        unknown."""
         if self._cursor is None:
             return []
-        out: list[int] = []
+        out: list[tuple[int, bool]] = []
+        seen: set[int] = set()
         total = 0
         window = RESYNC_WINDOW if self._bytes is None else len(self._last)
         for u, b in self._last[self._cursor:self._cursor + window]:
-            if b != backward:
+            if backward and not b:
                 break
             if self._bytes is None and len(out) == LOOKAHEAD_UNITS:
                 break
-            if u != unit and u not in out:
+            if u != unit and u not in seen and u not in busy:
                 size = self._bytes.get(u, 0) if self._bytes is not None else 0
                 if out and total + size > self._budget:
                     break
-                out.append(u)
+                out.append((u, b))
+                seen.add(u)
                 total += size
         return out
 
-    def used_next(self, unit: int) -> bool:
-        """The entry after the current use is ``unit`` again, in either phase (keep it)."""
+    def used_next(self, unit: int, busy: frozenset[int] | set[int] = frozenset()) -> bool:
+        """The next use of a unit not in ``busy`` (computing now, and staying so: the root) is
+        ``unit`` again, in either phase (keep it): a module called twice in a row, the root, the
+        forward's last unit, whose backward comes right after the root's."""
         cur = self._cursor
-        return cur is not None and cur < len(self._last) and self._last[cur][0] == unit
+        if cur is None:
+            return False
+        for u, _ in self._last[cur:cur + RESYNC_WINDOW]:
+            if u not in busy or u == unit:
+                return u == unit
+        return False

@@ -700,9 +700,11 @@ class ParameterManager:
         if ahead is not None and self._ahead_on and not unit.always_gathered:
             backward = self.state is TrainingState.BACKWARD
             ahead.use(unit.index, backward)  # [Note: gathers issued ahead]
-            for index in ahead.ahead(unit.index, backward):
+            busy = {u.index for u in self.units if u.in_use}
+            for index, later in ahead.ahead(unit.index, backward, busy):
                 if self.units[index].state is UnitState.RELEASED:
-                    self._issue_gather(self.units[index], self._gather_phase())
+                    self._issue_gather(self.units[index], Phase.BACKWARD_GATHER if later
+                                       else Phase.FORWARD_GATHER)
 
     def _after_compute(self, unit: Unit) -> None:
         if self._fetcher is not None and not unit.always_gathered:
@@ -712,7 +714,8 @@ class ParameterManager:
         if unit.state is not UnitState.RELEASED and unit.releasable:
             if self._fetcher is not None and self._fetcher.should_keep(unit.index):
                 return  # the trace says it is used again soon (released at the step's end at last)
-            if self._ahead_on and self._gather_ahead.used_next(unit.index):
+            if self._ahead_on and self._gather_ahead.used_next(
+                    unit.index, {u.index for u in self.units if u.in_use}):
                 return  # used again next: [Note: gathers issued ahead]
             self._release(unit)
 
@@ -952,6 +955,11 @@ class ParameterManager:
             self.hpz.drop()  # stale: the parameters change (see self.hpz)
         if self.stage == 0:
             return
+        if self._gather_ahead is not None:  # gathered for a backward that never came: stale
+            for unit in self.units:
+                if not unit.always_gathered and unit.releasable \
+                        and unit.state is not UnitState.RELEASED:
+                    self._release(unit)
         for unit in self.units:
             if unit.always_gathered and self._step_gather_ahead:
                 self._issue_gather(unit, Phase.STEP_GATHER, refresh=True)

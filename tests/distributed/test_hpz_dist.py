@@ -49,9 +49,18 @@ def _backward_gathers(config: str, unit: str, micro_steps: int) -> int:
     """Backward gathers of ``unit`` over the run. The root's forward ends the forward and its
     pre-backward starts the backward, so from the second micro-step on (the first records the
     order) it stays gathered in between ([Note: gathers issued ahead] in
-    infinity/zero/_gather_ahead.py): gathered in backward in the first micro-step only."""
+    infinity/zero/_gather_ahead.py): gathered in backward in the first micro-step only; so is
+    the forward's last unit (the last block; with units by size, wte, which the tied head uses
+    last), whose backward comes next after the root's. In the nested case a Block's mlp.fc,
+    recomputed while its mlp.proj is held, is used next by its own backward: kept from its
+    recomputation on, it is gathered once a micro-step after the first."""
     per_micro_step = _gathers_per_micro_step(config, unit)[1]
-    return per_micro_step if unit == "<root>" else micro_steps * per_micro_step
+    nested = config == "fp32-gas2-ckpt-nested"
+    if unit in ("<root>", "wte" if nested else "blocks.1"):
+        return per_micro_step
+    if nested and unit.endswith(".mlp.fc"):
+        return per_micro_step + (micro_steps - 1) * (per_micro_step - 1)
+    return micro_steps * per_micro_step
 
 
 def _unit_layout(engine) -> list[dict]:

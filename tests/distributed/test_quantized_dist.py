@@ -73,11 +73,12 @@ def test_collective_bytes_per_step_are_what_the_formats_predict():
         trainable = [s for u in exact["units"] for s, _, rg in u["groups"] if rg]
         assert gathered and trainable
         # Exact run: each unit gathered on demand once in the forward and once in the backward
-        # of every step, bf16 shards (the root in the first backward only: from the second step
-        # on it stays gathered from its forward into its backward, [Note: gathers issued ahead]
-        # in infinity/zero/_gather_ahead.py); every trainable group reduce-scattered once, fp32.
-        root = [s for u in exact["units"] if u["name"] == "<root>" and not u["always_gathered"]
-                for s, _, _ in u["groups"]]
+        # of every step, bf16 shards (the root and the last block in the first backward only:
+        # from the second step on they stay gathered from their forward into their backward,
+        # [Note: gathers issued ahead] in infinity/zero/_gather_ahead.py); every trainable group
+        # reduce-scattered once, fp32.
+        root = [s for u in exact["units"] if u["name"] in ("<root>", "blocks.1")
+                and not u["always_gathered"] for s, _, _ in u["groups"]]
         bf16_gather = BYTES_STEPS * sum(2 * s for s in gathered)
         bf16_backward = bf16_gather - (BYTES_STEPS - 1) * sum(2 * s for s in root)
         fp32_reduce = BYTES_STEPS * sum(WORLD * s * 4 for s in trainable)

@@ -39,7 +39,7 @@ def test_link_settings_are_checked(field, value):
         LinkModel(**kwargs)
 
 
-def test_gathers_are_predicted_from_the_last_step_within_their_phase():
+def test_gathers_are_predicted_from_the_last_step_into_the_backward_not_past_it():
     ahead = GatherAhead()
     ahead.begin_step()
     assert ahead.first() is None and ahead.ahead(1, False) == []  # nothing recorded
@@ -50,18 +50,23 @@ def test_gathers_are_predicted_from_the_last_step_within_their_phase():
     ahead.begin_step()
     assert ahead.first() == 0
     ahead.use(0, False)
-    assert ahead.ahead(0, False) == [1, 2]  # LOOKAHEAD_UNITS of the forward
+    assert ahead.ahead(0, False) == [(1, False), (2, False)]  # LOOKAHEAD_UNITS of the forward
     ahead.use(1, False)
     ahead.use(2, False)
-    assert ahead.ahead(2, False) == [3]  # the backward's units are not gathered from the forward
+    # The forward's last units gather the backward's first ones (the root computing: skipped).
+    assert ahead.ahead(2, False, busy={0}) == [(3, False), (1, True)]
     ahead.use(3, False)
-    assert ahead.ahead(3, False) == [] and not ahead.used_next(3)
+    assert ahead.ahead(3, False, busy={0}) == [(2, True), (1, True)]
+    assert not ahead.used_next(3)  # the root's backward first, then its own: kept while the
+    assert ahead.used_next(3, busy={0})  # root computes (its forward spans the whole forward)
     assert ahead.used_next(0)  # the root: its forward ends the forward, its backward is next
     ahead.use(0, True)
-    assert ahead.ahead(0, True) == [3, 2]
+    assert ahead.ahead(0, True) == [(3, True), (2, True)]
     # A use the last step did not have at the cursor: resynchronised within the window.
     ahead.use(2, True)
-    assert ahead.ahead(2, True) == [1]
+    assert ahead.ahead(2, True) == [(1, True)]
+    ahead.use(1, True)
+    assert ahead.ahead(1, True) == []  # the backward's end: the next forward is not predicted
     ahead.begin_step()
     ahead.use(5, False)  # never seen: lost for the step
     assert ahead.ahead(5, False) == [] and not ahead.used_next(1)
@@ -74,7 +79,7 @@ def test_a_unit_used_twice_in_a_row_is_kept():
         ahead.use(unit, False)
     ahead.begin_step()
     ahead.use(1, False)
-    assert ahead.used_next(1) and ahead.ahead(1, False) == [2]
+    assert ahead.used_next(1) and ahead.ahead(1, False) == [(2, False)]
 
 
 def test_gathers_ahead_fill_the_largest_units_bytes_not_a_count():
@@ -87,16 +92,20 @@ def test_gathers_ahead_fill_the_largest_units_bytes_not_a_count():
         ahead.use(unit, backward)
     ahead.begin_step()
     ahead.use(0, False)
-    assert ahead.ahead(0, False) == list(range(1, 11))  # 1000 bytes
+    forward = [(u, False) for u in range(1, 14)]
+    assert ahead.ahead(0, False, busy={0}) == forward[:10]  # 1000 bytes
     for u in range(1, 11):
         ahead.use(u, False)
-    assert ahead.ahead(10, False) == [11, 12, 13]  # to the end of the forward
+    # To the end of the forward, and on into the backward's first units (the root computing;
+    # a unit gathered for the forward already, or computing, is not gathered again for it).
+    assert ahead.ahead(10, False, busy={0}) == forward[10:] + [(u, True) for u in range(9, 4, -1)]
     for u in (11, 12, 13):
         ahead.use(u, False)
+    assert ahead.ahead(13, False, busy={0}) == [(u, True) for u in range(12, 2, -1)]
     ahead.use(0, True)
-    assert ahead.ahead(0, True) == [13, 12, 11, 10, 9, 8, 7, 6]  # 300 + 7 x 100
+    assert ahead.ahead(0, True) == [(u, True) for u in (13, 12, 11, 10, 9, 8, 7, 6)]
     ahead.use(13, True)
-    assert ahead.ahead(13, True) == list(range(12, 2, -1))
+    assert ahead.ahead(13, True) == [(u, True) for u in range(12, 2, -1)]
 
 
 def test_reductions_follow_the_fixed_order_whatever_the_completion_order():
