@@ -42,3 +42,37 @@ def test_rows_on_the_gpu_sum_to_torchs_embedding_gradient():
     assert values.device.type == "cuda"
     back = torch.zeros(8192 * 64, device=CUDA).index_add_(0, index, values)
     torch.testing.assert_close(back.view(8192, 64), dense / 2)
+
+
+def test_the_heads_pieces_on_the_gpu_are_autograds_weight_gradient():
+    """[Note: the head's gradient reduced as it is made] (infinity/zero/_head_grad.py): the rows
+    the tapped head's backward computes piece by piece, and the input's gradient it returns, on
+    the GPU in bf16 against autograd's."""
+    from infinity.zero._head_grad import HeadTaps, plan_head, weight_rows_grad
+
+    torch.manual_seed(0)
+    head = nn.Linear(64, 8192, bias=False).to(CUDA, torch.bfloat16)
+    x = torch.randn(4, 128, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(4, 128, 8192, device=CUDA, dtype=torch.bfloat16)
+    head(x).backward(grad_out)
+    ref_weight, ref_x = head.weight.grad.float(), x.grad.clone()
+    head.weight.grad, x.grad = None, None
+    plan = plan_head(world=2, shard_numel=8192 * 32, pieces=5, offset=0, rows=8192, width=64,
+                     late=[])
+    table = torch.full((8192, 64), float("nan"), device=CUDA)
+
+    def sink(module, inputs, grads):
+        inputs, grads = inputs.reshape(-1, 64), grads.reshape(-1, 8192)
+        for _, row_ranges, _ in plan.early:
+            for lo, hi in row_ranges:
+                table[lo:hi] = weight_rows_grad(grads, inputs, lo, hi).float()
+        for lo, hi in plan.rest:
+            table[lo:hi] = weight_rows_grad(grads, inputs, lo, hi).float()
+        return (grads @ module.weight).view(4, 128, 64)
+    taps = HeadTaps([head], sink)
+    taps.install()
+    head(x).backward(grad_out)
+    taps.remove()
+    assert head.weight.grad is None
+    torch.testing.assert_close(table, ref_weight, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad, ref_x)
