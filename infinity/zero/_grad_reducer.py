@@ -401,8 +401,23 @@ class GradientReducer:
             lo, hi = self._partition_range(g)
             at, vals = index[mask], values[mask]
             inside = (at >= lo) & (at < hi)
+            at, vals = at[inside] - lo, vals[inside]
+            acc = g.grad_acc
+            if (acc is not None and g.grad_stored is None and self._down_link is None
+                    and acc.device == at.device and acc.numel() == hi - lo):
+                # Into the accumulator where it is a tensor here: each element gets its rows'
+                # fp32 sum once, rounded once to its dtype, as the dense partition below would
+                # give it, without making and adding a partition-sized buffer at the end of
+                # every backward (56 MB on the 135M GPT at 2 ranks: 0.05-0.35 s of the step).
+                unique, inverse = torch.unique(at, return_inverse=True)
+                sums = torch.zeros(unique.numel(), dtype=torch.float32, device=acc.device)
+                sums.index_add_(0, inverse, vals.to(acc.device))
+                acc.index_add_(0, unique, sums.to(acc.dtype))
+                if self.on_ready is not None:
+                    self.on_ready(g.key)
+                continue
             part = torch.zeros(hi - lo, dtype=torch.float32, device=self.config.device)
-            part.index_add_(0, (at[inside] - lo).to(part.device), vals[inside].to(part.device))
+            part.index_add_(0, at.to(part.device), vals.to(part.device))
             self._finish(g, part if self.staging_dtype == torch.float32
                          else part.to(self.staging_dtype))
 
