@@ -559,7 +559,10 @@ class ParameterManager:
         unit, group, slot = self._slot_of[id(weight)]
         self._enter_backward()
         rows, width = weight.shape
-        inputs, grads = x.reshape(-1, width), grad_out.reshape(-1, rows)
+        # In the output gradient's dtype: under autocast the forward ran in another dtype than
+        # the saved input's and the weight's (autograd's own linear has the casts in its graph).
+        grads = grad_out.reshape(-1, rows)
+        inputs = x.reshape(-1, width).to(grads.dtype)
         plan = self._head_plans.get(id(module))
         reduction = None
         if (plan is not None and self._heads.calls.get(id(module)) == 1
@@ -584,7 +587,8 @@ class ParameterManager:
                 for lo, hi in plan.rest:
                     table[lo:hi].copy_(weight_rows_grad(grads, inputs, lo, hi))
             group.grad_staged.add(id(slot))
-        grad_x = (grads @ weight).view(x.shape)  # before the unit may be released
+        # Before the unit may be released:
+        grad_x = (grads @ weight.to(grads.dtype)).view(x.shape).to(x.dtype)
         if not self._heads.first_part(weight):
             self._grad_staged(unit, weight)  # its unit's turn may be now
         return grad_x

@@ -65,9 +65,18 @@ def run_record(engine, model: nn.Module, losses: list[float]) -> dict:
             "steps": {n: engine.optimizer.step_of(p) for n, p in model.named_parameters()}}
 
 
-def reference(steps: int, gas: int, *, head_twice: bool = False):
+def maybe_autocast(on: bool):
+    """CPU autocast to bf16 when ``on`` (the layer norm's output stays fp32, the linear layers'
+    run in bf16: a tapped head's input and output gradient then differ in dtype)."""
+    import contextlib
+
+    return torch.autocast("cpu", dtype=torch.bfloat16) if on else contextlib.nullcontext()
+
+
+def reference(steps: int, gas: int, *, head_twice: bool = False, autocast: bool = False):
     """Plain PyTorch on the global batch, each rank's half run as it chooses (losses per rank,
-    state, per-parameter optimizer step counts)."""
+    state, per-parameter optimizer step counts); ``autocast``: each forward under CPU autocast
+    to bf16 (:func:`maybe_autocast`)."""
     from tests._support.engine import BETAS, EPS, LR, WD
 
     model = RowsModel()
@@ -80,7 +89,8 @@ def reference(steps: int, gas: int, *, head_twice: bool = False):
             halves = []
             for rank, (i, y) in enumerate(zip(idx.chunk(2), targets.chunk(2))):
                 model.use_extra = uses_extra(rank, t, m)
-                halves.append(model(i, y))
+                with maybe_autocast(autocast):
+                    halves.append(model(i, y))
             ((halves[0] + halves[1]) / (2 * gas)).backward()
             for rank in range(2):
                 losses[rank].append(halves[rank].item())

@@ -113,20 +113,22 @@ def test_a_tied_vocabulary_reduced_as_rows_trains_as_plain_pytorch():
         assert "flush" not in sent, name
 
 
-BRANCH_CASES = [(0, False), (1, False), (2, False), (3, False), (3, True)]
-"""(stage, the head called twice a forward)."""
+BRANCH_CASES = [(0, False, False), (1, False, False), (2, False, False), (3, False, False),
+                (3, True, False), (2, False, True)]
+"""(stage, the head called twice a forward, under autocast to bf16)."""
 
 
 def worker_branch(rank: int, world_size: int, out_dir: str) -> dict:
     import infinity
     from infinity.zero import _reduce_order
     from tests._support.engine import engine_config
-    from tests._support.rows_model import RowsModel, batch, run_record, uses_extra
+    from tests._support.rows_model import (RowsModel, batch, maybe_autocast, run_record,
+                                           uses_extra)
 
     # The root (three tables and the untied head) in pieces at stages 2-3: the head is tapped.
     _reduce_order.MIN_PIECE_NUMEL = 8000
     out = {}
-    for stage, twice in BRANCH_CASES:
+    for stage, twice, autocast in BRANCH_CASES:
         model = RowsModel()
         model.head_twice = twice
         engine = infinity.initialize(model, engine_config(stage=stage, gas=2, clip=0.05,
@@ -137,13 +139,14 @@ def worker_branch(rank: int, world_size: int, out_dir: str) -> dict:
             for m in range(2):
                 engine.module.use_extra = uses_extra(rank, t, m)
                 idx, targets = batch(t, m)
-                loss = engine(idx.chunk(world_size)[rank], targets.chunk(world_size)[rank])
+                with maybe_autocast(autocast):
+                    loss = engine(idx.chunk(world_size)[rank], targets.chunk(world_size)[rank])
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-        out[stage, twice] = run_record(engine, model, losses)
-        out[stage, twice].update(sent=engine.stats()["collective_bytes_sent"], tapped=tapped,
-                                 tapped_after=engine.manager._heads is not None)
+        record = out[stage, twice, autocast] = run_record(engine, model, losses)
+        record.update(sent=engine.stats()["collective_bytes_sent"], tapped=tapped,
+                      tapped_after=engine.manager._heads is not None)
         engine.close()
     return out
 
@@ -153,19 +156,25 @@ def test_an_embedding_one_rank_uses_trains_as_plain_pytorch():
     first micro-batch only: its rows come from one rank, and in odd steps from none, so it is not
     stepped then (torch's rule). The token table has a padding index and an untied head, tapped
     at stages 2-3 ([Note: the head's gradient reduced as it is made]); called twice a forward,
-    the first backward stages its gradient whole and the tap is removed."""
+    the first backward stages its gradient whole and the tap is removed; under autocast its
+    input (the sum's fp32) and its output's gradient (bf16) differ in dtype."""
     from tests._support.engine import assert_close_state
     from tests._support.rows_model import reference
 
     results = launch(__file__, "worker_branch", timeout_s=300)
-    for stage, twice in BRANCH_CASES:
-        ref_losses, ref_state, ref_steps = reference(STEPS, gas=2, head_twice=twice)
+    for stage, twice, autocast in BRANCH_CASES:
+        ref_losses, ref_state, ref_steps = reference(STEPS, gas=2, head_twice=twice,
+                                                     autocast=autocast)
         assert ref_steps["extra.weight"] == (STEPS + 1) // 2
         assert ref_steps["head.weight"] == STEPS
         for rank, res in enumerate(results):
-            got = res[stage, twice]
-            assert got["losses"] == pytest.approx(ref_losses[rank], abs=1e-5), stage
-            assert_close_state(got["state"], ref_state, atol=2e-5)
+            got = res[stage, twice, autocast]
+            if autocast:  # bf16 matmuls: the bf16 tolerances of tests/_support/engine.py
+                assert got["losses"] == pytest.approx(ref_losses[rank], abs=2e-2), stage
+                assert_close_state(got["state"], ref_state, global_rel=0.03)
+            else:
+                assert got["losses"] == pytest.approx(ref_losses[rank], abs=1e-5), stage
+                assert_close_state(got["state"], ref_state, atol=2e-5)
             assert got["steps"] == ref_steps, stage
             assert got["sent"]["reduce-rows"] > 0, stage
             assert got["tapped"] == (stage >= 2), stage
