@@ -22,7 +22,9 @@ its pre-backward hook, except at the forward's end ([Note: the backward's gather
 forward's tail]). A use the list does not predict moves the cursor to that unit's next
 place within a small window, or stops the predictions for the step; nothing raises.
 
-Memory: the unit computing, the units gathered ahead and a kept root: the ledger's
+Memory: the unit computing, the units gathered ahead and a kept root (and the forward's last
+unit, kept into its backward right after the root's: one block more than the reservation on the
+135M GPT, which the root's nesting around the whole forward had made tight already): the ledger's
 ``gathered_units`` counts 1 + ``DEFAULT_PREFETCH_UNITS`` units of the largest size, which this
 fills (by bytes: on the 135M GPT the root is five blocks, so ten blocks go ahead, and the LM
 head's backward, the longest compute of the backward and one that gathers nothing, has their
