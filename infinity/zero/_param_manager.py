@@ -565,7 +565,8 @@ class ParameterManager:
         inputs = x.reshape(-1, width).to(grads.dtype)
         plan = self._head_plans.get(id(module))
         reduction = None
-        if (plan is not None and self._heads.calls.get(id(module)) == 1
+        if (plan is not None and self._heads is not None
+                and self._heads.calls.get(id(module)) == 1
                 and self.state is TrainingState.BACKWARD
                 and self._reduce_order is not None and self._reduce_order.pending(unit.index)
                 and not (group.grad_staging is not None and id(slot) in group.grad_staged)):
@@ -589,7 +590,8 @@ class ParameterManager:
             group.grad_staged.add(id(slot))
         # Before the unit may be released:
         grad_x = (grads @ weight.to(grads.dtype)).view(x.shape).to(x.dtype)
-        if not self._heads.first_part(weight):
+        # (untapped since its forward, by a backward that ran in between: staged whole above)
+        if self._heads is None or not self._heads.first_part(weight):
             self._grad_staged(unit, weight)  # its unit's turn may be now
         return grad_x
 
