@@ -104,7 +104,49 @@ parameters are). A smaller table is about as many bytes as a batch's rows, and i
 short anyway."""
 
 
-class EmbeddingRows:
+def holders_of(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """id(parameter) -> the modules holding it in their own ``_parameters`` (a tied weight has
+    several)."""
+    holders: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(m)
+    return holders
+
+
+class ForwardTaps:
+    """Modules whose ``forward`` a tap replaces by its own (``_forward(module, *args)``, bound as
+    an instance attribute, so removing it restores the class's), and the empty anchor tensors
+    that make autograd run their Functions' backward."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = list(modules)
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+
+    def install(self) -> None:
+        for m in self.modules:
+            m.forward = types.MethodType(self._forward, m)  # an instance attribute: removable
+
+    def remove(self, modules: list[nn.Module] | None = None) -> None:
+        """Untap ``modules`` (all: None) for good."""
+        gone = self.modules if modules is None else modules
+        for m in gone:
+            if "forward" in m.__dict__:
+                del m.forward
+        self.modules = [m for m in self.modules if all(m is not g for g in gone)]
+
+    def _anchor(self, device: torch.device) -> torch.Tensor:
+        anchor = self._anchors.get(device)
+        if anchor is None:
+            anchor = self._anchors[device] = torch.zeros(0, device=device, requires_grad=True)
+        return anchor
+
+    def _forward(self, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EmbeddingRows(ForwardTaps):
     """The tapped embeddings of one model ([Note: embedding rows cross ranks as rows])."""
 
     def __init__(self, model: nn.Module, managed: set[int], sink: RowsSink, *,
@@ -114,14 +156,9 @@ class EmbeddingRows:
         candidates = [m for m in model.modules() if _tappable(m, managed)]
         vocabularies = {unit_of(m.weight) for m in candidates
                         if m.num_embeddings >= MIN_VOCABULARY_ROWS}
-        self.modules: list[nn.Embedding] = [m for m in candidates
-                                            if unit_of(m.weight) in vocabularies]
+        super().__init__([m for m in candidates if unit_of(m.weight) in vocabularies])
         tapped = {id(m) for m in self.modules}
-        holders: dict[int, list[nn.Module]] = {}
-        for m in model.modules():
-            for p in m._parameters.values():
-                if p is not None:
-                    holders.setdefault(id(p), []).append(m)
+        holders = holders_of(model)
         self.tapped_modules: set[int] = tapped
         """id() of the tapped modules: their use of the weight is not accumulated by autograd."""
         self.rows_only: set[int] = {id(m.weight) for m in self.modules
@@ -129,22 +166,6 @@ class EmbeddingRows:
         """id() of the weights held only by tapped embeddings: autograd accumulates nothing into
         them (unless read outside their modules), their gradient is the rows."""
         self._sink = sink
-        self._anchors: dict[torch.device, torch.Tensor] = {}
-
-    def install(self) -> None:
-        for m in self.modules:
-            m.forward = types.MethodType(self._forward, m)  # an instance attribute: removable
-
-    def remove(self) -> None:
-        for m in self.modules:
-            if "forward" in m.__dict__:
-                del m.forward
-
-    def _anchor(self, device: torch.device) -> torch.Tensor:
-        anchor = self._anchors.get(device)
-        if anchor is None:
-            anchor = self._anchors[device] = torch.zeros(0, device=device, requires_grad=True)
-        return anchor
 
     def _forward(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         weight = module.weight

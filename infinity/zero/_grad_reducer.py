@@ -252,13 +252,15 @@ class GradientReducer:
                      ) -> "_GroupReduction | _PiecewiseReduction":
         stage, device = self.config.stage, self.config.device
         early = self._early.pop(id(g), None)
-        staging = self._completed_staging(g)
-        g.grad_staging = None  # the next stage() makes a buffer and its staged set anew
         if early is not None:  # begun in the head's backward: its turn issues one more piece
+            if early.staging is not None:  # pieces left: what no gradient wrote is zeroed
+                self._completed_staging(g)
+            g.grad_staging = None
             early.issue_next()
             return early
-        if stage >= 2 and pieces > 1 and g.shard_numel >= pieces and self.world_size > 1 \
-                and self.config.grad_quant is None:
+        staging = self._completed_staging(g)
+        g.grad_staging = None  # the next stage() makes a buffer and its staged set anew
+        if self._in_pieces(g, pieces):
             part = torch.empty(g.shard_numel, dtype=self._wire_dtype(staging), device=device)
             return _PiecewiseReduction(self, g, staging, part, pieces, context)
         if self.data_parallel_size > 1:
@@ -317,6 +319,13 @@ class GradientReducer:
             return staging.dtype
         return self.config.reduce_dtype
 
+    def _in_pieces(self, g: FlatGroup, pieces: int) -> bool:
+        """``g``'s reduction is a reduce-scatter cut into ``pieces`` ([Note: a large reduction
+        spread over the backward]): stages 2-3 over several shards, not qgZ (whose quantizer
+        reduces a whole buffer), a shard of at least that many elements."""
+        return (self.config.stage >= 2 and self.world_size > 1 and pieces > 1
+                and g.shard_numel >= pieces and self.config.grad_quant is None)
+
     def begin_pieces(self, g: FlatGroup, pieces: int, context: str
                      ) -> "_PiecewiseReduction | None":
         """[Note: the head's gradient reduced as it is made] in infinity/zero/_head_grad.py:
@@ -326,8 +335,7 @@ class GradientReducer:
         (:meth:`issue`) the reduction goes on as one spread over the backward. None where a
         reduction of ``g`` began already in this backward, or where it is not a reduce-scatter
         in pieces (stages 0-1, one shard, qgZ, a shard smaller than ``pieces``)."""
-        if (self.config.stage < 2 or self.world_size == 1 or self.config.grad_quant is not None
-                or pieces < 2 or g.shard_numel < pieces or id(g) in self._early):
+        if not self._in_pieces(g, pieces) or id(g) in self._early:
             return None
         if g.grad_staging is None:
             g.grad_staging = self._new_staging(g)

@@ -37,14 +37,13 @@ infinity/zero/_grad_presence.py), and the tap is removed at the end of that back
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infinity.zero._embedding_rows import MIN_VOCABULARY_ROWS
+from infinity.zero._embedding_rows import MIN_VOCABULARY_ROWS, ForwardTaps, holders_of
 from infinity.zero._grad_reducer import piece_bounds
 from infinity.zero._tensor_parallel import is_dtensor
 
@@ -56,11 +55,7 @@ def head_candidates(model: nn.Module, managed: set[int], tapped: set[int]) -> li
     """The plain bias-free ``nn.Linear`` modules with a trainable managed weight of at least
     ``MIN_VOCABULARY_ROWS`` rows held by no module but itself and the tapped modules
     (``tapped``: id() of the tapped embeddings)."""
-    holders: dict[int, list[nn.Module]] = {}
-    for m in model.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                holders.setdefault(id(p), []).append(m)
+    holders = holders_of(model)
     found = []
     for m in model.modules():
         weight = getattr(m, "weight", None)
@@ -142,11 +137,11 @@ class _HeadFunction(torch.autograd.Function):
         return ctx.sink(ctx.module, x, grad_out), None, None, None, None
 
 
-class HeadTaps:
+class HeadTaps(ForwardTaps):
     """The tapped LM heads of one model ([Note: the head's gradient reduced as it is made])."""
 
     def __init__(self, modules: list[nn.Linear], sink: HeadSink):
-        self.modules = list(modules)
+        super().__init__(modules)
         self.calls: dict[int, int] = {id(m): 0 for m in self.modules}
         """id(head) -> calls with grad since the last backward ended: the first is tapped."""
         self.of_weight: dict[int, nn.Linear] = {id(m.weight): m for m in self.modules}
@@ -154,18 +149,9 @@ class HeadTaps:
         """id(head) -> parts of its weight's gradient staged in this backward, where it was
         called again (the tapped call's, autograd's for the others): :meth:`first_part`."""
         self._sink = sink
-        self._anchors: dict[torch.device, torch.Tensor] = {}
-
-    def install(self) -> None:
-        for m in self.modules:
-            m.forward = types.MethodType(self._forward, m)  # an instance attribute: removable
 
     def remove(self, modules: list[nn.Linear] | None = None) -> None:
-        gone = self.modules if modules is None else modules
-        for m in gone:
-            if "forward" in m.__dict__:
-                del m.forward
-        self.modules = [m for m in self.modules if all(m is not g for g in gone)]
+        super().remove(modules)
         self.of_weight = {id(m.weight): m for m in self.modules}
 
     def first_part(self, weight: torch.Tensor) -> bool:
@@ -194,8 +180,5 @@ class HeadTaps:
             self.calls[id(module)] += 1              # which must redo what the forward did
             if self.calls[id(module)] > 1:
                 return nn.Linear.forward(module, x)
-        anchor = self._anchors.get(weight.device)
-        if anchor is None:
-            anchor = self._anchors[weight.device] = torch.zeros(0, device=weight.device,
-                                                                requires_grad=True)
-        return _HeadFunction.apply(x, weight.detach(), anchor, module, self._sink)
+        return _HeadFunction.apply(x, weight.detach(), self._anchor(weight.device), module,
+                                   self._sink)

@@ -706,8 +706,7 @@ class ParameterManager:
         if ahead is not None and self._ahead_on and not unit.always_gathered:
             backward = self.state is TrainingState.BACKWARD
             ahead.use(unit.index, backward)  # [Note: gathers issued ahead]
-            busy = {u.index for u in self.units if u.in_use}
-            for index, later in ahead.ahead(unit.index, backward, busy):
+            for index, later in ahead.ahead(unit.index, backward, self._in_use()):
                 if self.units[index].state is UnitState.RELEASED:
                     self._issue_gather(self.units[index], Phase.BACKWARD_GATHER if later
                                        else Phase.FORWARD_GATHER)
@@ -720,10 +719,13 @@ class ParameterManager:
         if unit.state is not UnitState.RELEASED and unit.releasable:
             if self._fetcher is not None and self._fetcher.should_keep(unit.index):
                 return  # the trace says it is used again soon (released at the step's end at last)
-            if self._ahead_on and self._gather_ahead.used_next(
-                    unit.index, {u.index for u in self.units if u.in_use}):
+            if self._ahead_on and self._gather_ahead.used_next(unit.index, self._in_use()):
                 return  # used again next: [Note: gathers issued ahead]
             self._release(unit)
+
+    def _in_use(self) -> set[int]:
+        """The units computing now (forward, or held for their backward)."""
+        return {u.index for u in self.units if u.in_use}
 
     def _maybe_drop_hold(self, unit: Unit) -> None:
         """Release after backward once nothing of the unit's backward can still read it
