@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator, Mapping, Sequence
+from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 
@@ -101,12 +101,16 @@ class InMemoryShardOptimizer:
 
     def step(self, grads: Mapping[str, torch.Tensor], *, grad_scale: float = 1.0,
              lr: float | None = None,
-             runs: Mapping[str, Sequence[AdamRun]] | None = None) -> None:
+             runs: Mapping[str, Sequence[AdamRun]] | None = None,
+             on_stepped: Callable[[str], None] | None = None) -> None:
         """One step. ``runs``: per key, the slices to update and their step numbers and
         hyperparameters ([Note: runs of a flat partition]); keys absent from it are not
         updated. None: :meth:`default_runs` (every key, one run). A key missing from ``grads``
         is stepped with a zero gradient (as torch's AdamW does for a gradient zeroed, not set
-        to None)."""
+        to None). ``on_stepped(key)``: called once a key's parameter partition holds its update
+        (keys in add order), so that its all-gather can start while the later keys step
+        ([Note: the after-step gather overlaps the next forward] in
+        infinity/zero/_param_manager.py)."""
         if runs is None:
             runs = self.default_runs(lr)
         self.step_count += 1
@@ -128,3 +132,5 @@ class InMemoryShardOptimizer:
                 if out is not None and fused_out is None:  # an fp32 copy held elsewhere
                     for a, b, _ in pieces:
                         out[a:b].copy_(master[a:b])
+            if on_stepped is not None:
+                on_stepped(key)

@@ -618,8 +618,12 @@ class InfinityEngine:
         if self._deferring:
             self.shard_optimizer.step(grads, grad_scale=inv_scale * coef, runs=runs, defer=True,
                                       order=self.manager.forward_keys())
-        else:
+        elif self.shard_optimizer.offloaded:
             self.shard_optimizer.step(grads, grad_scale=inv_scale * coef, runs=runs)
+            self.flush_offload()
+        else:  # each unit's after-step gather may start as its keys are updated
+            self.shard_optimizer.step(grads, grad_scale=inv_scale * coef, runs=runs,
+                                      on_stepped=self.manager.on_stepped())
             self.flush_offload()
         self._plan.commit(updated)
         self.manager.after_step()

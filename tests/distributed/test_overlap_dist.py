@@ -75,16 +75,40 @@ def _train(rank, world_size, stage, dtype, gas, clip, zero):
     from infinity import LinkModel
     from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
 
+    from infinity.optim import _in_memory
+    from infinity.zero._collectives import Phase
+
     engine = infinity.initialize(tiny_gpt(), engine_config(stage=stage, dtype=dtype, gas=gas,
                                                            clip=clip, zero=zero),
                                  comm_link=LinkModel(**LINK))
-    losses = engine_train(engine, batches(STEPS, gas), rank=rank, world_size=world_size)
+    # The after-step gathers' issues and the optimizer's updates, in order.
+    events, manager, adam_runs = [], engine.manager, _in_memory.adam_runs
+
+    def recorded(gather):  # issued and waited later, or waited at once
+        def record(unit, phase, **kwargs):
+            if phase is Phase.STEP_GATHER:
+                events.append(("gather", unit.index))
+            return gather(unit, phase, **kwargs)
+        return record
+
+    def update(*args, **kwargs):
+        events.append(("update", None))
+        return adam_runs(*args, **kwargs)
+
+    manager._issue_gather = recorded(manager._issue_gather)
+    manager._gather = recorded(manager._gather)
+    _in_memory.adam_runs = update
+    try:
+        losses = engine_train(engine, batches(STEPS, gas), rank=rank, world_size=world_size)
+    finally:
+        _in_memory.adam_runs = adam_runs
     # Right after the last step (gathers in flight where overlapped): the module's own view.
     states = {u.state.name for u in engine.manager.units}
     module_state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()
                     } if stage < 3 else None
     out = {"losses": losses, "state": engine.full_state_dict(), "stats": engine.stats(),
-           "module_state": module_state, "states_after_step": states}
+           "module_state": module_state, "states_after_step": states, "events": events,
+           "units": len(engine.manager.units)}
     engine.close()
     return out
 
@@ -143,10 +167,31 @@ def test_overlapped_collectives_train_as_plain_pytorch_under_a_slow_link():
                 zero.get("overlap_param_gather")), (name, got["states_after_step"])
             if dtype == "fp32" and stage < 3:  # read right after step(): gathered, not poisoned
                 assert_close_run(got["losses"], got["module_state"], ref_losses, ref_state, dtype)
+            if stage < 3:  # every unit gathered once per step; overlapped: while the step runs
+                steps = _per_step(got["events"], got["units"])
+                assert len(steps) == STEPS, (name, len(steps))
+                for events in steps:
+                    kinds = [kind for kind, _ in events]
+                    assert sorted(i for kind, i in events if kind == "gather") == list(
+                        range(got["units"])), (name, events)
+                    assert (kinds.index("gather") < len(kinds) - 1 - kinds[::-1].index("update")
+                            ) == bool(zero.get("overlap_param_gather")), (name, kinds)
     ref_losses, ref_state = reference_train(_reads_ahead(), _reads_ahead_data())
     for res in results:
         got = res["reads-ahead"]
         assert_close_run(got["losses"], got["state"], ref_losses, ref_state, "fp32")
+
+
+def _per_step(events: list, units: int) -> list[list]:
+    """The events split into optimizer steps: each ends with its ``units``-th gather."""
+    steps, current = [], []
+    for event in events:
+        current.append(event)
+        if sum(kind == "gather" for kind, _ in current) == units:
+            steps.append(current)
+            current = []
+    assert not current, current
+    return steps
 
 
 @pytest.mark.parametrize("what", SABOTAGE)

@@ -202,3 +202,41 @@ def test_schedule_bound_adds_what_cannot_hide():
     assert schedule_bound_s(free, linked) == pytest.approx((1.0 + 0.3) + (3.0 + 0.6))
     linked["copy_link_edges_s_per_step"] = {"head_s": 0.2, "tail_s": 0.9}  # the larger of each
     assert schedule_bound_s(free, linked) == pytest.approx((1.0 + 0.3) + (3.0 + 0.9))
+
+
+def test_in_memory_step_reports_each_key_once_its_partition_holds_the_update():
+    """[Note: the after-step gather overlaps the next forward]: the optimizer calls
+    ``on_stepped(key)`` as each key's bf16 parameter partition holds its update (torch's AdamW on
+    that parameter, rounded to bf16), in add order, and not for a key the step does not update;
+    a later key is not yet updated when an earlier one is reported."""
+    import torch
+
+    from infinity.config import OptimizerConfig
+    from infinity.optim._in_memory import InMemoryShardOptimizer
+    from infinity.optim._runs import AdamRun, config_hyperparameters
+
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    opt = InMemoryShardOptimizer(config)
+    g = torch.Generator().manual_seed(0)
+    masters = {k: torch.randn(n, generator=g) for k, n in (("a", 7), ("b", 5), ("c", 3))}
+    grads = {k: torch.randn(m.numel(), generator=g) for k, m in masters.items()}
+    outs = {k: m.to(torch.bfloat16) for k, m in masters.items()}
+    refs = {k: torch.nn.Parameter(m.clone()) for k, m in masters.items()}
+    for k in masters:
+        opt.add(k, masters[k], outs[k])
+    before = {k: o.clone() for k, o in outs.items()}
+    hyper = config_hyperparameters(config, config.lr)
+    runs = {k: (AdamRun(0, masters[k].numel(), 1, hyper),) for k in ("a", "c")}  # not "b"
+    seen = []
+
+    def stepped(key):
+        seen.append((key, {k: not torch.equal(outs[k], before[k]) for k in outs}))
+
+    opt.step(grads, runs=runs, on_stepped=stepped)
+    assert seen == [("a", {"a": True, "b": False, "c": False}),
+                    ("c", {"a": True, "b": False, "c": True})]
+    for k in ("a", "c"):
+        ref = torch.optim.AdamW([refs[k]], lr=1e-2, weight_decay=0.1)
+        refs[k].grad = grads[k].clone()
+        ref.step()
+        torch.testing.assert_close(outs[k], refs[k].detach().to(torch.bfloat16))
