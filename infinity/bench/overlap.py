@@ -5,7 +5,7 @@ Reproduce (2 gloo ranks, the anchor GPT, the link set so that a step's link time
 compute time)::
 
     infinity bench step --model 135m --seq-len 128 --world-size 2 --link-gbps auto \\
-        --modes stage3,stage2,stage3-hpz --steps 4 --warmup 2
+        --modes stage3,stage2,stage3-hpz --steps 4 --warmup 3
 
 One rank, parameters on HOST and the link under the host<->device copies, both directions (the
 350M preset: on the 135M one the least device budget the engine accepts, three of its
@@ -16,7 +16,7 @@ and all the gradients' bytes inside the backward, and ``schedule_bound_s`` (not 
 the least step any schedule reaches::
 
     infinity bench step --model 350m --seq-len 128 --world-size 1 --link-gbps auto \
-        --modes stage3-cpu --steps 4 --warmup 2
+        --modes stage3-cpu --steps 4 --warmup 3
 
 Each mode runs twice in fresh processes (``--world-size`` ranks, gloo, file rendezvous, the cores
 shared): first with a free link (it counts the wire bytes and costs no time), giving T0, the
@@ -25,7 +25,9 @@ step's compute time with every collective as fast as this machine does it; then 
 ``--link-latency-us``, under every collective ([Note: the modeled link] in
 infinity/_modeled_link.py). L is the seconds per step the link was busy. A design that waits for
 each collective where it is issued takes about T0 + L; one that overlaps them, max(T0, L)
-plus what cannot hide (the first gather of a step, the last reduction).
+plus what cannot hide (the first gather of a step, the last reduction). The ranks keep their
+freed memory ([Note: the link's ranks keep their freed memory]): three warm-up steps bring
+their heaps to size.
 Reported per mode: ``t0_s``, ``link_s`` (L), ``step_s``, ``x_max`` = step_s / max(T0, L) (the
 issue's figure: <= 1.25), ``x_serial`` = (T0 + L) / max(T0, L) (what waiting at every issue
 would give), the seconds per step the training thread waited on collectives
@@ -89,6 +91,24 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     return modes
 
 
+KEPT_HEAP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+"""[Note: the link's ranks keep their freed memory]
+The processes of a modeled link stand in for GPUs, whose memory comes from a caching allocator:
+a block freed in one step is handed out again in the next, never returned to the driver. On the
+CPU, glibc hands every block of 32 MiB or more (and the engine's own buffers from 128 KiB:
+[Note: freed buffers leave the process] in infinity/io/_host_malloc.py) to the kernel at its free
+and faults it in again, page by page, at the next allocation. On this project's VM a page fault
+costs 2 to 26 us (the host backs the page anew): the 135M GPT at stage 2 over 2 ranks took
+150-270k faults and 0.6-2.1 s of kernel time per rank per step beside 3.0 s of user time, 0.1-1.3
+s of it in the loss's backward alone (its two 100 MB fp32 buffers), differing from step to step
+and rank to rank. That is neither compute nor communication, and it lands on the critical path
+unevenly (a late first gradient delays every reduction behind it). So the ranks of both runs
+(the free link's T0 and the modeled one) run with glibc's mmap off and its trim off: freed memory
+stays in the process heap, and after three steps (the heap at its size) 11-39k faults and
+0.2-0.5 s of kernel time remain (gloo's loopback copies). ``--link-heap system`` runs without it.
+Host memory figures of these runs are not the engine's (its buffers stay in the heap)."""
+
+
 def _run_ranks(mode: str, args: argparse.Namespace, worker_args: dict[str, Any],
                link: dict[str, float]) -> dict[str, Any]:
     """One mode on ``--world-size`` fresh processes; rank 0's record."""
@@ -100,7 +120,8 @@ def _run_ranks(mode: str, args: argparse.Namespace, worker_args: dict[str, Any],
         procs = []
         for rank in range(args.world_size):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.world_size),
-                   "LOCAL_RANK": str(rank)}
+                   "LOCAL_RANK": str(rank),
+                   **(KEPT_HEAP_ENV if args.link_heap == "kept" else {})}
             log = logs.enter_context(
                 open(os.path.join(tmp, f"rank{rank}.log"), "w+", encoding="utf-8"))
             procs.append((subprocess.Popen(
@@ -332,7 +353,8 @@ def run(args: argparse.Namespace, worker_args: dict[str, Any]) -> int:
               f"steps" + (f", median of {rounds} rounds" if rounds > 1 else ""),
         rows=rows, columns=list(dict.fromkeys(k for r in rows for k in r)),
         params={**worker_args, "world_size": args.world_size, "link_gbps": args.link_gbps,
-                "link_latency_us": args.link_latency_us, "rounds": rounds, "modes": modes},
+                "link_latency_us": args.link_latency_us, "rounds": rounds, "modes": modes,
+                "link_heap": args.link_heap},
         extra={"rounds_raw": per_mode},
         notes=["t0_s: the step with a free link (T0); link_s: seconds per step the modeled "
                "link was busy (L); x_max: step_s / max(T0, L) (overlap's target: <= 1.25); "

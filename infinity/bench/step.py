@@ -137,6 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "bandwidth at which the link time equals T0")
     parser.add_argument("--link-latency-us", type=float, default=0.0,
                         help="--link-gbps: latency added to every transfer; default 0")
+    parser.add_argument("--link-heap", choices=("kept", "system"), default="kept",
+                        help="--link-gbps: 'kept' (default) runs the ranks with freed memory "
+                        "kept in the process, as a GPU's caching allocator keeps device memory "
+                        "([Note: the link's ranks keep their freed memory] in "
+                        "infinity/bench/overlap.py); 'system': glibc's and the engine's own "
+                        "policy, every large block faulted in again each step")
     parser.add_argument("--reduce-dtype", choices=("fp32", "compute"), default="fp32",
                         help="the engine's precision.reduce_dtype: gradients cross ranks in fp32 "
                         "(default) or in the compute dtype (FSDP2's and DeepSpeed's default)")
