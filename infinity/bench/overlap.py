@@ -250,7 +250,7 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     the gradient transfers (reductions, copies down) from that unit's on.
     ``step_gather_in_forward``: the after-step all-gather is waited in the next forward
     (stage2-overlap: [Note: the after-step gather overlaps the next forward] in
-    infinity/zero/_param_manager.py), so its link time is the forward's."""
+    infinity/zero/_step_gathers.py), so its link time is the forward's."""
     phases = free.get("phase_s")
     if not phases:
         return None

@@ -180,7 +180,7 @@ class ZeroConfig:
     (``full_state_dict``, ``module.state_dict()``, checkpoints and ``engine.finish_step()`` wait
     for them), not directly (an EMA reading ``p.data`` after ``step()``). false: ``step()``
     returns with the parameters gathered ([Note: the after-step gather overlaps the next
-    forward] in infinity/zero/_param_manager.py)."""
+    forward] in infinity/zero/_step_gathers.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):

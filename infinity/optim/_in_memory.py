@@ -110,7 +110,7 @@ class InMemoryShardOptimizer:
         to None). ``on_stepped(key)``: called once a key's parameter partition holds its update
         (keys in add order), so that its all-gather can start while the later keys step
         ([Note: the after-step gather overlaps the next forward] in
-        infinity/zero/_param_manager.py)."""
+        infinity/zero/_step_gathers.py)."""
         if runs is None:
             runs = self.default_runs(lr)
         self.step_count += 1

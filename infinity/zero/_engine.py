@@ -808,7 +808,7 @@ class InfinityEngine:
         """Run the optimizer updates still deferred into the next forward ([Note: deferred
         optimizer step]) and wait for their write-backs, and for after-step gathers in flight
         ([Note: the after-step gather overlaps the next forward] in
-        infinity/zero/_param_manager.py): a timed loop's last step then ends with its own update,
+        infinity/zero/_step_gathers.py): a timed loop's last step then ends with its own update,
         not the work of a forward that never comes. A no-op when nothing waits."""
         self._settle()
 

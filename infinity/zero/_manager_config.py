@@ -77,7 +77,7 @@ class ManagerConfig:
     overlap_param_gather: bool = False
     """Stages 1-2: the after-step all-gather overlaps the next forward (``zero.
     overlap_param_gather``; [Note: the after-step gather overlaps the next forward] in
-    infinity/zero/_param_manager.py)."""
+    infinity/zero/_step_gathers.py)."""
     hpz_partition_size: int = 1
     """ZeRO++ hpZ secondary group size (``zero.hpz_partition_size``); 1: off ([Note: hpZ
     secondary shards] in infinity/zero/_hpz.py)."""

@@ -47,7 +47,6 @@ called twice gathers again on its second call.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 from typing import Any, Callable, Iterator
@@ -75,6 +74,7 @@ from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
 from infinity.zero._reduce_order import ReduceOrder, backward_order, spread_pieces
+from infinity.zero._step_gathers import StepGathers
 from infinity.zero._tensor_parallel import full_value, local_grad
 from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
 from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
@@ -228,20 +228,15 @@ class ParameterManager:
         HOST copy] in infinity/zero/_unit_storage.py)."""
         self._on_backward_begin = on_backward_begin
         self._on_backward_end = on_backward_end
-        self._step_gather_ahead = (config.overlap_param_gather and self.stage in (1, 2)
-                                   and collectives.data_parallel_size > 1)
-        """[Note: the after-step gather overlaps the next forward]; False: after_step waits."""
-        self._stepped_gathers: set[int] = set()
-        """Units whose after-step gather the optimizer's step issued already (:meth:`on_stepped`)."""
-        hooked_units = {i for _, _, indices in choice.hooked for i in indices}
-        self._wait_first: set[int] = {u.index for u in self.units
-                                      if u.index not in hooked_units}
-        """Overlapped after-step gathers: units waited when the model's forward begins (no module
-        of theirs is hooked: the persistent unit; and units the first forward read outside their
-        modules)."""
-        self._entered: collections.Counter[int] = collections.Counter()
-        """Overlapped after-step gathers: units whose module's forward runs now (the first
-        forward's outside-read detection)."""
+        self._step_gathers: StepGathers | None = None
+        """[Note: the after-step gather overlaps the next forward] in
+        infinity/zero/_step_gathers.py; None: ``after_step`` waits for the gathers."""
+        if config.overlap_param_gather and self.stage in (1, 2) \
+                and collectives.data_parallel_size > 1:
+            self._step_gathers = StepGathers(
+                self.units, {i for _, _, indices in choice.hooked for i in indices},
+                issue=lambda unit: self._issue_gather(unit, Phase.STEP_GATHER, refresh=True),
+                wait=lambda unit: self._wait_gather(unit), settle=lambda: self.settle_params())
         self._install_hooks(choice.hooked)
         self._fetcher = self._build_fetcher()
         """Trace-driven prefetch of offloaded parameter shards; None: demand fetches only."""
@@ -382,8 +377,8 @@ class ParameterManager:
         # outermost backward (a parameter's, inside a reentrant checkpoint, may come in a nested
         # one, whose end is not the backward's).
         self._handles.append(self.module.register_forward_hook(self._mark_outputs))
-        if self._step_gather_ahead:
-            self._install_step_gather_waits(hooked)
+        if self._step_gathers is not None:
+            self._handles.extend(self._step_gathers.install(self.module, hooked))
         if self.stage < 3:
             return
         for module, _name, indices in hooked:
@@ -400,40 +395,6 @@ class ParameterManager:
                    for p in module._parameters.values()):
                 self._handles.append(module.register_state_dict_pre_hook(
                     self._refuse_released_state_dict))
-
-    def _install_step_gather_waits(self, hooked: list[tuple[nn.Module, str, list[int]]]) -> None:
-        """[Note: the after-step gather overlaps the next forward]
-        At stages 1-2 every unit stays gathered, and after the optimizer step each rank's updated
-        shard is all-gathered into every rank's full parameters: 1/3 of stage 2's link time, on
-        the critical path when ``step()`` waits for it (the 110M GPT at 2 gloo ranks, link time =
-        compute time: 0.97 s exposed of a 3.94 s step). With ``zero.overlap_param_gather`` the
-        gathers are issued inside ``step()``, each unit's as soon as the optimizer has updated its
-        last key, while the later keys step (:meth:`on_stepped`; on the 135M GPT the tied table's
-        gather, 0.39 s of link, starts 0.1 s before ``step()`` returns), and waited where the
-        next forward first reads each unit: its module's forward pre-hook; at the model's own pre-hook, before anything
-        runs, the units no module of which is hooked (the persistent unit) and those the first
-        training forward read outside their modules (found as the outside-use detector finds
-        stage 3's, [Note: parameters used outside their module]). Every other reader waits for
-        all of them first (:meth:`settle_params`): ``module.state_dict()`` (a hook),
-        ``full_state_dict``, checkpoints, weights, the next optimizer step, ``finish_step`` and
-        ``close``. User code reading a parameter directly between ``step()`` and the next
-        forward is the one reader nothing sees (the config key's docstring says so), as with
-        Megatron's ``overlap_param_gather``."""
-        self._handles.append(self.module.register_forward_pre_hook(
-            lambda module, args: self._wait_units(self.units[i] for i in sorted(self._wait_first))))
-        for module, _name, indices in hooked:
-            units = [self.units[i] for i in indices]
-            self._handles.append(module.register_forward_pre_hook(
-                lambda module, args, units=units: self._enter_units(units)))
-            self._handles.append(module.register_forward_hook(
-                lambda module, args, output, units=units: self._entered.subtract(
-                    u.index for u in units), always_call=True))
-        self._handles.append(self.module.register_state_dict_pre_hook(
-            lambda module, prefix, keep_vars: self.settle_params()))
-
-    def _enter_units(self, units: list[Unit]) -> None:
-        self._entered.update(u.index for u in units)
-        self._wait_units(units)
 
     def _wait_units(self, units: Any) -> None:
         for u in units:
@@ -795,7 +756,7 @@ class ParameterManager:
         mode = torch.is_grad_enabled()
         trace = mode not in self._traced_modes and (
             (self.stage == 3 and any(not u.always_gathered for u in self.units))
-            or (self._step_gather_ahead and mode))
+            or (self._step_gathers is not None and mode))
         self._to(TrainingState.FORWARD)
         finished = False
         try:
@@ -972,41 +933,20 @@ class ParameterManager:
                 if not unit.always_gathered and unit.releasable \
                         and unit.state is not UnitState.RELEASED:
                     self._release(unit)
-        issued, self._stepped_gathers = self._stepped_gathers, set()
-        for unit in self.units:
-            if unit.always_gathered and self._step_gather_ahead:
-                if unit.index not in issued:
-                    self._issue_gather(unit, Phase.STEP_GATHER, refresh=True)
-            elif unit.always_gathered:
-                self._gather(unit, Phase.STEP_GATHER)
+        if self._step_gathers is not None:
+            self._step_gathers.issue_rest()
+        else:
+            for unit in self.units:
+                if unit.always_gathered:
+                    self._gather(unit, Phase.STEP_GATHER)
         if self._fetcher is not None:
             self._fetcher.warm_next_step()  # the shards are final: the next step's first units
 
     def on_stepped(self) -> Callable[[str], None] | None:
-        """What the optimizer calls with each key as its parameter partition takes the step's
-        update: a unit's after-step gather is issued as soon as its last trainable key is
-        updated, while the later keys step ([Note: the after-step gather overlaps the next
-        forward]); :meth:`after_step` issues the others. None: the gathers wait for the step's
-        end (without ``overlap_param_gather``, and at stage 3, whose gathers come at use)."""
-        if not self._step_gather_ahead:
-            return None
-        left = {u.index: {g.key for g in u.groups if g.requires_grad}
-                for u in self.units if u.always_gathered}
-        unit_of = {key: index for index, keys in left.items() for key in keys}
-        self._stepped_gathers = set()
-
-        def stepped(key: str) -> None:
-            index = unit_of.get(key)
-            if index is None:
-                return
-            keys = left[index]
-            keys.discard(key)
-            if not keys:
-                # The same order on every rank: the optimizer steps its keys in add order, and
-                # which keys a step updates is decided over all ranks (_grad_presence.py).
-                self._issue_gather(self.units[index], Phase.STEP_GATHER, refresh=True)
-                self._stepped_gathers.add(index)
-        return stepped
+        """What the optimizer calls with each key as it updates the key's parameter partition
+        (:meth:`StepGathers.on_stepped`); None: the gathers wait for the step's end (without
+        ``overlap_param_gather``, and at stage 3, whose gathers come at use)."""
+        return None if self._step_gathers is None else self._step_gathers.on_stepped()
 
     def grad_partitions(self) -> dict[str, torch.Tensor | StoredGrad]:
         """Gradient per trainable group over the optimizer's partition (a tensor, or slices in
@@ -1064,12 +1004,8 @@ class ParameterManager:
             return
         if unit is None:
             return
-        if self._step_gather_ahead:  # [Note: the after-step gather overlaps the next forward]
-            if self._entered[unit.index] <= 0 and unit.index not in self._wait_first:
-                logger.info("%s read a parameter of unit %d %r outside its modules: its "
-                            "after-step gather is waited when the forward begins", func_name,
-                            unit.index, unit.name)
-                self._wait_first.add(unit.index)
+        if self._step_gathers is not None:
+            self._step_gathers.read_outside(unit, func_name)
             return
         if unit.state is not UnitState.RELEASED:
             return

@@ -21,7 +21,7 @@ CONFIGS = [  # (name, stage, dtype, gas, clip, zero section)
     ("s3-bf16-gas2-clip", 3, "bf16", 2, 0.05, {}),
     ("s1-fp32-gas2", 1, "fp32", 2, 0.0, {}),
     ("s3-fp32-hpz", 3, "fp32", 1, 0.0, {"hpz_partition_size": 2}),
-    # [Note: the after-step gather overlaps the next forward] in infinity/zero/_param_manager.py
+    # [Note: the after-step gather overlaps the next forward] in infinity/zero/_step_gathers.py
     ("s2-fp32-overlap-gather", 2, "fp32", 1, 0.0, {"overlap_param_gather": True}),
     ("s1-bf16-gas2-clip-overlap-gather", 1, "bf16", 2, 0.05, {"overlap_param_gather": True}),
 ]
