@@ -23,6 +23,7 @@ from infinity.bench.roofline import nvme_moved_bytes, nvme_per_step
 from infinity.bench.thread_cpu import cpu_between, thread_cpu_s
 from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.io import Swapper, aligned_empty
+from infinity.ledger import StateTerms
 from infinity.tiers import SUB_GROUP_BYTES_PER_NUMEL, extent_bytes
 from infinity.zero import (apply_activation_checkpointing, host_needs_of, init, initialize,
                            least_host_budget_bytes)
@@ -212,7 +213,8 @@ def _ours(model: nn.Module, spec: dict[str, Any]):
         config["offload_param"] = {"device": "nvme", "nvme_path": path}
         config["offload_optimizer"] = {"device": "nvme", "nvme_path": path}
         numel = sum(p.numel() for p in model.parameters())
-        state_bytes = numel * (2 + 2 + 12 if spec["dtype"] == "bf16" else 16)
+        # The paper's 2 + 2 + K (16 B a parameter in every precision), from the ledger's count.
+        state_bytes = numel * StateTerms.for_training(dtype=spec["dtype"]).per_param_bytes
         config["memory"] = {"host_budget_bytes": int(state_bytes * spec["host_budget_fraction"])}
         if not torch.cuda.is_available():
             # Without a GPU the DEVICE tier is host RAM too: left 'auto' it caches every parameter
