@@ -157,6 +157,9 @@ BACKWARD_PHASES = ("backward-gather", "secondary-gather", "reduce-grad", "replic
                    "flush", "reduce-rows", "other")
 """Which collectives a phase of the step carries (Phase values); the rest (step-gather, norm)
 run in ``engine.step()``."""
+BACKWARD_GATHER_PHASES = ("backward-gather", "secondary-gather")
+"""The backward's gathers, which may start in the forward's tail ([Note: the backward's gathers
+start in the forward's tail] in infinity/zero/_gather_ahead.py)."""
 REDUCE_PHASES = ("reduce-grad", "replicate-reduce", "flush", "reduce-rows")
 """The gradient reductions among them ([Note: what cannot hide])."""
 
@@ -248,6 +251,9 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     ``copy_link_edges_s_per_step``): the step and the forward last at least the first unit's
     arrival (gather, copy up) plus the forward's compute, the backward at least its compute plus
     the gradient transfers (reductions, copies down) from that unit's on.
+    The backward's gathers may run in the forward's tail (issued ahead, [Note: the backward's
+    gathers start in the forward's tail] in infinity/zero/_gather_ahead.py): they bound the
+    forward and the backward together (with every other byte of both), not the backward alone.
     ``step_gather_in_forward``: the after-step all-gather is waited in the next forward
     (stage2-overlap: [Note: the after-step gather overlaps the next forward] in
     infinity/zero/_step_gathers.py), so its link time is the forward's."""
@@ -258,7 +264,8 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     copy_s = linked.get("copy_link_busy_s_per_step") or 0.0
     forward_phases = FORWARD_PHASES + (("step-gather",) if step_gather_in_forward else ())
     fwd = sum(comm.get(p, 0.0) for p in forward_phases)
-    bwd = sum(comm.get(p, 0.0) for p in BACKWARD_PHASES)
+    ahead = sum(comm.get(p, 0.0) for p in BACKWARD_GATHER_PHASES)
+    bwd = sum(comm.get(p, 0.0) for p in BACKWARD_PHASES if p not in BACKWARD_GATHER_PHASES)
     step = sum(v for p, v in comm.items() if p not in forward_phases + BACKWARD_PHASES)
     f, b, o = phases["forward"], phases["backward"], phases["optimizer"]
     per_byte_s = _per_byte_s(linked)
@@ -269,7 +276,8 @@ def schedule_bound_s(free: dict[str, Any], linked: dict[str, Any], *,
     tail = max(e.get("tail_s", 0.0) for e in edges)
     # The copies' link beside the collectives' (a lane each): it bounds the whole step.
     step_and_forward = max(max(o, step) + max(f, fwd), shards_s, head + f)
-    return max(step_and_forward + max(b, bwd, down_s, b + tail), copy_s)
+    return max(step_and_forward + max(b, bwd, down_s, b + tail),
+               max(o, step) + fwd + ahead + bwd, copy_s)
 
 
 def _per_byte_s(linked: dict[str, Any]) -> float:

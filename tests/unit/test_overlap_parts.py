@@ -204,6 +204,25 @@ def test_schedule_bound_adds_what_cannot_hide():
     assert schedule_bound_s(free, linked) == pytest.approx((1.0 + 0.3) + (3.0 + 0.9))
 
 
+def test_schedule_bound_lets_the_backward_gathers_run_in_the_forward():
+    """[Note: the schedule bound]: the backward's gathers may start in the forward's tail, so
+    they bound the forward and the backward together, not the backward alone; the link still
+    carries every byte of both phases after the step."""
+    from infinity.bench.overlap import schedule_bound_s
+
+    free = {"phase_s": {"forward": 1.5, "backward": 2.5, "optimizer": 0.1}}
+    linked = {"comm_link_busy_s_by_phase_per_step": {"forward-gather": 1.1,
+                                                     "backward-gather": 0.5, "reduce-grad": 2.3}}
+    # The forward has 0.4 s of room for them, the backward 0.2 s: the compute bounds both (the
+    # backward alone would have to carry them: 0.1 + 1.5 + 2.8).
+    assert schedule_bound_s(free, linked) == pytest.approx(0.1 + 1.5 + 2.5)
+    for phase in ("backward-gather", "secondary-gather"):  # hpZ's come from the node's group
+        by_phase = {"forward-gather": 1.1, phase: 0.9, "reduce-grad": 2.3}
+        linked["comm_link_busy_s_by_phase_per_step"] = by_phase
+        # Room for 0.6 s of them in both phases: the link's bytes bound the two.
+        assert schedule_bound_s(free, linked) == pytest.approx(0.1 + 1.1 + 0.9 + 2.3)
+
+
 def test_in_memory_step_reports_each_key_once_its_partition_holds_the_update():
     """[Note: the after-step gather overlaps the next forward]: the optimizer calls
     ``on_stepped(key)`` as each key's bf16 parameter partition holds its update (torch's AdamW on
