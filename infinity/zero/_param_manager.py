@@ -236,7 +236,7 @@ class ParameterManager:
             self._step_gathers = StepGathers(
                 self.units, {i for _, _, indices in choice.hooked for i in indices},
                 issue=lambda unit: self._issue_gather(unit, Phase.STEP_GATHER, refresh=True),
-                wait=lambda unit: self._wait_gather(unit), settle=lambda: self.settle_params())
+                wait=self._wait_gather, settle=self.settle_params)
         self._install_hooks(choice.hooked)
         self._fetcher = self._build_fetcher()
         """Trace-driven prefetch of offloaded parameter shards; None: demand fetches only."""

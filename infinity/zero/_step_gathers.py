@@ -50,6 +50,12 @@ class StepGathers:
         """Units whose module's forward runs now (the first forward's outside-read detection)."""
         self._issued: set[int] = set()
         """Units whose gather the optimizer's step issued already (:meth:`on_stepped`)."""
+        self._keys: dict[int, frozenset[str]] = {
+            u.index: frozenset(g.key for g in u.groups if g.requires_grad)
+            for u in units if u.always_gathered}
+        """The trainable keys of each unit whose gather follows the step."""
+        self._unit_of: dict[str, int] = {key: index for index, keys in self._keys.items()
+                                         for key in keys}
 
     def install(self, module: nn.Module, hooked: list[tuple[nn.Module, str, list[int]]]
                 ) -> list[Any]:
@@ -90,13 +96,11 @@ class StepGathers:
         """What the optimizer calls with each key as its parameter partition takes the step's
         update: a unit's gather is issued as soon as its last trainable key is updated, while
         the later keys step; :meth:`issue_rest` issues the others."""
-        left = {u.index: {g.key for g in u.groups if g.requires_grad}
-                for u in self._units if u.always_gathered}
-        unit_of = {key: index for index, keys in left.items() for key in keys}
+        left = {index: set(keys) for index, keys in self._keys.items()}
         self._issued = set()
 
         def stepped(key: str) -> None:
-            index = unit_of.get(key)
+            index = self._unit_of.get(key)
             if index is None:
                 return
             keys = left[index]
