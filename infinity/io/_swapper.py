@@ -2,7 +2,7 @@
 
 ``Swapper(directory, config)`` owns one private directory per process under ``directory``
 (``<directory>/infinity-swap-<pid>-<rank>-<random>/``, mode 0700, files 0600), a pool of I/O threads
-and one queue of block requests. ``swap_out(key, tensor)`` / ``swap_in(key, out)`` split a tensor into
+and a queue of block requests per direction ([Note: both directions in flight]). ``swap_out(key, tensor)`` / ``swap_in(key, out)`` split a tensor into
 ``block_size_bytes`` pieces and return a :class:`SwapHandle`; ``handle.wait()`` re-raises the first
 error. Blocking ``os.pwrite``/``os.preadv`` on memoryviews of the tensor's own memory release the GIL,
 so ``num_io_threads`` requests really are in flight at once.
@@ -143,10 +143,13 @@ class Swapper:
         # inline in the thread that holds it (add_done_callback on an already finished future).
         self._lock = threading.RLock()
         self._records: dict[str, _KeyRecord] = {}
-        self._pending: deque[tuple[_Op, int, int, int]] = deque()  # (op, file off, mem off, len)
+        # Blocks not yet handed to a thread, one queue per direction ([Note: both directions in
+        # flight]); each entry (op, file offset, memory offset, length).
+        self._pending: dict[str, deque[tuple[_Op, int, int, int]]] = {"in": deque(), "out": deque()}
         self._work: deque[Callable[[], None]] = deque()
         self._work_ready = threading.Condition(self._lock)
-        self._queued_blocks = 0  # blocks handed to threads and not finished (<= queue_depth)
+        # Blocks handed to threads and not finished, per direction (together <= queue_depth).
+        self._queued_blocks = {"in": 0, "out": 0}
         self._live_ops: set[_Op] = set()
         self.activity = DiskActivity()
         """Seconds with reads, writes, both in flight ([Note: disk activity])."""
@@ -299,10 +302,24 @@ class Swapper:
             fn()
 
     def _pump_locked(self) -> None:
-        """Hand pending blocks to the threads while fewer than ``queue_depth`` are queued."""
-        while self._pending and self._queued_blocks < self.config.queue_depth:
-            block = self._pending.popleft()
-            self._queued_blocks += 1
+        """Hand pending blocks to the threads while fewer than ``queue_depth`` are queued.
+
+        [Note: both directions in flight] Reads and writes wait in a queue each, and a block goes
+        to the threads from the direction with fewer blocks queued (reads on a tie: the training
+        thread waits for reads, write-backs run behind). One queue in issue order kept the
+        directions apart: the NVMe optimizer issues a window of reads ahead (31 sub-groups, 93
+        blocks on the 1B GPU proxy) and a write-back after each update, so a write waited behind
+        every read issued before it and the next reads behind the writes. The disk ran reads
+        alone, then writes alone, never both (0.04 s of a 4.9 s optimizer step), where this
+        VM's disk moves 2.15 + 1.14 GB/s at once against 2.53 or 1.85 alone (`infinity bench io`).
+        The order of operations on one key is kept by :meth:`_chain_locked`, above the blocks.
+        """
+        pending, queued = self._pending, self._queued_blocks
+        while (pending["in"] or pending["out"]) and sum(queued.values()) < self.config.queue_depth:
+            kind = ("in" if pending["in"] and (not pending["out"] or queued["in"] <= queued["out"])
+                    else "out")
+            block = pending[kind].popleft()
+            queued[kind] += 1
             self._work.append(lambda b=block: self._run_block(*b))
             self._work_ready.notify()
 
@@ -324,7 +341,7 @@ class Swapper:
             return
         op.remaining = len(blocks)
         with self._lock:
-            self._pending.extend(blocks)
+            self._pending[op.kind].extend(blocks)
             self._pump_locked()
 
     def _run_block(self, op: _Op, file_offset: int, mem_offset: int, length: int) -> None:
@@ -339,7 +356,7 @@ class Swapper:
             with op.lock:
                 op.error = op.error or e
         with self._lock:
-            self._queued_blocks -= 1
+            self._queued_blocks[op.kind] -= 1
             self._pump_locked()
         with op.lock:
             op.remaining -= 1

@@ -723,15 +723,29 @@ class TieredStore:
                     shard.set_state(Tier.HOST, _W)
                     shard.copies[Tier.HOST].busy -= 1
             if home is Tier.NVME:
+                # [Note: a write-back holds no copy thread]
                 extent = shard.copies[Tier.HOST].extent
                 shard.has_swap_file = True
-                self.swapper.swap_out(shard.key, self.arena.raw(extent)).wait()
-                self.counters.add_moved(Tier.HOST, Tier.NVME, shard.nbytes, shard.key)
-            else:
-                self._writeback_copy(shard, src, home, ready)
-                self.counters.add_moved(src, home, shard.nbytes)
+                handle = self.swapper.swap_out(shard.key, self.arena.raw(extent))
+                handle.future.add_done_callback(
+                    lambda f: self._submit(self._swapped_out, shard, src, staged, f.exception()))
+                return
+            self._writeback_copy(shard, src, home, ready)
+            self.counters.add_moved(src, home, shard.nbytes)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             error = e
+        self._finish_writeback(shard, src, staged, error)
+
+    def _swapped_out(self, shard: _Shard, src: Tier, staged: bool, error) -> None:
+        """[Note: a write-back holds no copy thread] A write-back's swap-out is issued and left
+        to the swapper's threads; its completion comes back here, as a read's does
+        (:meth:`_start_move`). The copy threads used to wait for each swap-out: two write-backs
+        held both, so no more than two were ever in flight, and every read's completion queued
+        behind them. On the 1B GPU proxy's optimizer step (sub-groups of 48 MB, a window of 31
+        reads ahead) the disk then ran reads alone or writes alone, both at once 0.1 s of 4.9 s,
+        the training thread waiting 4 s for reads the disk had already made."""
+        if error is None:
+            self.counters.add_moved(Tier.HOST, Tier.NVME, shard.nbytes, shard.key)
         self._finish_writeback(shard, src, staged, error)
 
     def _finish_writeback(self, shard: _Shard, src: Tier, staged: bool, error) -> None:

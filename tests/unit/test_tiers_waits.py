@@ -14,19 +14,9 @@ import torch
 
 from infinity.errors import TierCapacityError
 from infinity.tiers import Residency, Tier
+from tests._support.slow_io import slow_io
 from tests._support.store import KB4, make_store, read_swap_file
 from tests._support.tensors import random_values, same_bytes
-
-
-def _slow_io(monkeypatch, swapper, kind: str, seconds: float = 0.1) -> None:
-    real = swapper._move
-
-    def slow(op, *args):
-        if op.kind == kind:
-            time.sleep(seconds)
-        return real(op, *args)
-
-    monkeypatch.setattr(swapper, "_move", slow)
 
 
 def test_writebacks_wait_for_host_staging_in_flight(tmp_path, monkeypatch):
@@ -44,7 +34,7 @@ def test_writebacks_wait_for_host_staging_in_flight(tmp_path, monkeypatch):
             expected[key] = random_values(numel, torch.float32, seed=i)
             store.get(key, Tier.DEVICE).copy_(expected[key])
             store.mark_dirty(key, Tier.DEVICE)
-        _slow_io(monkeypatch, swapper, "out")
+        slow_io(monkeypatch, swapper, "out")
         real_copy = store._copy
 
         def slow_copy(dst, src, ready):  # keeps each staging copy INFLIGHT for a while
@@ -73,7 +63,7 @@ def test_flush_under_a_one_extent_host_budget(tmp_path, monkeypatch):
             expected[key] = random_values(numel, torch.float32, seed=10 + i)
             store.get(key, Tier.DEVICE).copy_(expected[key])
             store.mark_dirty(key, Tier.DEVICE)
-        _slow_io(monkeypatch, swapper, "out")
+        slow_io(monkeypatch, swapper, "out")
         store.flush()
         for key, value in expected.items():
             on_disk = read_swap_file(swapper, key, numel * 4, swapper.alignment_bytes)
@@ -89,7 +79,7 @@ def test_fetch_waits_for_an_unpinned_fetch_in_flight(tmp_path, monkeypatch):
             store.register(key, KB4, torch.uint8, Tier.NVME, initial=value)
             store.flush()
             store.evict(key, Tier.HOST)
-        _slow_io(monkeypatch, swapper, "in")
+        slow_io(monkeypatch, swapper, "in")
         first = store.fetch("a", Tier.HOST)
         second = store.fetch("b", Tier.HOST)
         first.wait(timeout=60)
@@ -104,7 +94,7 @@ def test_a_pinned_fetch_in_flight_is_not_waited_for(tmp_path, monkeypatch):
         store.register("b", KB4, torch.uint8, Tier.NVME)
         store.flush()
         store.evict("a", Tier.HOST)
-        _slow_io(monkeypatch, swapper, "in")
+        slow_io(monkeypatch, swapper, "in")
         pinned = store.acquire("a", Tier.HOST)
         with pytest.raises(TierCapacityError, match="'b'"):
             store.fetch("b", Tier.HOST)
@@ -133,7 +123,7 @@ def test_fragmented_arena_waits_for_a_fetch_in_flight(tmp_path, monkeypatch):
         store.register("pad", KB4, torch.uint8, Tier.HOST)  # the last extent, for good
         store.evict("s2", Tier.HOST)
         store.evict("s3", Tier.HOST)
-        _slow_io(monkeypatch, swapper, "in")
+        slow_io(monkeypatch, swapper, "in")
         in_flight = store.fetch("s3", Tier.HOST)  # best fit: the 2-extent hole, at extent 2
         store.evict("s0", Tier.HOST)
         assert store.state("s3", Tier.HOST) is Residency.INFLIGHT
@@ -190,7 +180,7 @@ def test_a_read_ahead_waits_for_room_on_the_room_lane(tmp_path, monkeypatch, ahe
         store.acquire("a", Tier.HOST).wait().copy_(updated)
         store.mark_dirty("a", Tier.HOST)
         store.release("a", Tier.HOST)
-        _slow_io(monkeypatch, swapper, "out", seconds=0.5)
+        slow_io(monkeypatch, swapper, "out", seconds=0.5)
         handle = store.acquire("b", Tier.HOST, ahead=ahead)
         assert store.is_dirty("a") is (Tier.HOST if ahead else None)
         assert same_bytes(handle.wait(timeout=60), second)
@@ -215,7 +205,7 @@ def test_a_read_ahead_without_any_room_fails_through_its_handle(tmp_path, monkey
         store.acquire("a", Tier.HOST).wait().fill_(1.0)
         store.mark_dirty("a", Tier.HOST)
         store.release("a", Tier.HOST)
-        _slow_io(monkeypatch, swapper, "out", seconds=0.5)
+        slow_io(monkeypatch, swapper, "out", seconds=0.5)
         handle = store.acquire("b", Tier.HOST, ahead=True)  # the lane waits for 'a''s write
         pinned = store.acquire("a", Tier.HOST)  # ... and this pin lands first
         with pytest.raises(TierCapacityError, match="'b'"):
@@ -224,3 +214,37 @@ def test_a_read_ahead_without_any_room_fails_through_its_handle(tmp_path, monkey
         store.release("a", Tier.HOST)
         store.evict("a", Tier.HOST)  # nothing pinned is left: both copies can go
         assert store.state("b", Tier.HOST) is Residency.ABSENT
+
+
+def test_write_backs_hold_no_copy_thread(tmp_path, monkeypatch):
+    """[Note: a write-back holds no copy thread] in infinity/tiers/store.py: six NVMe write-backs
+    are issued through a store with two copy threads; all six are on the disk at once, and a read
+    issued after them completes while they are still being written (its completion used to queue
+    behind them on the copy threads). Every byte lands where it belongs."""
+    numel = KB4 // 4
+    keys = [f"w{i}" for i in range(6)]
+    with make_store(tmp_path, host_bytes=16 * KB4) as (store, swapper):
+        assert store.config.num_copy_threads == 2
+        stored = random_values(numel, torch.float32, seed=7)
+        store.register("r", numel, torch.float32, Tier.NVME, initial=stored)
+        store.flush()
+        store.evict("r", Tier.HOST)
+        updated = {}
+        for i, key in enumerate(keys):
+            store.register(key, numel, torch.float32, Tier.NVME)
+            updated[key] = random_values(numel, torch.float32, seed=10 + i)
+            store.acquire(key, Tier.HOST).wait().copy_(updated[key])
+            store.mark_dirty(key, Tier.HOST)
+            store.release(key, Tier.HOST)
+        log = slow_io(monkeypatch, swapper, "out", seconds=0.5)
+        writes = [store.write_back(key) for key in keys]
+        got = store.acquire("r", Tier.HOST).wait(timeout=60)
+        assert log.in_flight["out"] > 0, "the read waited for the write-backs"
+        assert same_bytes(got, stored)
+        store.release("r", Tier.HOST)
+        for handle in writes:
+            handle.wait(timeout=60)
+        assert log.most_in_flight["out"] == len(keys)
+        for key in keys:
+            on_disk = read_swap_file(swapper, key, numel * 4, swapper.alignment_bytes)
+            assert same_bytes(on_disk.view(torch.float32), updated[key])
