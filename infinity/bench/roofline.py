@@ -60,7 +60,9 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
     weights in memory, measured per unit (see the module docstring): ``forward_backward_s`` on
     ``device`` (the engine's: a GPU run's roofline is the GPU's compute, not the CPU's),
     ``adam_s`` on ``optimizer_device`` (default ``device``; the host for an offloaded optimizer)
-    and their sum ``cpu_s`` (the name kept: the compute side of the roofline).
+    and their sum ``cpu_s`` (the name kept: the compute side of the roofline); the forward and
+    backward apart too (``forward_s``, ``backward_s``: the backward with its recompute), for
+    [Note: the staging bound].
     ``trainable_numel`` defaults to every parameter. ``checkpointing``: every block runs its
     forward once more in the backward (activation checkpointing's recompute)."""
     torch.manual_seed(0)
@@ -78,21 +80,24 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
         block(x).float().sum().backward()
 
     block_s = _median_s(block_step, repeats, device)
+    block_forward_s = _median_s(lambda: block(x), repeats, device)  # the graph built, not used
     del block
     # Embedding, final norm and head (tied or not, the matmul is the same), and the loss.
     wte = torch.nn.Embedding(config.vocab_size, d).to(device=device, dtype=dtype)
     ln_f = torch.nn.LayerNorm(d).to(device=device, dtype=dtype)
     idx = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
 
-    def ends_step() -> None:
+    def ends_forward() -> torch.Tensor:
         h = wte(idx)
         logits = torch.nn.functional.linear(ln_f(h), wte.weight)
-        torch.nn.functional.cross_entropy(logits.float().view(-1, config.vocab_size),
-                                          idx.view(-1)).backward()
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, config.vocab_size),
+                                                 idx.view(-1))
 
-    ends_s = _median_s(ends_step, repeats, device)
+    ends_s = _median_s(lambda: ends_forward().backward(), repeats, device)
+    ends_forward_s = _median_s(ends_forward, repeats, device)
     del wte, ln_f
     forward_backward_s = config.n_layer * block_s + ends_s
+    forward_s = min(config.n_layer * block_forward_s + ends_forward_s, forward_backward_s)
     numel = config.num_params if trainable_numel is None else trainable_numel
     chunk = min(numel, block_numel)
     master, grad = (torch.randn(chunk, device=opt_device) for _ in range(2))
@@ -106,7 +111,8 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
                weight_decay=0.01, out=out)
 
     adam_s = _median_s(adam, repeats, opt_device) * numel / max(chunk, 1)
-    return {"forward_backward_s": forward_backward_s, "adam_s": adam_s,
+    return {"forward_backward_s": forward_backward_s, "forward_s": forward_s,
+            "backward_s": forward_backward_s - forward_s, "adam_s": adam_s,
             "cpu_s": forward_backward_s + adam_s}
 
 
@@ -189,9 +195,10 @@ def staging_bound(*, forward_s: float, backward_s: float, optimizer_s: float,
     gradient accumulators, host-resident sub-groups) read ahead before the window, and as many
     left to write after it. The rest crosses the disk inside the window:
 
-        window_disk_s = max(0, R - H) / read bandwidth + max(0, W - H) / write bandwidth
+        window_disk_s = disk.seconds(max(0, R - H), max(0, W - H))
 
-    (R, W: the optimizer's NVMe bytes per step, ``window_*_bytes``; H: the room). The window
+    (R, W: the optimizer's NVMe bytes per step, ``window_*_bytes``; H: the room; the least of
+    one direction after the other and both at once, [Note: the mixed disk roofline]). The window
     holds the forward and the optimizer's compute; the backward lies outside it, so
 
         staging_bound_s = max(roofline_s, backward_s + max(forward_s + optimizer_s, window_disk_s))
@@ -199,8 +206,8 @@ def staging_bound(*, forward_s: float, backward_s: float, optimizer_s: float,
     with plain PyTorch's phases as the compute (nothing computes faster than it). When the room
     holds the traffic the bound is the roofline; when it is short, no schedule, ours or anyone's,
     beats it. With ``step_s``, also ``x_staging_bound`` = step_s / the bound."""
-    window = (max(0.0, window_read_bytes - staging_room_bytes) / disk.read_bytes_per_s
-              + max(0.0, window_write_bytes - staging_room_bytes) / disk.write_bytes_per_s)
+    window = disk.seconds(max(0.0, window_read_bytes - staging_room_bytes),
+                          max(0.0, window_write_bytes - staging_room_bytes))
     bound = max(roofline_s, backward_s + max(forward_s + optimizer_s, window))
     line = {"window_disk_s": window, "staging_room_bytes": float(staging_room_bytes),
             "staging_bound_s": bound}

@@ -94,6 +94,7 @@ def _row(numel: float, s: dict[str, Any], ram: int) -> dict[str, Any]:
             "NVMe x min": round(n["x_minimum"], 2),
             "mean step s": round(s["mean_step_s"], 2),
             "x roofline (mean)": round(r.get("mean", {}).get("x_roofline", 0.0), 2),
+            "x staging bound (mean)": round(r.get("mean", {}).get("x_staging_bound", 0.0), 2),
             "NVMe x min (mean)": round(n["x_minimum_mean"], 2)}
 
 
@@ -139,8 +140,15 @@ def run(args: argparse.Namespace) -> int:
     report = Report(name="scale", title=f"model size at a fixed host budget ({args.host_budget}); "
                     f"batch {args.batch_size} x {args.seq_len}, {args.dtype}, parameters and optimizer on NVMe",
                     rows=rows, params=vars(args) | {"ram_bytes": ram},
-                    notes=["x roofline: median step / max(compute, disk read + disk write), "
-                           "bandwidths from a raw direct-I/O probe of --dir in the same process",
+                    notes=["x roofline: median step / max(compute, disk), disk the least time "
+                           "of the step's reads and writes one after the other or both at once "
+                           "(the mixed disk roofline), bandwidths from a raw direct-I/O probe of "
+                           "--dir in the same process",
+                           "x staging bound: step / the least step with exact clipping, where "
+                           "every update falls between the end of a backward and the end of the "
+                           "next forward and the host budget stages only so much of the "
+                           "optimizer's traffic outside that window ([Note: the staging bound] "
+                           "in infinity/bench/roofline.py)",
                            "init x min: init / (the random values eager construction draws, "
                            "once, at the measured normal_ rate + the NVMe state at the probed "
                            "write bandwidth)",

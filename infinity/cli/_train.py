@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import time
 from typing import Any
 
@@ -31,7 +32,7 @@ from infinity._dtypes import torch_dtype
 from infinity.bench.progress import progress
 from infinity.bench.report import format_table, peak_rss_bytes
 from infinity.bench.roofline import (gpt_compute_s, init_roofline, nvme_moved_bytes, nvme_per_step,
-                                     probe_disk, roofline)
+                                     probe_disk, roofline, staging_bound)
 from infinity.cli._consolidate import parse_bytes
 from infinity.cli._resume_check import ResumeCheck, deterministic_kernels
 from infinity.config import DTYPE_BYTES, load_config
@@ -351,14 +352,46 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
     mean = roofline(cpu_s=cpu_s, read_bytes=per_step["mean_read_bytes"],
                     write_bytes=per_step["mean_write_bytes"], disk=disk,
                     step_s=summary["mean_step_s"])
-    return {**line, **compute, **start, "cpu_s": cpu_s,
-            "mean": {k: mean[k] for k in ("disk_s", "roofline_s", "x_roofline")},
+    staging = {}
+    if config.offload_optimizer.device == "nvme":
+        staging = _staging_bounds(args, compute, summary, engine.stats()["store"], disk,
+                                  roofline_s=line["roofline_s"],
+                                  mean_roofline_s=mean["roofline_s"])
+    return {**line, **compute, **start, **staging.get("median", {}), "cpu_s": cpu_s,
+            "mean": {**{k: mean[k] for k in ("disk_s", "roofline_s", "x_roofline")},
+                     **staging.get("mean", {})},
             "disk_read_bytes_per_s": disk.read_bytes_per_s,
             "disk_write_bytes_per_s": disk.write_bytes_per_s, "direct_io": disk.direct,
             # [Note: the mixed disk roofline] in infinity/bench/io.py
             "disk_mixed_read_bytes_per_s": disk.mixed_read_bytes_per_s,
             "disk_mixed_write_bytes_per_s": disk.mixed_write_bytes_per_s,
             "median_step_s": summary["median_step_s"]}
+
+
+def _staging_bounds(args: argparse.Namespace, compute: dict[str, float], summary: dict[str, Any],
+                    store: dict[str, Any], disk: Any, *, roofline_s: float,
+                    mean_roofline_s: float) -> dict[str, dict[str, float]]:
+    """[Note: the staging bound] in infinity/bench/roofline.py, for the median step and for the
+    mean of every step (as the roofline): the optimizer's NVMe bytes (its sub-groups and gradient
+    slices) per step, the host room beside what is homed there, the per-unit compute's phases."""
+    steps = summary["nvme_per_step"]["by_step"]
+    window = [{way: sum(st["by_kind"].get(k, {}).get(way, 0) for k in ("opt", "grad"))
+               for way in ("read", "write")} for st in steps]
+    room = store["host_budget_bytes"] - store["host_homed_bytes"]
+    phases = {"forward_s": compute["forward_s"] * args.grad_accum,
+              "backward_s": compute["backward_s"] * args.grad_accum,
+              "optimizer_s": compute["adam_s"]}
+    steady = window[1:] if len(window) > 1 else window  # the cold first step, as nvme_per_step
+    median = staging_bound(**phases, disk=disk, staging_room_bytes=room, roofline_s=roofline_s,
+                           step_s=summary["median_step_s"],
+                           window_read_bytes=statistics.median(w["read"] for w in steady),
+                           window_write_bytes=statistics.median(w["write"] for w in steady))
+    n = max(1, len(window))
+    mean = staging_bound(**phases, disk=disk, staging_room_bytes=room, roofline_s=mean_roofline_s,
+                         step_s=summary["mean_step_s"],
+                         window_read_bytes=sum(w["read"] for w in window) / n,
+                         window_write_bytes=sum(w["write"] for w in window) / n)
+    return {"median": median, "mean": mean}
 
 
 def _activations_summary(engine: Any, args: argparse.Namespace,
@@ -487,6 +520,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
               f"{(r['disk_mixed_read_bytes_per_s'] or 0) / 1e9:.2f} + "
               f"{(r['disk_mixed_write_bytes_per_s'] or 0) / 1e9:.2f} GB/s both at once); mean step "
               f"{summary['mean_step_s']:.2f} s / its roofline {r['mean']['x_roofline']:.2f}x")
+        if "staging_bound_s" in r["mean"]:  # [Note: the staging bound] in infinity/bench/roofline.py
+            print(f"mean step / staging bound {r['mean']['x_staging_bound']:.2f}x (with exact "
+                  f"clipping the updates fall between a backward's end and the next forward's; "
+                  f"the host stages {format_bytes(r['mean']['staging_room_bytes'])} of their NVMe "
+                  f"traffic outside that window: bound {r['mean']['staging_bound_s']:.2f} s)")
         print(f"init / (random values once {r['init_rng_s']:.1f} s + state written "
               f"{r['init_write_s']:.1f} s) = {r['init_x']:.2f}x")
     c = summary.get("resume_check")

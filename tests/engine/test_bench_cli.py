@@ -355,7 +355,8 @@ def test_staging_bound_by_hand():
     """[Note: the staging bound] on figures worked out by hand: 1 GB read and written by the
     optimizer per step at 1 GB/s each way, 0.25 GB of host room: 0.75 s + 0.75 s of disk inside
     the window, which outlasts forward + optimizer (0.5 + 0.2): 1.0 (backward) + 1.5 = 2.5 s. With
-    room for everything the window's disk time is 0 and the bound is the roofline."""
+    room for everything the window's disk time is 0 and the bound is the roofline; on a disk
+    that moves both directions at once the window's disk time is the mixed one."""
     from infinity.bench.roofline import DiskBandwidth, staging_bound
 
     disk = DiskBandwidth(read_bytes_per_s=1e9, write_bytes_per_s=1e9, direct=True)
@@ -369,6 +370,15 @@ def test_staging_bound_by_hand():
                           window_read_bytes=1e9, window_write_bytes=1e9,
                           staging_room_bytes=2e9, roofline_s=2.0)
     assert roomy["window_disk_s"] == 0.0 and roomy["staging_bound_s"] == 2.0
+    # Both at once at 0.75 GB/s each way: the window's 0.75 GB each way in 1.0 s, not 1.5 s
+    # ([Note: the mixed disk roofline]): 1.0 + 1.0 = 2.0, the roofline again.
+    mixed = DiskBandwidth(read_bytes_per_s=1e9, write_bytes_per_s=1e9, direct=True,
+                          mixed_read_bytes_per_s=0.75e9, mixed_write_bytes_per_s=0.75e9)
+    both = staging_bound(forward_s=0.5, backward_s=1.0, optimizer_s=0.2, disk=mixed,
+                         window_read_bytes=1e9, window_write_bytes=1e9,
+                         staging_room_bytes=0.25e9, roofline_s=1.5)
+    assert both["window_disk_s"] == pytest.approx(1.0)
+    assert both["staging_bound_s"] == pytest.approx(2.0)
 
 
 def test_bench_step_x_plain_pairs_rounds():

@@ -38,6 +38,8 @@ def test_one_row_per_size_from_its_own_process(tmp_path):
     line = summary["roofline"]
     assert row["x roofline"] == round(summary["median_step_s"] / line["roofline_s"], 2)
     assert line["roofline_s"] == max(line["cpu_s"], line["disk_s"])
+    assert row["x staging bound (mean)"] == round(summary["mean_step_s"]
+                                                  / line["mean"]["staging_bound_s"], 2)
 
 
 def test_plot_draws_the_rows_against_their_bounds():

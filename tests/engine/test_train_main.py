@@ -60,6 +60,20 @@ def test_main_job_trains_from_nvme_within_its_host_budget(tmp_path):
     assert line["roofline_s"] == max(line["cpu_s"], line["disk_s"]) > 0
     assert line["disk_read_s"] == pytest.approx(per_step["read_bytes"]
                                                 / line["disk_read_bytes_per_s"])
+    # [Note: the staging bound] of the mean step, from the summary's own numbers: the optimizer's
+    # bytes of every step (sub-groups, gradient slices), the forward and backward measured apart.
+    assert line["forward_s"] + line["backward_s"] == pytest.approx(line["forward_backward_s"])
+    assert 0 < line["forward_s"] < line["forward_backward_s"]
+    window = {way: sum(st["by_kind"].get(k, {}).get(way, 0) for st in by_step
+                       for k in ("opt", "grad")) / 3 for way in ("read", "write")}
+    assert window["read"] > 0 and window["write"] > 0
+    mean = line["mean"]
+    assert mean["staging_bound_s"] >= mean["roofline_s"]
+    assert mean["staging_bound_s"] >= line["backward_s"] + line["forward_s"] + line["adam_s"]
+    assert mean["x_staging_bound"] == pytest.approx(summary["mean_step_s"]
+                                                    / mean["staging_bound_s"])
+    if window["read"] > mean["staging_room_bytes"]:  # the room is short: the disk's window counts
+        assert mean["window_disk_s"] > 0
     assert summary["peak_rss_bytes"] > tiers["HOST"]["measured_peak_bytes"]
     assert not swap.exists()
 
