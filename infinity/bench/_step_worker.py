@@ -495,7 +495,7 @@ def main() -> None:
                s.get("bytes_moved"), dict) else 0,
            # The timed steps only (the warm-up steps, the first reading cold files, are not
            # among them): plain PyTorch keeps everything in memory and moves nothing.
-           "nvme_per_step": nvme_per_step(step_moved, s, cold_steps=0,
+           "nvme_per_step": nvme_per_step(step_moved, s, warm=True,
                                           activation_bytes=act_nvme) if s else {
                "read_bytes": 0, "write_bytes": 0},
            **_io_thread_cpu(io_thread_cpu), **_lanes_per_step(s, warm, len(times)), **extra,

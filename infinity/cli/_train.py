@@ -32,7 +32,7 @@ from infinity._dtypes import torch_dtype
 from infinity.bench.progress import progress
 from infinity.bench.report import format_table, peak_rss_bytes
 from infinity.bench.roofline import (gpt_compute_s, init_roofline, nvme_moved_bytes, nvme_per_step,
-                                     probe_disk, roofline, staging_bound)
+                                     probe_disk, roofline, staging_bound, steady_steps)
 from infinity.cli._consolidate import parse_bytes
 from infinity.cli._resume_check import ResumeCheck, deterministic_kernels
 from infinity.config import DTYPE_BYTES, load_config
@@ -381,7 +381,7 @@ def _staging_bounds(args: argparse.Namespace, compute: dict[str, float], summary
     phases = {"forward_s": compute["forward_s"] * args.grad_accum,
               "backward_s": compute["backward_s"] * args.grad_accum,
               "optimizer_s": compute["adam_s"]}
-    steady = window[1:] if len(window) > 1 else window  # the cold first step, as nvme_per_step
+    steady = steady_steps(window)  # the median step's, as nvme_per_step's
     median = staging_bound(**phases, disk=disk, staging_room_bytes=room, roofline_s=roofline_s,
                            step_s=summary["median_step_s"],
                            window_read_bytes=statistics.median(w["read"] for w in steady),
@@ -438,7 +438,7 @@ def _summary(engine: Any, ledger: Any, numel: int, losses: list[float], step_tim
         "device": str(engine.device),
         "full_training_state_bytes": ledger.total_bytes,
         "steps": len(step_times), "first_loss": losses[0], "final_loss": losses[-1],
-        "median_step_s": sorted(step_times)[len(step_times) // 2],
+        "median_step_s": statistics.median(steady_steps(step_times)),  # [Note: the steady steps]
         "mean_step_s": step_total / max(1, len(step_times)), "wall_s": wall_s,
         "tiers": tiers, "ledger": ledger.to_dict(), "bytes_moved": s["bytes_moved"],
         "time": {"steps_s": step_total, "stall_s": stall,

@@ -92,12 +92,14 @@ def test_gpt_compute_runs_on_the_engines_devices(monkeypatch):
     monkeypatch.setattr(rl, "_median_s", spy)
     c = rl.gpt_compute_s(PRESETS["tiny"], batch_size=2, seq_len=16, dtype=torch.float32,
                          repeats=1, device="meta", optimizer_device="cpu")
-    assert [d.type for d in ran] == ["meta", "meta", "cpu"]
+    # a block's step and forward, the ends' step and forward, then Adam
+    assert [d.type for d in ran] == ["meta"] * 4 + ["cpu"]
     assert c["forward_backward_s"] == PRESETS["tiny"].n_layer + 1.0
+    assert c["forward_s"] + c["backward_s"] == c["forward_backward_s"]
     ran.clear()
     rl.gpt_compute_s(PRESETS["tiny"], batch_size=2, seq_len=16, dtype=torch.float32, repeats=1,
                      device="meta")
-    assert [d.type for d in ran] == ["meta", "meta", "meta"]  # not offloaded: on the device
+    assert [d.type for d in ran] == ["meta"] * 5  # not offloaded: on the device
 
 
 def test_gpt_for_params_at_a_fixed_width_varies_the_layers_alone():
@@ -132,11 +134,24 @@ def test_nvme_bytes_per_step_from_stats_samples():
     moved = [(900, 900), (100, 50), (300, 70), (200, 60)]
     cold = nvme_per_step(moved, stats)  # infinity train: the first step reads set-up's cold files
     assert (cold["read_bytes"], cold["write_bytes"], cold["x_minimum"]) == (200, 60, 260 / 200)
-    timed = nvme_per_step(moved, stats, cold_steps=0)  # bench step: warm-up steps already left out
+    timed = nvme_per_step(moved, stats, warm=True)  # bench step: warm-up steps already left out
     assert (timed["read_bytes"], timed["write_bytes"]) == (250, 65)
     # The mean over every step, the cold one in it: each update counted once wherever it ran.
     assert (cold["mean_read_bytes"], cold["mean_write_bytes"]) == (1500 / 4, 1080 / 4)
     assert cold["x_minimum_mean"] == (1500 + 1080) / 4 / 200
+
+
+def test_steady_steps_leave_out_the_cold_first_and_the_final_update():
+    """[Note: the steady steps]: the 3.3B row's five steps; the median of all five was the cold
+    first step's, the steady median is the middle three's. One or two steps keep what they can."""
+    import statistics
+
+    from infinity.bench.roofline import steady_steps
+
+    times = [45.7, 51.3, 38.7, 35.9, 50.7]
+    assert list(steady_steps(times)) == [51.3, 38.7, 35.9]
+    assert statistics.median(steady_steps(times)) == 38.7
+    assert list(steady_steps([3.0, 2.0])) == [2.0] and list(steady_steps([3.0])) == [3.0]
 
 
 def test_init_roofline_is_random_values_once_plus_the_state_written():
