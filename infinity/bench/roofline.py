@@ -252,5 +252,6 @@ def init_roofline(*, random_numel: int, state_bytes: int, disk: DiskBandwidth,
     return line
 
 
-__all__ = ["DiskBandwidth", "gpt_compute_s", "init_roofline", "nvme_minimum_bytes", "steady_steps",
-           "nvme_moved_bytes", "nvme_per_step", "probe_disk", "roofline"]
+__all__ = ["DiskBandwidth", "gpt_compute_s", "init_roofline", "nvme_minimum_bytes",
+           "nvme_moved_bytes", "nvme_per_step", "probe_disk", "roofline", "staging_bound",
+           "steady_steps"]

@@ -2,10 +2,11 @@
 
 ``Swapper(directory, config)`` owns one private directory per process under ``directory``
 (``<directory>/infinity-swap-<pid>-<rank>-<random>/``, mode 0700, files 0600), a pool of I/O threads
-and a queue of block requests per direction ([Note: both directions in flight]). ``swap_out(key, tensor)`` / ``swap_in(key, out)`` split a tensor into
-``block_size_bytes`` pieces and return a :class:`SwapHandle`; ``handle.wait()`` re-raises the first
-error. Blocking ``os.pwrite``/``os.preadv`` on memoryviews of the tensor's own memory release the GIL,
-so ``num_io_threads`` requests really are in flight at once.
+and a queue of block requests per direction ([Note: both directions in flight]).
+``swap_out(key, tensor)`` / ``swap_in(key, out)`` split a tensor into ``block_size_bytes`` pieces and
+return a :class:`SwapHandle`; ``handle.wait()`` re-raises the first error. Blocking
+``os.pwrite``/``os.preadv`` on memoryviews of the tensor's own memory release the GIL, so
+``num_io_threads`` requests really are in flight at once.
 
 The file format (header, names, states) is :mod:`infinity.io._swap_format` ([Note: swap file
 layout] there); the aligned host memory is :mod:`infinity.io._aligned`.

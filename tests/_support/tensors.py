@@ -41,3 +41,15 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a, b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def seed_all(seed: int) -> None:
+    """Seed every generator a training step may draw from: torch's (CPU and every CUDA device),
+    Python's ``random`` and numpy's, as a checkpoint's RNG state restores them."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)

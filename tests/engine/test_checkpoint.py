@@ -30,6 +30,7 @@ from infinity.checkpoint import _save as save_module
 from infinity.cli._consolidate import parse_bytes
 from tests._support.engine import (assert_exactly_equal, batches, engine_config, engine_train,
                                    offload_config, tiny_gpt)
+from tests._support.tensors import seed_all
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,12 +48,6 @@ def _config(tmp_path, *, stage, dtype="fp32", gas=1, clip=0.0, opt="none", param
             host="auto", **extra):
     return offload_config(tmp_path / "swap", stage=stage, dtype=dtype, gas=gas, clip=clip,
                           opt=opt, param=param, host=host, **extra)
-
-
-def _seed_all(seed):
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -98,18 +93,18 @@ def test_resume_matches_the_run_that_never_stopped(tmp_path, stage, dtype, gas, 
     cfg = _config(tmp_path, stage=stage, dtype=dtype, gas=gas, clip=clip, opt=opt, param=param,
                   host=host)
     data = batches(6, gas)
-    _seed_all(1)
+    seed_all(1)
     straight = infinity.initialize(tiny_gpt(), cfg)
     want_losses = engine_train(straight, data, loss_fn=noisy_loss)
     want_state, want_scale = straight.full_state_dict(), straight.loss_scale
     straight.close()
 
-    _seed_all(1)
+    seed_all(1)
     first = infinity.initialize(tiny_gpt(), cfg)
     losses = engine_train(first, data[:3], loss_fn=noisy_loss)
     save_checkpoint(first, tmp_path / "ckpt")
     first.close()
-    _seed_all(99)  # the resumed run must take nothing from its own start: other init, other RNG
+    seed_all(99)  # the resumed run must take nothing from its own start: other init, other RNG
     resumed = infinity.initialize(tiny_gpt(seed=7), cfg)
     load_checkpoint(resumed, tmp_path / "ckpt")
     assert resumed.global_steps == 3 and resumed.micro_steps == 3 * gas
@@ -574,7 +569,7 @@ def test_consolidate_memory_stays_near_one_parameter(tmp_path):
 
 def test_engine_methods_save_and_load(tmp_path):
     """engine.save_checkpoint / engine.load_checkpoint are the public face of this module."""
-    _seed_all(0)
+    seed_all(0)
     engine = infinity.initialize(tiny_gpt(), _config(tmp_path, stage=3))
     data = [micro[0] for micro in batches(4, 1)]
     for batch in data[:2]:

@@ -14,7 +14,7 @@ import torch
 
 import infinity
 from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
-from tests.unit.test_config_auto import HF_ZERO3_OFFLOAD
+from tests._support.configs import HF_ZERO3_OFFLOAD
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import random
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ import infinity
 from tests._support.engine import (assert_close_run, assert_close_state, assert_exactly_equal,
                                    batches, engine_config, engine_train, offload_config,
                                    reference_train, tiny_gpt)
+from tests._support.tensors import seed_all
 from tests.gpu._cuda import CUDA, exact_fp32, parity_cuda, set_cuda_tolerance
 
 pytestmark = pytest.mark.gpu
@@ -74,12 +74,6 @@ def test_stages_0_and_2_on_cuda(stage):
     _on_cuda(engine)
 
 
-def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)  # all CUDA devices too
-    random.seed(seed)
-    np.random.seed(seed)
-
-
 def _noisy_loss(m, batch):
     """Draws from the CUDA generator: a resume matches only if its state was restored."""
     noise = float(torch.rand((), device=CUDA))
@@ -92,18 +86,18 @@ def test_checkpoint_resume_on_cuda_restores_cuda_rng(tmp_path):
     exact_fp32()
     cfg = offload_config(tmp_path / "swap", stage=3, opt="cpu", param="none", device="cuda")
     data = batches(6, 1)
-    _seed_all(1)
+    seed_all(1)
     straight = infinity.initialize(tiny_gpt(), cfg)
     want_losses = engine_train(straight, data, loss_fn=_noisy_loss)
     want_state = straight.full_state_dict()
     straight.close()
 
-    _seed_all(1)
+    seed_all(1)
     first = infinity.initialize(tiny_gpt(), cfg)
     losses = engine_train(first, data[:3], loss_fn=_noisy_loss)
     first.save_checkpoint(str(tmp_path / "ckpt"))
     first.close()
-    _seed_all(99)
+    seed_all(99)
     torch.rand(7, device=CUDA)  # move the CUDA generator on
     resumed = infinity.initialize(tiny_gpt(seed=7), cfg)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
