@@ -526,8 +526,8 @@ def _roofline_notes(disk: DiskBandwidth | None, error: str | None, plain: dict[s
             "and the host budget stages only so much of the optimizer's NVMe traffic outside that "
             "window; staging_bound_s = max(roofline_s, plain backward + max(plain forward + "
             "optimizer, the disk's least time for R - H read and W - H written, as disk_s)), R, W "
-            "the optimizer's NVMe bytes per step, H the host budget less its homed bytes ([Note: "
-            "the staging bound] in infinity/bench/roofline.py)",
+            "the optimizer's NVMe bytes per step, H the host budget less its homed bytes "
+            "([Note: the staging bound] in infinity/bench/roofline.py)",
             "io_threads_cpu_s: CPU seconds per step of the engine's own threads (swapper I/O, "
             "store copies), CPU the compute does not get"]
 

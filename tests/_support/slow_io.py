@@ -24,12 +24,16 @@ class DiskLog:
 
 def slow_io(monkeypatch, swapper, kinds: str | tuple[str, ...] = ("in", "out"),
             seconds: float = 0.1) -> DiskLog:
-    """Slow down ``swapper``'s blocks of ``kinds`` by ``seconds`` each; the log of every block."""
+    """Slow down ``swapper``'s blocks of ``kinds`` by ``seconds`` each; the log of every block.
+    ``swapper``: one :class:`~infinity.io.Swapper`, or the class itself (every swapper an engine
+    builds while the test runs)."""
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     real = swapper._move
+    on_class = isinstance(swapper, type)
     log = DiskLog()
 
-    def slow(op, *args):
+    def slow(*args):
+        op = args[1] if on_class else args[0]  # (self, op, ...) on the class
         with log.lock:
             log.started.append(op.kind)
             log.in_flight[op.kind] += 1
@@ -37,7 +41,7 @@ def slow_io(monkeypatch, swapper, kinds: str | tuple[str, ...] = ("in", "out"),
         try:
             if op.kind in kinds:
                 time.sleep(seconds)
-            return real(op, *args)
+            return real(*args)
         finally:
             with log.lock:
                 log.in_flight[op.kind] -= 1

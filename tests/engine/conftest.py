@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from infinity.io import Swapper
+from tests._support.slow_io import slow_io
 
 READ_DELAY_S = 0.01
 
@@ -18,18 +18,13 @@ def slow_reads(monkeypatch):
     the read was issued while a backward ran (``in_backward`` is set by the tests)."""
     state = {"in_backward": False, "reads": []}
     lock = threading.Lock()
-    move, swap_in = Swapper._move, Swapper.swap_in
-
-    def slow_move(self, op, file_offset, addr, length):
-        if op.kind != "out":
-            time.sleep(READ_DELAY_S)
-        return move(self, op, file_offset, addr, length)
+    swap_in = Swapper.swap_in
 
     def recording_swap_in(self, key, out):
         with lock:
             state["reads"].append((key, state["in_backward"]))
         return swap_in(self, key, out)
 
-    monkeypatch.setattr(Swapper, "_move", slow_move)
+    slow_io(monkeypatch, Swapper, "in", READ_DELAY_S)
     monkeypatch.setattr(Swapper, "swap_in", recording_swap_in)
     return state

@@ -10,7 +10,6 @@ of the model: after the first step shards really come back from the swap files.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ import infinity
 from infinity.io import Swapper
 from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
                                    reference_train, tiny_gpt)
+from tests._support.slow_io import slow_io
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -168,14 +168,7 @@ def test_prefetched_shard_is_never_used_before_its_read_completes(tmp_path, monk
     """Reads from the swap files sleep before they land, so a prefetched shard used before its
     read completed would hold another shard's bytes (the arena reuses extents): the losses and
     parameters would leave plain PyTorch's."""
-    real_move = Swapper._move
-
-    def slow_move(self, op, file_offset, addr, length):
-        if op.kind != "out":
-            time.sleep(0.004)
-        return real_move(self, op, file_offset, addr, length)
-
-    monkeypatch.setattr(Swapper, "_move", slow_move)
+    slow_io(monkeypatch, Swapper, "in", 0.004)
     data = _data(4, rows=64)
     ref_losses, ref_state = _reference(_stack(), data)
     engine = _initialize(_stack(), _nvme_config(tmp_path, _stack(), device_budget_bytes=3 * EXPERT_BYTES))

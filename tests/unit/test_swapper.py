@@ -334,8 +334,8 @@ def test_disk_activity_counts_each_direction_and_both_at_once(tmp_path):
 def test_a_request_of_one_direction_is_not_queued_behind_the_other(tmp_path, monkeypatch, first):
     """[Note: both directions in flight]: eight one-block requests of one direction wait for two
     threads, then one request of the other direction is issued. It starts as soon as a thread is
-    free (the third block or sooner), not after the eight (one queue in issue order); every
-    request still moves its own bytes."""
+    free (the third block; the fourth where the test thread was late), not after the eight (one
+    queue in issue order); every request still moves its own bytes."""
     from tests._support.slow_io import slow_io
 
     config = SwapperConfig(block_size_bytes=4096, queue_depth=2, num_io_threads=2)
@@ -345,14 +345,14 @@ def test_a_request_of_one_direction_is_not_queued_behind_the_other(tmp_path, mon
         for key, value in old.items():
             sw.swap_out(key, value).wait()
         outs = {key: aligned_empty(4096, torch.uint8) for key in old}
-        log = slow_io(monkeypatch, sw, seconds=0.05)
+        log = slow_io(monkeypatch, sw, seconds=0.1)
         other = "in" if first == "out" else "out"
         issued = [(first, f"k{i}") for i in range(8)] + [(other, "k8")]
         handles = [sw.swap_out(key, new[key]) if kind == "out" else sw.swap_in(key, outs[key])
                    for kind, key in issued]
         for handle in handles:
             handle.wait(timeout=60)
-        assert log.started.index(other) <= 2, log.started
+        assert log.started.index(other) <= 3, log.started
         for kind, key in issued:
             if kind == "in":
                 assert same_bytes(outs[key], old[key])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from infinity.config import MemoryConfig
 from infinity.errors import IllegalTransitionError, SwapIOError, TierCapacityError
 from infinity.tiers import TRANSITIONS, Residency, StoreConfig, Tier
 from infinity.tiers._records import _Shard
+from tests._support.slow_io import slow_io
 from tests._support.store import KB4, make_store, read_swap_file
 from tests._support.tensors import random_values, same_bytes
 
@@ -450,17 +450,6 @@ def test_swap_error_reaches_wait_and_frees_the_extent(tmp_path):
         assert stats["host_used_bytes"] == 0 and stats["device_used_bytes"] == 0
 
 
-def _slow_reads(monkeypatch, swapper, delay_s: float):
-    """Delay every block the swapper reads (and write), so a consumer that skips wait() sees stale data."""
-    original = swapper._move
-
-    def slow(op, *args):
-        time.sleep(delay_s)
-        return original(op, *args)
-
-    monkeypatch.setattr(swapper, "_move", slow)
-
-
 def test_a_missing_wait_would_show_stale_data(tmp_path, monkeypatch):
     numel = 4096
     with make_store(tmp_path) as (store, swapper):
@@ -470,7 +459,7 @@ def test_a_missing_wait_would_show_stale_data(tmp_path, monkeypatch):
         store.evict("slow", Tier.HOST)
         # A released extent is reused: fill the arena with a marker so stale bytes are recognisable.
         store.arena.buffer.fill_(0xAB)
-        _slow_reads(monkeypatch, swapper, 0.3)
+        slow_io(monkeypatch, swapper, seconds=0.3)  # a consumer that skips wait() sees stale data
         handle = store.fetch("slow", Tier.DEVICE)
         # Control: the HOST extent is still stale while the read sleeps, so the slow-down is real and
         # a store that copied HOST -> DEVICE without waiting for the read would fail below.
