@@ -34,7 +34,7 @@ def worker(rank: int, world_size: int, out_dir: str, stage: int) -> dict:
 
     import infinity.deepspeed as deepspeed
     from tests._support.engine import tiny_gpt
-    from tests.engine.test_deepspeed_dropin import _edit, ds_config
+    from tests._support.deepspeed_loop import ds_config, edit_rows_and_tie
 
     deepspeed.init_distributed()
     cfg = ds_config(__import__("pathlib").Path(os.path.join(out_dir, f"r{rank}")))
@@ -54,7 +54,7 @@ def worker(rank: int, world_size: int, out_dir: str, stage: int) -> dict:
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
                 with torch.no_grad():
                     if rank == 0:
-                        _edit(model)
+                        edit_rows_and_tie(model)
                     else:  # not the modifier: discarded, also where rank 0 changed nothing
                         model.wte.weight.fill_(99.0)
                         model.wpe.weight.fill_(99.0)
@@ -78,10 +78,10 @@ def worker(rank: int, world_size: int, out_dir: str, stage: int) -> dict:
 def test_gathered_parameters_edits_on_rank_0_land_on_both_ranks(stage):
     import torch
 
-    from tests.engine.test_deepspeed_dropin import _edit, plain_losses
+    from tests._support.deepspeed_loop import edit_rows_and_tie, plain_losses
 
     results = launch(__file__, "worker", timeout_s=240, args={"stage": stage})
-    ref, ref_model = plain_losses(global_batches(), edit=_edit, edit_after=EDIT_AT)
+    ref, ref_model = plain_losses(global_batches(), edit=edit_rows_and_tie, edit_after=EDIT_AT)
     for res in results:
         assert res["losses"] == pytest.approx(ref, abs=1e-5)
         for k, v in ref_model.state_dict().items():

@@ -14,48 +14,11 @@ import pytest
 import torch
 
 import infinity.deepspeed as deepspeed
-from tests._support.engine import BETAS, EPS, LR, WD, tiny_gpt
+from tests._support.deepspeed_loop import (MICRO, STEPS, dataset, ds_config, edit_rows_and_tie,
+                                           plain_losses)
+from tests._support.engine import LR, tiny_gpt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-MICRO, STEPS = 4, 6
-
-
-def ds_config(tmp_path, **zero) -> dict:
-    swap = str(tmp_path / "nvme")
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS),
-                                                      "eps": EPS, "weight_decay": WD}},
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
-                                                                "nvme_path": swap},
-                                  "offload_optimizer": {"device": "nvme", "nvme_path": swap},
-                                  **zero}}
-
-
-def dataset(n: int = MICRO * STEPS) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(7)
-    x = torch.randint(0, 64, (n, 16), generator=g)
-    return torch.utils.data.TensorDataset(x, torch.roll(x, -1, dims=1))
-
-
-def plain_losses(batches, model=None, edit=None, edit_after: int | None = None):
-    model = model or tiny_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        if edit is not None and i == edit_after:
-            with torch.no_grad():
-                edit(model)
-        loss = model(x, y)
-        loss.backward()
-        # DeepSpeed clips at 1.0 when the config has no gradient_clipping (infinity/config/
-        # _deepspeed.py): so does the drop-in, and so does the reference.
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model
-
 
 def test_a_deepspeed_style_loop_trains_like_plain_pytorch(tmp_path):
     model = tiny_gpt()
@@ -118,13 +81,6 @@ def test_checkpoints_resume_exactly_and_return_client_state(tmp_path):
     engine.close()
 
 
-def _edit(model):
-    """Resize-style row edit (new rows set to the mean of the others) and a tie by value."""
-    w = model.wte.weight
-    w[-4:] = w[:-4].mean(dim=0, keepdim=True)
-    model.blocks[1].mlp.fc.weight.copy_(model.blocks[0].mlp.fc.weight)
-
-
 @pytest.mark.parametrize("stage,offload", [(3, "nvme"), (2, "none")])
 def test_gathered_parameters_edits_land_in_the_shards(stage, offload, tmp_path):
     data = [dataset()[i * MICRO:(i + 1) * MICRO] for i in range(STEPS)]
@@ -143,14 +99,14 @@ def test_gathered_parameters_edits_land_in_the_shards(stage, offload, tmp_path):
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
                 assert all(p.numel() > 0 for p in params)  # whole inside, at stage 3 too
                 with torch.no_grad():
-                    _edit(model)
+                    edit_rows_and_tie(model)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     state = engine.full_state_dict()
     engine.close()
-    ref, ref_model = plain_losses(data, edit=_edit, edit_after=3)
+    ref, ref_model = plain_losses(data, edit=edit_rows_and_tie, edit_after=3)
     assert losses == pytest.approx(ref, abs=1e-5)
     for k, v in ref_model.state_dict().items():
         torch.testing.assert_close(state[k], v, atol=1e-5, rtol=0, msg=k)
@@ -165,13 +121,13 @@ def test_gathered_parameters_on_a_model_built_under_zero_init(tmp_path):
         model = tiny_gpt()
     with deepspeed.zero.GatheredParameters(model.wte.weight, modifier_rank=0):
         with torch.no_grad():
-            _edit(model)
+            edit_rows_and_tie(model)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     state = engine.full_state_dict()
     engine.close()
     want = tiny_gpt()
     with torch.no_grad():
-        _edit(want)
+        edit_rows_and_tie(want)
     for k, v in want.state_dict().items():
         assert torch.equal(state[k], v), k
 
