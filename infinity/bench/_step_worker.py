@@ -19,7 +19,7 @@ from infinity._process_exit import exit_after_distributed
 from infinity.bench._step_model import StepModel, step_model
 from infinity.bench.overlap import comm_edges_s, copy_edges_s
 from infinity.bench.report import peak_rss_bytes
-from infinity.bench.roofline import nvme_moved_bytes, nvme_per_step
+from infinity.bench.roofline import OPTIMIZER_KINDS, nvme_moved_bytes, nvme_per_step
 from infinity.bench.thread_cpu import cpu_between, thread_cpu_s
 from infinity.config import ActivationCheckpointingConfig, load_config
 from infinity.io import Swapper, aligned_empty
@@ -344,7 +344,7 @@ def _staging(after: dict[str, Any], before: dict[str, Any], steps: int) -> dict[
 
     def moved(direction: str) -> float:
         return sum(kinds_a.get(k, {}).get(direction, 0) - kinds_b.get(k, {}).get(direction, 0)
-                   for k in ("opt", "grad")) / max(steps, 1)
+                   for k in OPTIMIZER_KINDS) / max(steps, 1)
 
     store = after["store"]
     return {"window_read_bytes": moved("read"), "window_write_bytes": moved("write"),

@@ -194,6 +194,11 @@ def roofline(*, cpu_s: float, read_bytes: float, write_bytes: float,
     return line
 
 
+OPTIMIZER_KINDS = ("opt", "grad")
+"""The kinds of NVMe traffic (``nvme_bytes_by_kind``) that are the optimizer's: its sub-groups
+and the gradient slices it reads ([Note: the staging bound]'s R and W)."""
+
+
 def staging_bound(*, forward_s: float, backward_s: float, optimizer_s: float,
                   window_read_bytes: float, window_write_bytes: float, staging_room_bytes: float,
                   disk: DiskBandwidth, roofline_s: float,
@@ -253,5 +258,6 @@ def init_roofline(*, random_numel: int, state_bytes: int, disk: DiskBandwidth,
 
 
 __all__ = ["DiskBandwidth", "gpt_compute_s", "init_roofline", "nvme_minimum_bytes",
-           "nvme_moved_bytes", "nvme_per_step", "probe_disk", "roofline", "staging_bound",
+           "nvme_moved_bytes", "nvme_per_step", "OPTIMIZER_KINDS", "probe_disk", "roofline",
+           "staging_bound",
            "steady_steps"]

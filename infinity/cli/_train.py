@@ -31,8 +31,9 @@ from infinity._common import format_bytes
 from infinity._dtypes import torch_dtype
 from infinity.bench.progress import progress
 from infinity.bench.report import format_table, peak_rss_bytes
-from infinity.bench.roofline import (gpt_compute_s, init_roofline, nvme_moved_bytes, nvme_per_step,
-                                     probe_disk, roofline, staging_bound, steady_steps)
+from infinity.bench.roofline import (OPTIMIZER_KINDS, gpt_compute_s, init_roofline,
+                                     nvme_moved_bytes, nvme_per_step, probe_disk, roofline,
+                                     staging_bound, steady_steps)
 from infinity.cli._consolidate import parse_bytes
 from infinity.cli._resume_check import ResumeCheck, deterministic_kernels
 from infinity.config import DTYPE_BYTES, load_config
@@ -354,7 +355,7 @@ def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str
                     step_s=summary["mean_step_s"])
     staging = {}
     if config.offload_optimizer.device == "nvme":
-        staging = _staging_bounds(args, compute, summary, engine.stats()["store"], disk,
+        staging = _staging_bounds(args, compute, summary, summary["stats"]["store"], disk,
                                   roofline_s=line["roofline_s"],
                                   mean_roofline_s=mean["roofline_s"])
     return {**line, **compute, **start, **staging.get("median", {}), "cpu_s": cpu_s,
@@ -375,7 +376,7 @@ def _staging_bounds(args: argparse.Namespace, compute: dict[str, float], summary
     mean of every step (as the roofline): the optimizer's NVMe bytes (its sub-groups and gradient
     slices) per step, the host room beside what is homed there, the per-unit compute's phases."""
     steps = summary["nvme_per_step"]["by_step"]
-    window = [{way: sum(st["by_kind"].get(k, {}).get(way, 0) for k in ("opt", "grad"))
+    window = [{way: sum(st["by_kind"].get(k, {}).get(way, 0) for k in OPTIMIZER_KINDS)
                for way in ("read", "write")} for st in steps]
     room = store["host_budget_bytes"] - store["host_homed_bytes"]
     phases = {"forward_s": compute["forward_s"] * args.grad_accum,

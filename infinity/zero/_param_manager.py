@@ -396,10 +396,6 @@ class ParameterManager:
                 self._handles.append(module.register_state_dict_pre_hook(
                     self._refuse_released_state_dict))
 
-    def _wait_units(self, units: Any) -> None:
-        for u in units:
-            self._wait_gather(u)
-
     @contextlib.contextmanager
     def gathered(self, params: Any) -> Iterator[list[nn.Parameter]]:
         """The units holding ``params`` gathered, and kept so (none released) until the block
@@ -422,7 +418,8 @@ class ParameterManager:
     def settle_params(self) -> None:
         """Every gather in flight lands (after-step gathers overlapped with the next forward:
         [Note: the after-step gather overlaps the next forward])."""
-        self._wait_units(self.units)
+        for unit in self.units:
+            self._wait_gather(unit)
 
     def _refuse_released_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """``module.state_dict()`` between steps would hand out views of released storage (0
