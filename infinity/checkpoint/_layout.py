@@ -45,6 +45,23 @@ def param_ranges(slots: list[Any], lo: int, hi: int) -> list[tuple[Any, int, int
     return out
 
 
+def rank_ranges(group: Any, rank: int) -> list[tuple[Any, int, int]]:
+    """:func:`param_ranges` of the slice ``[rank*S, (rank+1)*S)`` of ``group`` (``slots``,
+    ``shard_numel`` S) that rank ``rank`` writes ([Note: ranges per parameter])."""
+    return param_ranges(group.slots, rank * group.shard_numel, (rank + 1) * group.shard_numel)
+
+
+def saved_kinds(requires_grad: bool, compute_dtype: torch.dtype) -> list[str]:
+    """The kinds a group's parameters are saved as ([Note: ranges per parameter]): the
+    optimizer's fp32 state when it trains, and ``param`` (its compute-dtype values) when it is
+    frozen or the compute dtype is not fp32 (an fp32 trainable parameter is its master). A load
+    reads what this says was written."""
+    kinds = list(TRAIN_KINDS) if requires_grad else []
+    if not requires_grad or compute_dtype != torch.float32:
+        kinds.append("param")
+    return kinds
+
+
 def module_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``state_dict()`` entries that are not parameters (replicated buffers), detached; a
     non-tensor entry (extra state) is named in a one-time warning and not saved."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from infinity._common import warn_once
-from infinity.checkpoint._layout import TRAIN_KINDS, module_buffers, param_ranges
+from infinity.checkpoint._layout import TRAIN_KINDS, module_buffers, param_ranges, saved_kinds
 from infinity.checkpoint._ranks import on_every_rank
 from infinity.checkpoint._reader import CheckpointError, CheckpointReader, resolve_checkpoint
 from infinity.checkpoint._rng import set_rng_state
@@ -116,16 +116,14 @@ def _apply(engine: Any, reader: CheckpointReader) -> None:
     for unit in m.units:
         for g in unit.groups:
             lo, n = m.partition_of(g)
-            if g.requires_grad:
-                parts = {k: _assemble(reader, g.slots, lo, n, k, torch.float32)
-                         for k in TRAIN_KINDS}
+            kinds = saved_kinds(g.requires_grad, engine.compute_dtype)  # what a save of it wrote
+            parts = {k: _assemble(reader, g.slots, lo, n, k, torch.float32)
+                     for k in TRAIN_KINDS if k in kinds}
+            if parts:
                 engine.shard_optimizer.load_state(g.key, **parts)
-                low = _assemble(reader, g.slots, lo, n, "param", engine.compute_dtype,
-                                fallback="master") if engine.compute_dtype != torch.float32 \
-                    else parts["master"]
-            else:
-                low = _assemble(reader, g.slots, lo, n, "param", engine.compute_dtype,
-                                fallback="master")
+            # "param" may be missing from a save in fp32: its master is the parameter
+            low = _assemble(reader, g.slots, lo, n, "param", engine.compute_dtype,
+                            fallback="master") if "param" in kinds else parts["master"]
             with m.open_param_partition(g, overwrite=True) as out:
                 out.copy_(low.to(out.device))
     engine.flush_offload()

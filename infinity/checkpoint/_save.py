@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from infinity._dtypes import torch_name
-from infinity.checkpoint._layout import (BUFFERS_FILE, TRAIN_KINDS, module_buffers,
-                                         param_ranges, rng_file, shard_file)
+from infinity.checkpoint._layout import (BUFFERS_FILE, module_buffers, rank_ranges, rng_file,
+                                         saved_kinds, shard_file)
 from infinity.checkpoint._ranks import on_every_rank
 from infinity.checkpoint._reader import (CLIENT_STATE_NAME, FORMAT, LATEST_NAME, MANIFEST_NAME,
                                          VERSION, CheckpointError, check_save_name, tensor_name)
@@ -92,12 +92,10 @@ def save_bytes(engine: Any) -> int:
     writes_shards = engine.collectives.replicate_rank == 0  # [Note: replica 0 writes the shards]
     for unit in m.units if writes_shards else ():
         for group in unit.groups:
-            kinds = [4] * len(TRAIN_KINDS) if group.requires_grad else []
-            if not group.requires_grad or engine.compute_dtype != torch.float32:
-                kinds.append(param_itemsize)
-            lo, hi = m.rank * group.shard_numel, (m.rank + 1) * group.shard_numel
-            for s, a, b in param_ranges(group.slots, lo, hi):
-                total += (b - a) * sum(kinds)
+            kinds = saved_kinds(group.requires_grad, engine.compute_dtype)
+            element = sum(param_itemsize if k == "param" else 4 for k in kinds)
+            for s, a, b in rank_ranges(group, m.rank):
+                total += (b - a) * element
                 total += len(kinds) * (len(tensor_name(s.name, "exp_avg_sq", a))
                                        + HEADER_BYTES_PER_TENSOR)
             if m.rank == 0:
@@ -182,8 +180,7 @@ def _write_rank_files(engine: Any, step_dir: str) -> None:
 def _group_tensors(engine: Any, group: Any) -> list[tuple[str, torch.Tensor]]:
     """This rank's save slice of ``group`` ([Note: ranges per parameter])."""
     m, opt = engine.manager, engine.shard_optimizer
-    lo, hi = m.rank * group.shard_numel, (m.rank + 1) * group.shard_numel
-    ranges = param_ranges(group.slots, lo, hi)
+    ranges = rank_ranges(group, m.rank)
     if not ranges:
         return []
     base, _ = m.partition_of(group)
@@ -197,7 +194,7 @@ def _group_tensors(engine: Any, group: Any) -> list[tuple[str, torch.Tensor]]:
         state = opt.state_of(group.key)
         sources["exp_avg"] = state["exp_avg"].float(), live
         sources["exp_avg_sq"] = state["exp_avg_sq"].float(), live
-    if not group.requires_grad or engine.compute_dtype != torch.float32:
+    if "param" in saved_kinds(group.requires_grad, engine.compute_dtype):
         sources["param"] = m.read_shard(group), group.store_key is None
     out = []
     for s, a, b in ranges:
@@ -248,11 +245,8 @@ def _manifest(engine: Any) -> dict[str, Any]:
     for unit in m.units:
         for g in unit.groups:
             for s in g.slots:
-                kinds = list(TRAIN_KINDS) if g.requires_grad else []
-                if not g.requires_grad or engine.compute_dtype != torch.float32:
-                    kinds.append("param")
                 params[s.name] = {"shape": list(s.shape), "trainable": g.requires_grad,
-                                  "kinds": kinds, "param_dtype": torch_name(engine.compute_dtype)}
+                                  "kinds": saved_kinds(g.requires_grad, engine.compute_dtype), "param_dtype": torch_name(engine.compute_dtype)}
                 source[id(s.param)] = s.name
     state_dict = []
     for key, value in m.module.state_dict(keep_vars=True).items():
@@ -265,8 +259,7 @@ def _manifest(engine: Any) -> dict[str, Any]:
     for rank in range(m.world_size):
         for unit in m.units:
             ranges = {s.name: [a, b] for g in unit.groups
-                      for s, a, b in param_ranges(g.slots, rank * g.shard_numel,
-                                                  (rank + 1) * g.shard_numel)}
+                      for s, a, b in rank_ranges(g, rank)}
             if ranges:
                 shards.append({"file": shard_file(unit.index, rank), "rank": rank,
                                "unit": unit.name, "ranges": ranges})

@@ -35,7 +35,8 @@ from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP
                                        OPTIMIZERS, REDUCE_INFLIGHT_UNITS, TERMS, Ledger,
                                        StateTerms, ceil_bytes,
                                        estimate_from_config, estimate_model_states, host_grad_dtype,
-                                       host_grad_dtype_of, paper_bytes_per_device)
+                                       host_grad_dtype_of, paper_bytes_per_device,
+                                       stages_in_accumulator_dtype)
 from infinity.ledger._flat_layout import (FLAT_ALIGN_BYTES, FlatLayout, flat_layout,
                                           flat_padding_numel)
 from infinity.ledger._mesh_plan import (DEFAULT_MFU, DEFAULT_QUANTIZATION_BLOCK_NUMEL,
@@ -63,7 +64,7 @@ __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "Cluster", "DEFAULT_MFU", "DE
            "activation_bytes", "ACTIVATION_CHUNK_BYTES", "ACTIVATION_STAGING_BYTES", "candidates",
            "ceil_bytes", "estimate_from_config",
            "estimate_model_states", "flat_layout", "flat_padding_numel", "host_grad_dtype",
-           "host_grad_dtype_of", "make_plan",
+           "host_grad_dtype_of", "make_plan", "stages_in_accumulator_dtype",
            "paper_bytes_per_device", "price",
            # ZeRO++ quantized collectives (the quantization part of issue #17)
            "QUANTIZED_BITS", "SCALE_BYTES", "num_blocks", "payload_bytes", "qgz_buffer_bytes",

@@ -56,12 +56,12 @@ from infinity._timing import timer_for
 from infinity.checkpoint import check_save_name, load_checkpoint, load_weights, save_checkpoint
 from infinity.config import AUTO, InfinityConfig, MeshConfig, load_config
 from infinity.io import activations_in_heap, manage_mmap_threshold
-from infinity.ledger import host_grad_dtype
+from infinity.ledger import host_grad_dtype, stages_in_accumulator_dtype
 from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer,
                             StoredGrad, check_hyperparameters, json_safe_group,
                             rebind_param_groups, resolve_param_groups)
 from infinity.optim.schedulers import build_scheduler
-from infinity.tiers import OffloadBudgets
+from infinity.tiers import OffloadBudgets, Tier
 from infinity.zero._activations import (HostActivations, apply_activation_checkpointing,
                                         select_modules)
 from infinity.zero._collectives import (Collectives, Phase, init_from_env_if_launched,
@@ -77,7 +77,7 @@ from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._mesh import mesh_collectives
 from infinity.zero._offload import (activation_nvme_path, activations_need_store,
                                     build_activation_store, build_store, check_nvme_space_for,
-                                    resolve_offload)
+                                    param_reads_of, resolve_offload)
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._quantize import quant_settings
 from infinity.zero._step_plan import StepPlan
@@ -133,26 +133,6 @@ def _parallelism(model: nn.Module, config: InfinityConfig, mesh: Any,
     return tensor_parallel, Collectives(group)
 
 
-def _params_read_on_host(config: InfinityConfig, device: torch.device,
-                         offload: OffloadBudgets | None) -> bool:
-    """[Note: a CPU engine reads parameter shards from HOST]
-    On a CPU device the DEVICE tier is host RAM too, so a gather that reads an offloaded shard
-    through a DEVICE copy pays a copy HOST -> DEVICE (a fresh buffer, faulted in) before the
-    copy into the gathered unit, for nothing: both are the same memory. At 7B (LoRA, the frozen
-    bf16 base read from NVMe twice a step, 24.6 GB) that was ~25 GB of extra copies per step on
-    two cores, and the DEVICE tier's budget of RAM on top of the HOST one. So with an 'auto'
-    device budget a CPU engine's gathers read the HOST copy, prefetches stop there (the
-    prefetcher's DEVICE level is the HOST tier) and writes (the optimizer's updated shards,
-    checkpoint loads) go to the HOST copy too: the DEVICE tier holds nothing. An explicit
-    ``memory.device_budget_bytes`` keeps the DEVICE tier in the read path: that is how the tests
-    and benchmarks stand a small GPU in with CPU memory. So does a device budget that holds every
-    parameter shard (``OffloadBudgets.device_holds_params``): there the updated shards stay on
-    the DEVICE tier between steps and nothing is copied per gather anyway."""
-    return (device.type == "cpu" and config.memory.device_budget_bytes == AUTO
-            and offload is not None and not offload.device_holds_params
-            and config.offload_param.device != "none")
-
-
 def _check_copy_link(config: InfinityConfig, store: Any, device: torch.device) -> None:
     """A modeled host<->device link ([Note: the modeled link] in infinity/_modeled_link.py) is
     under the store's copies between HOST and DEVICE: there must be such copies."""
@@ -163,13 +143,15 @@ def _check_copy_link(config: InfinityConfig, store: Any, device: torch.device) -
     if device.type == "cpu" and config.memory.device_budget_bytes == AUTO:
         raise ValueError("initialize(copy_link=...): on a CPU engine set "
                          "memory.device_budget_bytes (the modeled device's memory): with 'auto' "
-                         "gathers read the HOST copies and nothing crosses the link ([Note: a CPU "
-                         "engine reads parameter shards from HOST])")
+                         "gathers read the HOST copies and nothing crosses the link "
+                         "([Note: a CPU engine reads parameter shards from HOST] in "
+                         "infinity/zero/_manager_config.py)")
 
 
 def _manager_config(config: InfinityConfig, device: torch.device, world_size: int,
-                    offload: OffloadBudgets | None) -> ManagerConfig:
-    """The parameter manager's settings, resolved from ``config`` once."""
+                    offload: OffloadBudgets | None, *, shard_world_size: int) -> ManagerConfig:
+    """The parameter manager's settings, resolved from ``config`` once; ``world_size``: the
+    data-parallel ranks gradients are summed over, ``shard_world_size``: the shard degree."""
     zero, precision = config.zero, config.precision
     compute = torch_dtype(precision.dtype)
 
@@ -177,18 +159,25 @@ def _manager_config(config: InfinityConfig, device: torch.device, world_size: in
         return None if value == AUTO else int(value)
 
     reuse = number(zero.max_reuse_distance_numel)
+    holds = offload is not None and offload.device_holds_params
+    host_grads = torch_dtype(host_grad_dtype(config, world_size))
+    optimizer_offloaded = config.offload_optimizer.home_tier is not Tier.DEVICE
     return ManagerConfig(
         stage=zero.stage, device=device, compute_dtype=compute,
         param_home=config.offload_param.home_tier,
-        optimizer_offloaded=config.offload_optimizer.device != "none",
-        params_read_on_host=_params_read_on_host(config, device, offload),
-        device_holds_params=offload is not None and offload.device_holds_params,
+        optimizer_offloaded=optimizer_offloaded,
+        reads=param_reads_of(config, device, shard_world_size=shard_world_size,
+                             device_holds_params=holds),
+        device_holds_params=holds,
         prefetch=offload is not None and offload.overlap,
         prefetch_lookahead_bytes=number(zero.prefetch_lookahead_bytes),
         max_live_bytes=number(zero.max_live_bytes),
         max_reuse_distance_bytes=None if reuse is None else reuse * compute.itemsize,
         reduce_dtype=compute if precision.reduce_dtype == "compute" else torch.float32,
-        grad_host_dtype=torch_dtype(host_grad_dtype(config, world_size)),
+        grad_host_dtype=host_grads,
+        grad_staging_dtype=host_grads if stages_in_accumulator_dtype(
+            optimizer_offloaded=optimizer_offloaded,
+            quantized_gradients=zero.quantized_gradients) else torch.float32,
         stored_grad_slice_numel=(offload.sub_group_numel
                                  if offload is not None and offload.grads_on_nvme else None),
         hpz_partition_size=zero.hpz_partition_size,
@@ -253,6 +242,9 @@ class InfinityEngine:
         if comm_link is not None:  # [Note: the modeled link] in infinity/_modeled_link.py
             self.collectives.attach_link(ModeledLink(comm_link))
         self.module = model
+        self.optimizer_home: Tier = config.offload_optimizer.home_tier
+        """Where the optimizer's state lives: DEVICE (in memory beside the parameters), HOST or
+        NVME (``offload_optimizer.device``); the engine asks this, not the config."""
         world = self.collectives.world_size  # the shard degree: what sizes divide by
         data_parallel = self.collectives.data_parallel_size
         # Sized on the parameters as they are: a budget error leaves a recorded model untouched.
@@ -297,14 +289,15 @@ class InfinityEngine:
             now = dict(model.named_parameters())
             groups = rebind_param_groups(groups, {i: now[n] for i, n in names_before.items()})
         _move_buffers(model, self.device, self.compute_dtype)
-        nvme_optimizer = config.offload_optimizer.device == "nvme"
+        nvme_optimizer = self.optimizer_home is Tier.NVME
         # [Note: masters stream into the optimizer]
         streaming = self._new_shard_optimizer() if nvme_optimizer else None
         if streaming is not None:
             streaming.hold_host_resident()
         self.manager = ParameterManager(
             model, units_of(model, config.zero),
-            _manager_config(config, self.device, data_parallel, self.offload),
+            _manager_config(config, self.device, data_parallel, self.offload,
+                            shard_world_size=world),
             collectives=self.collectives, store=self.store, initial_values=initial_values,
             on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
             master_sink=None if streaming is None else _MasterStream(streaming),
@@ -376,10 +369,10 @@ class InfinityEngine:
     def _new_shard_optimizer(self) -> InMemoryShardOptimizer | OffloadedShardOptimizer:
         """The shard optimizer of the config, holding no key yet."""
         config = self.config
-        if config.offload_optimizer.device == "none":
+        if self.optimizer_home is Tier.DEVICE:
             return InMemoryShardOptimizer(config.optimizer)
         optimizer = OffloadedShardOptimizer(
-            config.optimizer, self.store, home=config.offload_optimizer.home_tier,
+            config.optimizer, self.store, home=self.optimizer_home,
             sub_group_numel=self.offload.sub_group_numel,
             window_sub_groups=self.offload.optimizer_window_sub_groups,
             host_resident_bytes=self.offload.optimizer_host_resident_bytes)
@@ -412,9 +405,9 @@ class InfinityEngine:
         in infinity/optim/_offloaded.py): with the optimizer's state on NVMe, and with it in host
         memory where the updated shards cross to the device every step ([Note: a deferred step
         overlaps the copies up])."""
-        home = self.config.offload_optimizer.device
+        home = self.optimizer_home
         return self.defer_optimizer_step and (
-            home == "nvme" or (home == "cpu" and self._updates_cross_to_device))
+            home is Tier.NVME or (home is Tier.HOST and self._updates_cross_to_device))
 
     @property
     def _updates_cross_to_device(self) -> bool:
@@ -670,7 +663,7 @@ class InfinityEngine:
         device_peak = (self.manager.peak_device_bytes + state_device
                        + store.get("device_peak_bytes", 0))
         nvme = 0
-        if self.config.offload_optimizer.device == "nvme":
+        if self.optimizer_home is Tier.NVME:
             nvme += (self.shard_optimizer.state_bytes() + self.shard_optimizer.master_bytes()
                      - self.shard_optimizer.host_resident_bytes)  # [Note: host-resident sub-groups]
         if self.config.offload_param.device == "nvme":

@@ -7,7 +7,8 @@ what happens to a gradient from ``param.grad`` to the optimizer's fp32 partition
 [Note: gradient ledger]
 Autograd writes ``param.grad`` (compute dtype); the post-accumulate-grad hook adds it into the
 unit's staging buffer (full padded size, alive only during backward; fp32, or the compute dtype
-where nothing is summed in fp32: [Note: staging in the accumulator's dtype]) and drops
+where nothing is summed in fp32: [Note: staging in the accumulator's dtype] in
+infinity/ledger/_estimate.py) and drops
 ``param.grad``.
 When every trainable parameter of the unit has its gradient, the staging buffer is averaged over
 ranks (reduce-scatter for stages 2-3, all-reduce for 0-1, on the shard group; over a mesh the
@@ -71,6 +72,9 @@ class ReducerConfig:
     """What gradients cross ranks in: fp32, or the compute dtype (``precision.reduce_dtype``)."""
     host_dtype: torch.dtype
     """Dtype of the host accumulators of an offloaded optimizer (``ledger.host_grad_dtype_of``)."""
+    staging_dtype: torch.dtype = torch.float32
+    """Dtype of a unit's gradient staging: ``host_dtype`` or fp32 ([Note: staging in the
+    accumulator's dtype] in infinity/ledger/_estimate.py)."""
     stored_slice_numel: int | None = None
     """The optimizer's sub-group size when the accumulators are NVMe-homed slices of it
     ([Note: gradients on NVMe]); None: whole HOST-homed accumulators."""
@@ -206,25 +210,9 @@ class GradientReducer:
 
     @property
     def staging_dtype(self) -> torch.dtype:
-        """[Note: staging in the accumulator's dtype]
-        A unit's gradient is staged in fp32 where fp32 sums are kept: device accumulators, host
-        ones in fp32 (several micro-batches, or ranks summing in fp32). Where the host
-        accumulator holds the compute dtype (``ledger.host_grad_dtype_of``: one micro-batch, and
-        one rank or a wire in the compute dtype), every element the staging holds is a gradient
-        autograd made in that dtype, copied in exactly, so an fp32 buffer keeps nothing more and
-        the value that reaches the accumulator is the same: the division by the ranks rounds
-        once either way, and so does a parameter used twice in one backward (a tied weight; a
-        third use would round once more here than in fp32). Half the bytes, and they count: at
-        one rank, stored gradient slices are staged this way, and the root unit's staging
-        (whose embedding gradient comes last) lives through the whole backward beside the
-        current unit's: the 3.3B GPT at a 4 GiB host budget peaked at 5.80 GB RSS with fp32
-        staging, 5.48 GB with this (the 1B run, whose accumulators are staged in place: 4.95).
-        Not with qgZ, whose quantizer reads fp32 (the ledger, which does not know qgZ, counts
-        the compute dtype there: an underestimate of that one case)."""
-        host = self.config.host_dtype
-        if self.offloaded and host != torch.float32 and self.config.grad_quant is None:
-            return host
-        return torch.float32
+        """The dtype a unit's gradient is staged in: the resolved ``ReducerConfig.staging_dtype``
+        ([Note: staging in the accumulator's dtype] in infinity/ledger/_estimate.py)."""
+        return self.config.staging_dtype
 
     def _new_staging(self, g: FlatGroup) -> torch.Tensor:
         """An unzeroed staging buffer ([Note: staging writes each gradient once])."""

@@ -11,9 +11,9 @@ from infinity.zero._quantize import QuantSpec
 
 
 DEFAULT_LIVE_UNITS = 3
-"""Without ``zero.max_live_bytes``, when gathers read shards from HOST ([Note: a CPU engine reads
-parameter shards from HOST] in infinity/zero/_engine.py): gathered units the prefetcher may hold
-at once, in units of the largest (the running one, the next one, one kept for its reuse).
+"""Without ``zero.max_live_bytes``, when gathers read shards from HOST ([Note: a CPU engine
+reads parameter shards from HOST]): gathered units the prefetcher may hold at once, in units of
+the largest (the running one, the next one, one kept for its reuse).
 Gathers are synchronous ([Note: synchronous all-gathers] in infinity/zero/_prefetcher.py): one
 gathered ahead buys nothing but memory. With the DEVICE level in the HOST tier nothing else
 bounds them, and the trace planner gathered far ahead whenever reads ran late (the 2-core VM, a
@@ -32,6 +32,48 @@ infinity/zero/_unit_storage.py): private, present in the pinned torch; without t
 copies, as before."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamReads:
+    """Where stage 3's gathers read offloaded parameter shards, decided once by
+    :func:`param_reads` for the offload budgets, the manager, its prefetcher and its storage."""
+
+    tier: Tier = Tier.DEVICE
+    """HOST: gathers read the HOST copy and prefetches stop there ([Note: a CPU engine reads
+    parameter shards from HOST]); DEVICE: through a DEVICE copy."""
+    borrow: bool = False
+    """A gathered unit points into the pinned copy it reads instead of copying it ([Note: a
+    gathered unit borrows its HOST copy] in infinity/zero/_unit_storage.py)."""
+
+
+def param_reads(device: torch.device, *, params_offloaded: bool, device_budget_auto: bool,
+                device_holds_params: bool, shard_world_size: int, exact_gathers: bool
+                ) -> ParamReads:
+    """[Note: a CPU engine reads parameter shards from HOST]
+    On a CPU device the DEVICE tier is host RAM too, so a gather that reads an offloaded shard
+    through a DEVICE copy pays a copy HOST -> DEVICE (a fresh buffer, faulted in) before the
+    copy into the gathered unit, for nothing: both are the same memory. At 7B (LoRA, the frozen
+    bf16 base read from NVMe twice a step, 24.6 GB) that was ~25 GB of extra copies per step on
+    two cores, and the DEVICE tier's budget of RAM on top of the HOST one. So with an 'auto'
+    device budget a CPU engine's gathers read the HOST copy, prefetches stop there (the
+    prefetcher's DEVICE level is the HOST tier) and writes (the optimizer's updated shards,
+    checkpoint loads) go to the HOST copy too: the DEVICE tier holds nothing. An explicit
+    ``memory.device_budget_bytes`` keeps the DEVICE tier in the read path: that is how the tests
+    and benchmarks stand a small GPU in with CPU memory. So does a device budget that holds every
+    parameter shard (``device_holds_params``): there the updated shards stay on the DEVICE tier
+    between steps and nothing is copied per gather anyway.
+
+    A CPU gather whose shard is the whole unit (``shard_world_size`` 1) and is exact
+    (``exact_gathers``: no qwZ, no hpZ) borrows the copy it reads, HOST or, where the DEVICE tier
+    holds every shard, DEVICE. The offload budgets ask before they know ``device_holds_params``
+    (False: the room an 'auto' host budget keeps for borrowed HOST copies); the engine asks once
+    with the budgets' answer and hands the result down (``ManagerConfig.reads``)."""
+    cpu = device.type == "cpu"
+    on_host = cpu and device_budget_auto and params_offloaded and not device_holds_params
+    borrow = (CAN_BORROW_STORAGE and cpu and shard_world_size == 1 and exact_gathers
+              and (on_host or device_holds_params))
+    return ParamReads(tier=Tier.HOST if on_host else Tier.DEVICE, borrow=borrow)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ManagerConfig:
     """The settings of one :class:`ParameterManager`, resolved by the engine (no 'auto' left)."""
@@ -45,9 +87,8 @@ class ManagerConfig:
     optimizer_offloaded: bool = False
     """The optimizer lives off the device: masters are built in host memory for it, and gradient
     accumulators live in the store's host arena ([Note: gradient placement])."""
-    params_read_on_host: bool = False
-    """[Note: a CPU engine reads parameter shards from HOST] Gathers read offloaded shards from
-    their HOST copy instead of a DEVICE copy, and prefetches stop at HOST."""
+    reads: ParamReads = dataclasses.field(default_factory=lambda: ParamReads())
+    """Where gathers read offloaded shards, and whether they borrow them (:func:`param_reads`)."""
     device_holds_params: bool = False
     """Every offloaded parameter shard stays on the DEVICE tier once read
     (``OffloadBudgets.device_holds_params``)."""
@@ -64,6 +105,9 @@ class ManagerConfig:
     """What gradients cross ranks in (``precision.reduce_dtype``)."""
     grad_host_dtype: torch.dtype = torch.float32
     """Dtype of an offloaded optimizer's host gradient accumulators (``ledger.host_grad_dtype_of``)."""
+    grad_staging_dtype: torch.dtype = torch.float32
+    """Dtype of a unit's gradient staging ([Note: staging in the accumulator's dtype] in
+    infinity/ledger/_estimate.py)."""
     stored_grad_slice_numel: int | None = None
     """The optimizer's sub-group size when the gradient accumulators are NVMe-homed slices
     ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py); None: in host memory."""

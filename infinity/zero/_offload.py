@@ -15,16 +15,16 @@ import psutil
 import torch
 from torch import nn
 
-from infinity.config import DTYPE_BYTES, InfinityConfig, SwapperConfig
+from infinity.config import AUTO, DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
 from infinity.ledger import (ACTIVATION_STAGING_BYTES, DEFAULT_PREFETCH_UNITS, flat_layout,
-                             host_grad_dtype)
+                             host_grad_dtype, stages_in_accumulator_dtype)
 from infinity.tiers import (AUTO_HOST_RAM_FRACTION, SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet,
                             HostNeeds, NvmeBytes, NvmeDemand, OffloadBudgets, OffloadRequest,
                             StateSizes, StoreConfig, Tier, TieredStore, check_nvme_space,
                             extent_bytes, host_needs, least_host_bytes, nvme_bytes,
                             resolve_offload_budgets)
-from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS
+from infinity.zero._manager_config import DEFAULT_LIVE_UNITS, ParamReads, param_reads
 from infinity.zero._unit_choice import UnitChoice, units_of
 
 
@@ -108,8 +108,9 @@ def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
     fp32 = DTYPE_BYTES["fp32"]
     gathered, resident, grad_staging, device_state = [], 0, [0], 0
     opt_on_device = config.offload_optimizer.home_tier is Tier.DEVICE
-    staged = fp32  # [Note: staging in the accumulator's dtype] in infinity/zero/_grad_reducer.py
-    if not opt_on_device and not config.zero.quantized_gradients:
+    staged = fp32  # [Note: staging in the accumulator's dtype] in infinity/ledger/_estimate.py
+    if stages_in_accumulator_dtype(optimizer_offloaded=not opt_on_device,
+                                   quantized_gradients=config.zero.quantized_gradients):
         staged = DTYPE_BYTES[host_grad_dtype(config, data_parallel_size or world_size)]
     for unit in choice.units:
         for trainable in (True, False):
@@ -145,7 +146,7 @@ def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: i
     sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
                         param_bytes=config.precision.param_bytes)
     request = offload_request(config, data_parallel_size or world_size)
-    if borrows_host_copies(config, device, data_parallel_size or world_size):
+    if borrows_host_copies(config, device, world_size):
         request = dataclasses.replace(request, gathered_units_on_host=DEFAULT_LIVE_UNITS)
     return resolve_offload_budgets(sizes, request, device=device,
                                    device_working=device_working_set(
@@ -153,16 +154,27 @@ def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: i
                                        data_parallel_size=data_parallel_size))
 
 
+def param_reads_of(config: InfinityConfig, device: torch.device, *, shard_world_size: int,
+                   device_holds_params: bool) -> ParamReads:
+    """:func:`~infinity.zero._manager_config.param_reads` for ``config``'s offload, device budget
+    and ZeRO++ settings ([Note: a CPU engine reads parameter shards from HOST])."""
+    zero = config.zero
+    return param_reads(device, params_offloaded=config.offload_param.device != "none",
+                       device_budget_auto=config.memory.device_budget_bytes == AUTO,
+                       device_holds_params=device_holds_params,
+                       shard_world_size=shard_world_size,
+                       exact_gathers=(not zero.quantized_weights and not zero.quantized_frozen_weights
+                                      and zero.hpz_partition_size <= 1))
+
+
 def borrows_host_copies(config: InfinityConfig, device: torch.device,
-                        data_parallel_size: int) -> bool:
-    """Whether gathered units will live in the host arena ([Note: a gathered unit borrows its
-    HOST copy] in infinity/zero/_unit_storage.py): one data-parallel rank, a CPU engine reading
-    parameter shards from HOST (parameters offloaded, an 'auto' device budget: [Note: a CPU
-    engine reads parameter shards from HOST] in infinity/zero/_engine.py), exact gathers."""
-    return (CAN_BORROW_STORAGE and device.type == "cpu" and data_parallel_size == 1
-            and config.memory.device_budget_bytes == "auto"
-            and config.offload_param.device != "none" and not config.zero.quantized_weights
-            and not config.zero.quantized_frozen_weights)
+                        shard_world_size: int) -> bool:
+    """Whether gathered units will live in the host arena, as the budgets see it before they
+    know whether the DEVICE tier holds every shard ([Note: a gathered unit borrows its HOST
+    copy] in infinity/zero/_unit_storage.py)."""
+    reads = param_reads_of(config, device, shard_world_size=shard_world_size,
+                           device_holds_params=False)
+    return reads.borrow and reads.tier is Tier.HOST
 
 
 def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config: SwapperConfig,

@@ -69,7 +69,7 @@ from infinity.zero._head_grad import (HeadPlan, HeadTaps, head_candidates, plan_
                                      weight_rows_grad)
 from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._managed import check_not_wrapped, mark_managed
-from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS, ManagerConfig
+from infinity.zero._manager_config import DEFAULT_LIVE_UNITS, ManagerConfig
 from infinity.zero._outside_use import OutsideUseDetector, tensors_in
 from infinity.zero._prefetcher import (ParamPrefetcher, PrefetchUnit, disabled_stats,
                                        prefetch_config)
@@ -138,9 +138,9 @@ class ParameterManager:
         """Unit indices in the order the latest training forward first used them (the order in
         which a deferred optimizer step updates them, see forward_keys)."""
         self.param_names = choice.param_names
-        self._read_tier = Tier.HOST if config.params_read_on_host else Tier.DEVICE
+        self._read_tier = config.reads.tier
         """Where gathers read offloaded shards ([Note: a CPU engine reads parameter shards from
-        HOST] in infinity/zero/_engine.py)."""
+        HOST] in infinity/zero/_manager_config.py)."""
         self._write_tier = (Tier.HOST if config.optimizer_offloaded
                             and not config.device_holds_params else self._read_tier)
         """Where the optimizer, and checkpoint loads, write offloaded shards: [Note: updated
@@ -164,6 +164,7 @@ class ParameterManager:
         self.reducer = GradientReducer(
             ReducerConfig(stage=config.stage, device=config.device,
                           reduce_dtype=config.reduce_dtype, host_dtype=config.grad_host_dtype,
+                          staging_dtype=config.grad_staging_dtype,
                           stored_slice_numel=config.stored_grad_slice_numel,
                           grad_quant=config.grad_quant),
             collectives=collectives, host_store=store if config.optimizer_offloaded else None,
@@ -212,13 +213,9 @@ class ParameterManager:
         over the backward] in infinity/zero/_grad_reducer.py)."""
         if collectives.data_parallel_size > 1:
             self._order_reductions()
-        borrow = (CAN_BORROW_STORAGE and self.world_size == 1
-                  and config.weight_quant is None and self.hpz is None
-                  and (config.params_read_on_host
-                       or (config.device_holds_params and config.device.type == "cpu")))
         self.storage = UnitStorage(
             config, collectives=collectives, store=store, reducer=self.reducer, hpz=self.hpz,
-            read_tier=self._read_tier, borrow_copies=borrow,
+            read_tier=self._read_tier, borrow_copies=config.reads.borrow,
             # none in flight at one rank: nothing crosses ranks, the accumulation is due at once
             reduce_inflight=REDUCE_INFLIGHT_UNITS if collectives.data_parallel_size > 1 else 0,
             on_bytes_changed=self._note_peak)
@@ -647,7 +644,7 @@ class ParameterManager:
             world_size=self.world_size, lookahead_bytes=config.prefetch_lookahead_bytes,
             max_reuse_distance_bytes=config.max_reuse_distance_bytes)
         live = config.max_live_bytes
-        if live is None and config.params_read_on_host:  # the DEVICE level no longer bounds it
+        if live is None and config.reads.tier is Tier.HOST:  # the DEVICE level no longer bounds it
             live = DEFAULT_LIVE_UNITS * max(u.gathered_bytes for u in units)
         return ParamPrefetcher(self.store, units, config=prefetch,
                                device_tier=self._read_tier,

@@ -156,7 +156,7 @@ class ParamPrefetcher:
         self._tier_of = {Level.HOST: Tier.HOST, Level.DEVICE: device_tier}
         """The store tier behind each executor level: the DEVICE level is the HOST tier when
         gathers read shards from HOST ([Note: a CPU engine reads parameter shards from HOST] in
-        infinity/zero/_engine.py); the executor then finds a shard at DEVICE once it is in HOST."""
+        infinity/zero/_manager_config.py); the executor then finds a shard at DEVICE once it is in HOST."""
         self._units = {u.unit: u for u in units}
         self._gather = gather
         self._is_gathered = is_gathered

@@ -170,7 +170,7 @@ class UnitStorage:
         """[Note: a gathered unit borrows its HOST copy]
         With one data-parallel rank the gathered unit is the shard itself, and on a CPU engine
         that reads shards from HOST ([Note: a CPU engine reads parameter shards from HOST] in
-        infinity/zero/_engine.py) the shard is already in host memory, page-aligned in the arena,
+        infinity/zero/_manager_config.py) the shard is already in host memory, page-aligned in the arena,
         where the prefetcher's NVMe read put it. Copying it into the unit's own buffer cost a
         fresh buffer (faulted in) and a copy per gather: on 8 of 7B's layers (LoRA, the frozen
         base on NVMe, 405 MB per layer, read twice a step) 31 copies a step and 6.6 s of the

@@ -1,7 +1,7 @@
-"""[Note: a CPU engine reads parameter shards from HOST] (infinity/zero/_engine.py): with an 'auto'
-device budget a CPU engine gathers offloaded shards straight from their HOST copies (no HOST ->
-DEVICE copy per gather) and trains exactly as with a DEVICE tier in the read path, which an
-explicit device budget keeps (the small-GPU stand-in of the other tests)."""
+"""[Note: a CPU engine reads parameter shards from HOST] (infinity/zero/_manager_config.py): with
+an 'auto' device budget a CPU engine gathers offloaded shards straight from their HOST copies (no
+HOST -> DEVICE copy per gather) and trains exactly as with a DEVICE tier in the read path, which
+an explicit device budget keeps (the small-GPU stand-in of the other tests)."""
 
 from __future__ import annotations
 

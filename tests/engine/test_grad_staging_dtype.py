@@ -1,4 +1,4 @@
-"""[Note: staging in the accumulator's dtype] (infinity/zero/_grad_reducer.py): a unit's gradient
+"""[Note: staging in the accumulator's dtype] (infinity/ledger/_estimate.py): a unit's gradient
 is staged in the host accumulator's compute dtype where nothing is summed in fp32 (optimizer
 offloaded, one micro-batch, one rank), in fp32 elsewhere; training is bitwise what the fp32
 staging gave, and the ledger's and the 'auto' device budget's staging terms follow the engine."""
@@ -80,20 +80,26 @@ def test_fp32_staging_where_fp32_sums_are_kept(tmp_path, monkeypatch, case):
     assert dtypes == {torch.float32}
 
 
-@pytest.mark.parametrize("gas, opt, per_element", [(1, "nvme", 2), (2, "nvme", 4), (1, "none", 4)])
-def test_the_ledger_and_the_device_working_set_stage_as_the_engine(tmp_path, gas, opt,
+@pytest.mark.parametrize("gas, opt, qgz, per_element",
+                         [(1, "nvme", False, 2), (2, "nvme", False, 4), (1, "none", False, 4),
+                          (1, "nvme", True, 4)])  # qgZ's quantizer reads fp32 staging
+def test_the_ledger_and_the_device_working_set_stage_as_the_engine(tmp_path, gas, opt, qgz,
                                                                       per_element):
     model = tiny_gpt()
-    config = infinity.load_config(offload_config(tmp_path, stage=3, dtype="bf16", gas=gas,
-                                                 opt=opt, param="nvme"))
+    raw = offload_config(tmp_path, stage=3, dtype="bf16", gas=gas, opt=opt, param="nvme")
+    raw["zero"]["quantized_gradients"] = qgz
+    config = infinity.load_config(raw)
     unit = 1_000_000
     ledger = estimate_from_config(config, 10 * unit, 1, unit_numel=unit)
     assert ledger.buffers[Tier.DEVICE]["unit_gradient"] == unit * per_element
     engine = infinity.initialize(model, config)
     try:
         groups = [g for u in engine.manager.units for g in u.groups if g.requires_grad]
+        # what a staging buffer is made in (at one rank a CPU engine stages in the accumulator)
+        staged = engine.manager.reducer.staging_dtype
     finally:
         engine.close()
+    assert staged.itemsize == per_element
     working = device_working_set(units_of(tiny_gpt(), config.zero), config, world_size=1)
     # the largest trainable group: its staging and its reduced shard (the whole of it at world 1)
     assert working.grad_bytes == max(2 * g.padded_numel for g in groups) * per_element

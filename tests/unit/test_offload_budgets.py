@@ -246,6 +246,14 @@ def test_auto_host_budget_has_room_for_gathered_units_that_borrow_host_copies(mo
         state_sizes(units_of(model, _config("auto").zero), stage=3, world_size=2, param_bytes=2),
         offload_request(_config("auto"), 2), device=CPU)
     assert two_ranks.host_budget_bytes == two_ranks_alone.host_budget_bytes
+    # Two replicas of unsharded units (HSDP, shard degree 1): each rank's gathers borrow as one
+    # rank's do (nothing crosses ranks to gather), so the budget has the same room.
+    replicas = resolve_offload(units_of(model, _config("auto").zero), _config("auto"),
+                               world_size=1, data_parallel_size=2, device=CPU)
+    replicas_alone = resolve_offload_budgets(sizes, offload_request(_config("auto"), 2),
+                                             device=CPU)
+    assert replicas.host_budget_bytes == replicas_alone.host_budget_bytes + (
+        sum(largest) if CAN_BORROW_STORAGE else 0)
     explicit_device = load_config({**_config_dict("auto"),
                                    "memory": {"host_budget_bytes": "auto",
                                               "device_budget_bytes": 10 ** 9}})
