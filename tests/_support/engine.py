@@ -117,17 +117,24 @@ def assert_exactly_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
 
 def reference_train(model: nn.Module, data, *, dtype: str = "fp32", clip: float = 0.0,
                     loss_fn: Callable | None = None, loss_scale: float = 1.0, splits: int = 1,
-                    device: torch.device | str = "cpu"
+                    device: torch.device | str = "cpu",
+                    param_groups: Callable[[nn.Module], list[dict]] | None = None,
+                    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train ``model`` (fp32) on ``data`` with plain PyTorch; returns per-step losses and the
-    final fp32 state dict. ``loss_scale``: static fp16 loss scale (gradients unscaled in fp32).
-    ``splits``: run each micro-batch as that many equal chunks whose fp32 gradients are averaged
-    (what ``splits`` data-parallel ranks compute; in bf16 the rounding then matches too)."""
+    """Train ``model`` (fp32) on ``data`` with plain PyTorch and ``torch.optim.AdamW``; returns
+    per-step losses and the final fp32 state dict. ``loss_scale``: static fp16 loss scale
+    (gradients unscaled in fp32). ``splits``: run each micro-batch as that many equal chunks
+    whose fp32 gradients are averaged (what ``splits`` data-parallel ranks compute; in bf16 the
+    rounding then matches too). ``param_groups(model)``: AdamW's groups (what a group leaves
+    out is LR, BETAS, EPS, WD); ``scheduler(optimizer)``: an LR scheduler stepped after each
+    optimizer step."""
     loss_fn = loss_fn or (lambda m, batch: m(*batch))
     master = model.to(device)
     work = master if dtype == "fp32" else copy.deepcopy(master).to(DTYPES[dtype])
     params = [p for p in master.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = torch.optim.AdamW(params if param_groups is None else param_groups(master), lr=LR,
+                            betas=BETAS, eps=EPS, weight_decay=WD)
+    sched = None if scheduler is None else scheduler(opt)
     losses = []  # parameters without a gradient in a step keep grad None: AdamW skips them
     for micro in data:
         total = 0.0
@@ -146,6 +153,8 @@ def reference_train(model: nn.Module, data, *, dtype: str = "fp32", clip: float 
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         if work is not master:
             with torch.no_grad():
@@ -241,3 +250,30 @@ def assert_parity(make_model: Callable[[], nn.Module] = tiny_gpt, *, stage: int 
     losses = engine_train(engine, data, loss_fn=loss_fn)
     assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, dtype)
     return engine, ref_losses
+
+
+def train_and_check_nvme_gradients(engine, data, gas: int, ref) -> dict:
+    """Train ``engine`` (gradients on NVMe) on ``data``, closing it, against ``ref`` (plain
+    PyTorch's losses and state): every micro-batch writes each gradient slice, and the optimizer
+    reads each back (at least the gradient's bytes each way per step, on top of the optimizer's
+    own traffic); the host stays within its budget. Returns the engine's last stats. Run by
+    tests/engine/test_grads_on_nvme.py and its CUDA twin (tests/gpu/test_coverage_cuda.py)."""
+    try:
+        assert engine.offload.grads_on_nvme
+        grad_bytes = engine.manager.grad_accumulator_bytes()
+        losses, moved = [], []
+        for micro in data:
+            before = engine.stats()["bytes_moved"]
+            losses += engine_train(engine, [micro])
+            after = engine.stats()["bytes_moved"]
+            moved.append({k: after[k] - before[k] for k in ("HOST->NVME", "NVME->HOST")})
+        state = engine.full_state_dict()
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_close_run(losses, state, *ref, "fp32")
+    assert stats["grads_on_nvme"]
+    for m in moved[1:]:
+        assert m["HOST->NVME"] >= gas * grad_bytes and m["NVME->HOST"] >= grad_bytes, m
+    assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
+    return stats

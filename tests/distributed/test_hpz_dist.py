@@ -167,9 +167,9 @@ def _ledger_model():
 
 
 def _ledger_config(hpz: int, unit_numel: int) -> dict:
-    from tests.engine.test_ledger_vs_engine import _config
+    from tests._support.ledger_check import ledger_config
 
-    raw = _config(3, "none", LEDGER_DTYPE, "", unit_numel, world_size=WORLD)
+    raw = ledger_config(3, "none", LEDGER_DTYPE, "", unit_numel, world_size=WORLD)
     raw["zero"]["hpz_partition_size"] = hpz
     return raw
 
@@ -179,14 +179,14 @@ def worker_ledger(rank: int, world_size: int, out_dir: str) -> dict:
 
     import infinity
     from infinity.models.gpt import GPT, synthetic_batch
-    from tests.engine.test_ledger_vs_engine import _largest_unit_numel
+    from tests._support.ledger_check import largest_unit_numel
 
     config = _ledger_model()
     out = {}
     for hpz in (1, H):
         torch.manual_seed(0)
         model = GPT(config)
-        unit_numel = _largest_unit_numel(model)
+        unit_numel = largest_unit_numel(model)
         engine = infinity.initialize(model, _ledger_config(hpz, unit_numel))
         mid_step = None
         for step in range(2):
@@ -207,7 +207,7 @@ def test_secondary_shard_bytes_match_the_ledger():
     from infinity.config import load_config
     from infinity.ledger import Tier, estimate_from_config
     from infinity.models.gpt import GPT
-    from tests.engine.test_ledger_vs_engine import check_against_ledger
+    from tests._support.ledger_check import check_against_ledger
 
     results = launch(__file__, "worker_ledger", world_size=WORLD, timeout_s=300)
     with torch.device("meta"):

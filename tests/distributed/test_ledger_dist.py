@@ -20,7 +20,7 @@ NUM_GROUPS_BOUND = 16
 
 
 def worker_ledger(rank: int, world_size: int, out_dir: str) -> dict:
-    from tests.engine.test_ledger_vs_engine import train_and_measure
+    from tests._support.ledger_check import train_and_measure
 
     out = {}
     for stage, offload in CONFIGS:
@@ -40,8 +40,8 @@ def _resident_states(stats: dict) -> int:
 
 def test_per_rank_bytes_match_the_ledger_at_two_ranks(tmp_path):
     from infinity.ledger import Tier
-    from tests.engine.test_ledger_vs_engine import (SLACK_FRACTION, check_against_ledger,
-                                                    train_and_measure)
+    from tests._support.ledger_check import (SLACK_FRACTION, check_against_ledger,
+                                             train_and_measure)
 
     results = launch(__file__, "worker_ledger", timeout_s=240)
     for stage, offload in CONFIGS:
@@ -81,11 +81,12 @@ def _ledger_at(stage: int, offload: str, tmp_path, *, world_size: int):
     from infinity.config import load_config
     from infinity.ledger import estimate_from_config
     from infinity.models.gpt import GPT
-    from tests.engine.test_ledger_vs_engine import MODEL, _config, _largest_unit_numel
+    from tests._support.ledger_check import MODEL, ledger_config, largest_unit_numel
 
     with torch.device("meta"):
         model = GPT(MODEL)
     numel = sum(p.numel() for p in model.parameters())
-    unit_numel = _largest_unit_numel(model)
-    raw = _config(stage, offload, DTYPE, str(tmp_path / "swap"), unit_numel, world_size=world_size)
+    unit_numel = largest_unit_numel(model)
+    raw = ledger_config(stage, offload, DTYPE, str(tmp_path / "swap"), unit_numel,
+                        world_size=world_size)
     return estimate_from_config(load_config(raw), numel, world_size, unit_numel=unit_numel)

@@ -20,7 +20,7 @@ STEPS = 8
 def global_batches():
     import torch
 
-    from tests.engine.test_peft import token_batches
+    from tests._support.peft_llama import token_batches
 
     rows = token_batches(2 * STEPS)  # 2 rows each: 4 rows a global batch, 2 per rank
     return [torch.cat([rows[2 * i], rows[2 * i + 1]]) for i in range(STEPS)]
@@ -31,7 +31,7 @@ def worker(rank: int, world_size: int, out_dir: str) -> dict:
 
     import infinity
     from infinity.integrations.peft import adapter_state_dict
-    from tests.engine.test_peft import config, engine_train, lazy_peft
+    from tests._support.peft_llama import config, engine_train, lazy_peft
 
     model = lazy_peft(config(os.path.join(out_dir, f"swap-{rank}")))  # peft after the block
     engine = infinity.initialize(model)
@@ -48,7 +48,7 @@ def test_peft_after_init_trains_on_two_ranks_as_plain_peft_on_the_global_batch()
     import peft
     import torch
 
-    from tests.engine.test_peft import eager_peft, reference_train
+    from tests._support.peft_llama import eager_peft, reference_train
 
     results = launch(__file__, "worker", timeout_s=240)
     ref = eager_peft()

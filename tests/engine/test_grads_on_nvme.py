@@ -25,8 +25,8 @@ from infinity.ledger import estimate_from_config
 from infinity.models.gpt import GPT, GPTConfig, synthetic_batch
 from infinity.tiers import Tier
 from infinity.zero import host_needs_of, least_host_budget_bytes
-from tests._support.engine import (TINY, assert_close_run, batches, engine_train,
-                                   offload_config, reference_train, tiny_gpt)
+from tests._support.engine import (TINY, batches, offload_config, reference_train, tiny_gpt,
+                                   train_and_check_nvme_gradients)
 from tests._support.fresh import call_in_fresh_process
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,33 +37,6 @@ DEEP = dataclasses.replace(TINY, n_layer=6)
 
 def _model():
     return tiny_gpt(config=DEEP)
-
-
-def train_and_check_nvme_gradients(engine, data, gas: int, ref) -> dict:
-    """Train ``engine`` (gradients on NVMe) on ``data``, closing it, against ``ref`` (plain
-    PyTorch's losses and state): every micro-batch writes each gradient slice, and the optimizer
-    reads each back (at least the gradient's bytes each way per step, on top of the optimizer's
-    own traffic); the host stays within its budget. Returns the engine's last stats. Also run
-    by the CUDA test (tests/gpu/test_coverage_cuda.py)."""
-    try:
-        assert engine.offload.grads_on_nvme
-        grad_bytes = engine.manager.grad_accumulator_bytes()
-        losses, moved = [], []
-        for micro in data:
-            before = engine.stats()["bytes_moved"]
-            losses += engine_train(engine, [micro])
-            after = engine.stats()["bytes_moved"]
-            moved.append({k: after[k] - before[k] for k in ("HOST->NVME", "NVME->HOST")})
-        state = engine.full_state_dict()
-        stats = engine.stats()
-    finally:
-        engine.close()
-    assert_close_run(losses, state, *ref, "fp32")
-    assert stats["grads_on_nvme"]
-    for m in moved[1:]:
-        assert m["HOST->NVME"] >= gas * grad_bytes and m["NVME->HOST"] >= grad_bytes, m
-    assert stats["bytes"]["HOST"]["peak"] <= stats["bytes"]["HOST"]["budget"]
-    return stats
 
 
 def _least_config(tmp_path, *, stage: int, gas: int, clip: float):
@@ -133,7 +106,7 @@ def _measure(n_layer: int, swap_dir: str, host_budget_bytes: int,
 
 
 def _measure_in_fresh_process(tmp_path, n_layer: int, host: int, device: int) -> dict:
-    return call_in_fresh_process("tests.engine.test_grads_on_nvme", "_measure", n_layer,
+    return call_in_fresh_process(__name__, "_measure", n_layer,
                                  str(tmp_path / str(n_layer)), host, device)
 
 

@@ -61,7 +61,7 @@ def _measure(n_layer: int, swap_dir: str, host_budget_bytes: int) -> dict:
 
 
 def _measure_in_fresh_process(tmp_path, n_layer: int, host: int) -> dict:
-    return call_in_fresh_process("tests.engine.test_init_host_memory", "_measure", n_layer,
+    return call_in_fresh_process(__name__, "_measure", n_layer,
                                  str(tmp_path / str(n_layer)), host)
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import infinity
-from tests._support.engine import batches, engine_config, engine_train, tiny_gpt
+from tests._support.engine import (batches, engine_config, engine_train, reference_train,
+                                   tiny_gpt)
 from tests._support.configs import HF_ZERO3_OFFLOAD
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,26 +30,26 @@ def torch_optimizer_facade():
                     "facade, issue #15): torch LR schedulers cannot wrap it")
 
 
+class _LrAt:
+    """The lr of optimizer step k (from 1) given by ``lr_at(k)``: a scheduler for
+    ``reference_train`` (the first step's lr is the group's)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_at):
+        self.optimizer, self.lr_at, self.steps = optimizer, lr_at, 1
+
+    def step(self) -> None:
+        self.steps += 1
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.lr_at(self.steps)
+
+
 def _reference(data, lr_at, *, clip=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-    """Plain PyTorch: AdamW with the lr of optimizer step k (from 1) given by ``lr_at(k)``."""
-    model = tiny_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr_at(1), betas=betas, eps=eps,
-                            weight_decay=weight_decay)
-    losses = []
-    for k, micro in enumerate(data, start=1):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(k)
-        total = 0.0
-        for x, y in micro:
-            loss = model(x, y)
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """Plain PyTorch + AdamW (``reference_train``) with the lr of optimizer step k from
+    ``lr_at(k)`` and these hyperparameters."""
+    return reference_train(
+        tiny_gpt(), data, clip=clip, scheduler=lambda opt: _LrAt(opt, lr_at),
+        param_groups=lambda model: [{"params": list(model.parameters()), "lr": lr_at(1),
+                                     "betas": betas, "eps": eps, "weight_decay": weight_decay}])
 
 
 def _assert_same(losses, state, ref_losses, ref_state):

@@ -12,8 +12,8 @@ from torch import nn
 
 import infinity
 import infinity.optim._runs as runs_module
-from tests._support.engine import (BETAS, EPS, LR, assert_close_state, batches, engine_config,
-                                   engine_train, offload_config, tiny_gpt)
+from tests._support.engine import (LR, assert_close_state, batches, engine_config, engine_train,
+                                   offload_config, reference_train, tiny_gpt)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,25 +40,6 @@ def hf_groups(model: nn.Module) -> list[dict]:
              "eps": 1e-6}]
 
 
-def _reference(data):
-    model = tiny_gpt()
-    groups = hf_groups(model)
-    for g in groups:  # the engine's config fills in what a group leaves out
-        g.setdefault("lr", LR)
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
-    losses = []
-    for micro in data:
-        total = 0.0
-        for batch in micro:
-            loss = model(*batch) / len(micro)
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _config(tmp_path, stage: int, placement: str, gas: int = 1):
     # No persistent unit: biases and norms sit between the weights in the blocks' flat buffers,
     # so a shard holds many runs (and small sub-groups cut across them).
@@ -73,7 +54,7 @@ def _config(tmp_path, stage: int, placement: str, gas: int = 1):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_groups_match_torch_adamw_with_the_same_groups(tmp_path, stage, placement):
     data = batches(STEPS, 2)
-    ref_losses, ref_state = _reference(data)
+    ref_losses, ref_state = reference_train(tiny_gpt(), data, param_groups=hf_groups)
     model = tiny_gpt()
     engine = infinity.initialize(model, _config(tmp_path, stage, placement, gas=2),
                                  model_parameters=hf_groups(model))

@@ -39,102 +39,12 @@ from infinity.zero import LazyInitError, least_host_budget_bytes
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from infinity.integrations.peft import adapter_state_dict, load_base_weights, save_adapter  # noqa: E402
+from tests._support.peft_llama import (LLAMA, LORA_NUMEL, TARGETS, base_llama,  # noqa: E402
+                                       config, eager_peft, engine_train, lazy_peft, lora_config,
+                                       lora_names, reference_train, shard_optimizer,
+                                       token_batches)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-RANK = 8
-LORA_NUMEL = LLAMA["num_hidden_layers"] * len(TARGETS) * 2 * RANK * LLAMA["hidden_size"]
-"""A (r x 64) and B (64 x r) per projection: 16384 (of 213k)."""
-LR, BETAS, EPS, WD = 1e-2, (0.9, 0.99), 1e-8, 0.01
-STEPS = 8
-
-
-def _lora() -> "peft.LoraConfig":
-    return peft.LoraConfig(r=RANK, lora_alpha=16, target_modules=TARGETS)
-
-
-def _base(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-
-
-def eager_peft(seed: int = 0) -> torch.nn.Module:
-    """The plain reference: the same construction, eagerly on the CPU."""
-    return peft.get_peft_model(_base(seed), _lora())
-
-
-def lazy_peft(config: dict, seed: int = 0, *, inside: bool = False) -> torch.nn.Module:
-    """The base built under ``infinity.init``; peft after the block, as recipes write it
-    (``inside``: peft inside the block too)."""
-    with infinity.init(config):
-        base = _base(seed)
-        if inside:
-            return peft.get_peft_model(base, _lora())
-    return peft.get_peft_model(base, _lora())
-
-
-def config(swap_dir, *, stage: int = 3, dtype: str = "fp32", param: str = "nvme",
-           opt: str = "none", memory: dict | None = None, persistence_numel: int = 0,
-           unit_min_numel: int | None = None) -> dict:
-    """Decoder layers as units, nothing persistent by default (every frozen weight is in a unit's
-    shard, so NVMe holds exactly the ledger's params term). ``unit_min_numel``: choose units by
-    size instead (peft's wrappers then become units of their own: a ``base_layer`` frozen, the
-    ``lora.Linear`` around it holding only its adapters)."""
-    units = {"unit_class_names": ["LlamaDecoderLayer"]} if unit_min_numel is None else \
-        {"unit_class_names": [], "unit_min_numel": unit_min_numel}
-    cfg = {"zero": {"stage": stage, **units, "persistence_threshold_numel": persistence_numel},
-           "precision": {"dtype": dtype},
-           "optimizer": {"type": "adamw", "lr": LR, "betas": list(BETAS), "eps": EPS,
-                         "weight_decay": WD},
-           "offload_param": {"device": param, "nvme_path": str(swap_dir)},
-           "offload_optimizer": {"device": opt, "nvme_path": str(swap_dir)}}
-    if memory:
-        cfg["memory"] = memory
-    return cfg
-
-
-def token_batches(steps: int = STEPS) -> list[torch.Tensor]:
-    """A learnable pattern (each row counts up by 7 from a random start), new rows every step."""
-    g = torch.Generator().manual_seed(1234)
-    starts = [torch.randint(0, LLAMA["vocab_size"], (2, 1), generator=g) for _ in range(steps)]
-    return [(s + 7 * torch.arange(16)) % LLAMA["vocab_size"] for s in starts]
-
-
-def reference_train(model: torch.nn.Module, data) -> list[float]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    losses = []
-    for ids in data:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
-def engine_train(engine, data) -> list[float]:
-    losses = []
-    for ids in data:
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def shard_optimizer(engine):
-    """The engine's flat-shard optimizer (``engine.shard_optimizer`` once ``engine.optimizer`` is
-    the torch.optim facade of issue #15)."""
-    return getattr(engine, "shard_optimizer", engine.optimizer)
-
-
-def lora_names(model: torch.nn.Module) -> set[str]:
-    return {n for n, p in model.named_parameters() if p.requires_grad}
-
 
 # ------------------------------------------------------------------ what exists for frozen params
 
@@ -254,13 +164,13 @@ def test_saved_adapter_loads_into_a_plain_model(tmp_path, monkeypatch):
             want = engine(input_ids=probe).logits
     finally:
         engine.close()
-    plain = peft.PeftModel.from_pretrained(_base(0), str(tmp_path / "adapter"))
+    plain = peft.PeftModel.from_pretrained(base_llama(0), str(tmp_path / "adapter"))
     with torch.no_grad():
         got = plain(input_ids=probe).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # The adapter moved: the base alone gives other outputs.
     with torch.no_grad():
-        assert (_base(0)(input_ids=probe).logits - want).abs().max() > 1e-3
+        assert (base_llama(0)(input_ids=probe).logits - want).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------ NVMe traffic of the frozen base
@@ -352,12 +262,12 @@ def test_adapters_added_after_the_block(tmp_path):
     want = eager_peft(0).state_dict()
     for extend in (False, True):
         with infinity.init(cfg):
-            base = _base(0)
+            base = base_llama(0)
         if extend:
             with infinity.init(extend=base):
-                model = peft.get_peft_model(base, _lora())
+                model = peft.get_peft_model(base, lora_config())
         else:
-            model = peft.get_peft_model(base, _lora())  # adapters built on the CPU, moved to meta
+            model = peft.get_peft_model(base, lora_config())  # adapters built on the CPU, moved to meta
         engine = infinity.initialize(model)
         try:
             got = engine.full_state_dict()
@@ -367,7 +277,7 @@ def test_adapters_added_after_the_block(tmp_path):
         finally:
             engine.close()
     with infinity.init(cfg):
-        base = _base(0)
+        base = base_llama(0)
     base.extra = torch.nn.Parameter(torch.ones(3).to("meta"))  # its values dropped unseen
     with pytest.raises(LazyInitError, match=r"'extra'.*infinity\.init\(extend=model\)"):
         infinity.initialize(base)
@@ -387,11 +297,11 @@ def test_saved_adapter_loads_into_a_model_built_under_init(tmp_path):
     saved.save_pretrained(str(tmp_path / "adapter"))
     want = peft.get_peft_model_state_dict(saved)
     probe = token_batches(1)[0]
-    plain = peft.PeftModel.from_pretrained(_base(0), str(tmp_path / "adapter"))
+    plain = peft.PeftModel.from_pretrained(base_llama(0), str(tmp_path / "adapter"))
     with torch.no_grad():
         want_logits = plain(input_ids=probe).logits
     with infinity.init(config(tmp_path / "swap")):
-        base = _base(0)
+        base = base_llama(0)
     model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"), is_trainable=True)
     engine = infinity.initialize(model)
     try:
@@ -407,7 +317,7 @@ def test_saved_adapter_loads_into_a_model_built_under_init(tmp_path):
 
 
 def test_load_base_weights_into_a_peft_model(tmp_path):
-    source = _base(7)
+    source = base_llama(7)
     source.save_pretrained(tmp_path / "base", safe_serialization=True)
     engine = infinity.initialize(lazy_peft(config(tmp_path / "swap"), seed=0))
     try:

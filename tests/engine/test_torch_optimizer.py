@@ -14,7 +14,7 @@ import torch
 import infinity
 from infinity.optim import EngineOptimizer
 from tests._support.engine import (BETAS, EPS, LR, WD, assert_close_state, batches, engine_config,
-                                   engine_train, offload_config, tiny_gpt)
+                                   engine_train, offload_config, reference_train, tiny_gpt)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,23 +41,6 @@ SCHEDULERS = {
 }
 
 
-def _reference(make_scheduler, data):
-    """Plain PyTorch: fp32 model, torch.optim.AdamW, the scheduler stepped after each step."""
-    model = tiny_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    sched = make_scheduler(opt)
-    losses = []
-    for micro in data:
-        for batch in micro:
-            loss = model(*batch)
-            loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _placement_config(tmp_path, placement: str):
     if placement == "memory":
         return engine_config(stage=3)
@@ -68,7 +51,7 @@ def _placement_config(tmp_path, placement: str):
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_scheduler_on_engine_optimizer_matches_plain_adamw(tmp_path, name, placement):
     data = batches(STEPS, 1)
-    ref_losses, ref_state = _reference(SCHEDULERS[name], data)
+    ref_losses, ref_state = reference_train(tiny_gpt(), data, scheduler=SCHEDULERS[name])
     engine = infinity.initialize(tiny_gpt(), _placement_config(tmp_path, placement))
     try:
         assert isinstance(engine.optimizer, torch.optim.Optimizer)

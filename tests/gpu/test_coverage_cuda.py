@@ -31,7 +31,8 @@ import torch
 
 import infinity
 from tests._support.engine import (TINY, assert_close_run, batches, engine_config, engine_train,
-                                   offload_config, reference_train, tiny_gpt)
+                                   offload_config, reference_train, tiny_gpt,
+                                   train_and_check_nvme_gradients)
 from tests._support.models import FOUR, four_gpt, unit_numels
 from tests.gpu._cuda import CUDA, exact_fp32, set_cuda_tolerance
 
@@ -69,7 +70,6 @@ def test_gradients_on_nvme_on_cuda_train_like_pytorch(tmp_path, stage, gas, clip
     come down from the GPU into NVMe slices (read back and added at gas 2), and training matches
     plain PyTorch on the GPU, clipping by the exact global norm included."""
     from infinity.zero import host_needs_of, least_host_budget_bytes
-    from tests.engine.test_grads_on_nvme import train_and_check_nvme_gradients
 
     exact_fp32()
     param = "nvme" if stage == 3 else "none"
@@ -196,7 +196,7 @@ def test_bf16_moments_engine_on_cuda_trains_like_fp32_moments():
 # ------------------------------------------------------------------ Hugging Face Trainer and peft
 
 TRAINER_CASES = ("llama-stage3", "llama-deepspeed-auto-offload-host")
-"""The Llama cases of tests/integrations/test_trainer.py (its ``CASES``)."""
+"""The Llama cases of tests/integrations/test_trainer.py (``TRAINER_CASES`` in its _hf.py)."""
 
 
 @pytest.mark.parametrize("case", TRAINER_CASES)
@@ -211,7 +211,7 @@ def test_infinity_trainer_on_cuda_matches_plain_trainer_on_cuda(tmp_path, case):
 
     from infinity.integrations.hf import InfinityTrainer
     from tests.integrations._hf import Tokens, assert_same_run, tiny, training_args
-    from tests.integrations.test_trainer import CASES
+    from tests.integrations._hf import TRAINER_CASES as CASES
 
     kind, infinity_config = CASES[case]
     assert kind == "llama"
@@ -244,8 +244,8 @@ def test_peft_lora_on_cuda_matches_plain_peft_on_cuda(tmp_path, param):
     pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from infinity.integrations.peft import adapter_state_dict
-    from tests.engine.test_peft import (BETAS, EPS, LR, WD, config, eager_peft, lazy_peft,
-                                        token_batches)
+    from tests._support.peft_llama import (BETAS, EPS, LR, WD, config, eager_peft, lazy_peft,
+                                           token_batches)
 
     exact_fp32()
     data = token_batches()

@@ -89,3 +89,26 @@ def assert_same_run(ours: Any, reference: Any, *, loss_tol: float = 1e-4,
     if initial is not None:
         moved = max((wb[k] - initial[k]).abs().max().item() for k in wb)
         assert moved > 10 * weight_tol, f"training moved the weights by only {moved}"
+
+
+def stage3(kind: str, **extra):
+    """ZeRO-3 with ``kind``'s blocks as units (``extra``: more config sections)."""
+    return {"zero": {"stage": 3, "unit_class_names": [UNITS[kind]], "unit_min_numel": 1,
+                     "persistence_threshold_numel": 64}, **extra}
+
+
+HF_DS_CONFIG = {  # Hugging Face's example DeepSpeed config: the Trainer fills every "auto"
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                          "offload_param": {"device": "cpu"}},
+}
+
+TRAINER_CASES = {  # the Trainer parity cases (test_trainer.py; the CUDA run repeats two)
+    "gpt2-stage3": ("gpt2", stage3("gpt2")),
+    "llama-stage3": ("llama", stage3("llama")),
+    "llama-deepspeed-auto-offload-host": ("llama", HF_DS_CONFIG),
+}

@@ -17,37 +17,16 @@ pytest.importorskip("accelerate")
 from transformers import AutoModelForCausalLM, Trainer  # noqa: E402
 
 from infinity.integrations.hf import InfinityTrainer  # noqa: E402
-from tests.integrations._hf import (UNITS, Tokens, assert_same_run, logs_of,  # noqa: E402
-                                    tiny, training_args, weights_of)
+from tests.integrations._hf import (HF_DS_CONFIG, TRAINER_CASES, Tokens,  # noqa: E402
+                                    assert_same_run, logs_of, stage3, tiny, training_args,
+                                    weights_of)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def stage3(kind: str, **extra):
-    return {"zero": {"stage": 3, "unit_class_names": [UNITS[kind]], "unit_min_numel": 1,
-                     "persistence_threshold_numel": 64}, **extra}
-
-
-HF_DS_CONFIG = {  # Hugging Face's example DeepSpeed config: the Trainer fills every "auto"
-    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                              "weight_decay": "auto"}},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                          "offload_param": {"device": "cpu"}},
-}
-
-CASES = {
-    "gpt2-stage3": ("gpt2", stage3("gpt2")),
-    "llama-stage3": ("llama", stage3("llama")),
-    "llama-deepspeed-auto-offload-host": ("llama", HF_DS_CONFIG),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(TRAINER_CASES))
 def test_matches_plain_trainer(tmp_path, case):
-    kind, config = CASES[case]
+    kind, config = TRAINER_CASES[case]
     initial = {k: v.clone() for k, v in tiny(kind).state_dict().items()}
     plain = Trainer(model=tiny(kind), args=training_args(str(tmp_path / "plain")),
                     train_dataset=Tokens())

@@ -56,7 +56,7 @@ def _where_buffers_land() -> dict:
 def test_activations_come_from_the_heap_and_engine_buffers_from_mmap():
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         pytest.skip("the user's MALLOC_MMAP_THRESHOLD_ wins")
-    got = call_in_fresh_process("tests.unit.test_host_malloc", "_where_buffers_land")
+    got = call_in_fresh_process(__name__, "_where_buffers_land")
     if not got["managed"]:
         pytest.skip("not glibc")
     assert got == {"managed": True, "outside": False, "compute": True,
