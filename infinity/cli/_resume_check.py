@@ -36,8 +36,10 @@ def masters_digest(engine: Any) -> str:
     h = hashlib.sha256()
     for key in sorted(optimizer.keys()):
         h.update(key.encode())
-        # The in-memory optimizer's master is the live tensor on the engine's device (a GPU's).
-        master = optimizer.master_values(key).detach().cpu()
+        # The in-memory optimizer's master is the live tensor on the engine's device (a GPU's),
+        # in fp32 the parameter's own shard: copied first, since .numpy() makes a storage
+        # non-resizable and a released unit resizes its buffers (the reload's re-gather failed).
+        master = optimizer.master_values(key).detach().cpu().clone()
         h.update(master.contiguous().view(-1).numpy().tobytes())
     return h.hexdigest()
 

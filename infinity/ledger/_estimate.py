@@ -347,7 +347,7 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
                           optimizer_host_resident_bytes: int = 0,
                           grads_on_nvme: bool = False, trainable_numel: int | None = None,
                           unit_trainable_numel: int | None = None,
-                          shard_size: int | None = None,
+                          shard_size: int | None = None, device_holds_params: bool = False,
                           hpz_partition_size: int = 1,
                           quantized_gradients: bool = False) -> Ledger:
     """The per-rank ledger of ``numel`` parameters at ZeRO ``stage`` over ``world_size`` ranks.
@@ -371,6 +371,12 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     the engine's offload budgets choose when the host cannot hold them (``OffloadBudgets``): the
     gradient term moves from the HOST to the NVMe row, and the host holds slices of it as
     staging.
+
+    ``device_holds_params`` (parameters offloaded): the engine's device budget holds every
+    parameter shard (``OffloadBudgets.device_holds_params``), so after its first read a shard
+    stays on the device and the optimizer writes it there: nothing is staged through the host
+    (no ``param_staging`` row), as the engine's budgets plan it ([Note: optimizer read-ahead] in
+    infinity/tiers/_offload_budgets.py).
 
     ``optimizer_host_resident_bytes``: optimizer state the engine homes on HOST out of an NVMe
     home when the host budget has room beyond its pipeline (``OffloadBudgets`` of
@@ -439,7 +445,7 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
                 ceil_bytes(unit_numel * trainable / max(1, numel))
         _add_unit_buffers(buffers, stage=stage, world_size=n, terms=terms,
                           unit_numel=unit_numel, unit_trainable_numel=unit_trainable_numel,
-                          prefetch_units=prefetch_units,
+                          prefetch_units=prefetch_units, host_staging=not device_holds_params,
                           param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE,
                           grad_staging_bytes=terms.optimizer_grad_bytes
                           if stages_in_accumulator_dtype(
@@ -470,12 +476,13 @@ def _check_hpz(partition_size: Any, stage: int, world_size: int, param_home: Tie
 def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_size: int,
                       terms: StateTerms, unit_numel: int, unit_trainable_numel: int,
                       prefetch_units: int, param_home: Tier, grads_leave: bool,
-                      grad_staging_bytes: float) -> None:
+                      grad_staging_bytes: float, host_staging: bool = True) -> None:
     """Working buffers that scale with the largest unit (one current + the prefetched ones).
 
     ``grads_leave``: each unit's full gradient is reduced into a smaller or off-device accumulator
     (stages 2-3, or an offloaded optimizer), so it exists beside the accumulator until then, in
-    ``grad_staging_bytes`` per element."""
+    ``grad_staging_bytes`` per element. ``host_staging``: offloaded shards pass through the host
+    on their way up (False: the device keeps every one once read)."""
     device = buffers.setdefault(Tier.DEVICE, {})
     if stage == 3:
         device["gathered_units"] = ceil_bytes((1 + prefetch_units) * unit_numel * terms.param_bytes)
@@ -491,8 +498,9 @@ def _add_unit_buffers(buffers: dict[Tier, dict[str, int]], *, stage: int, world_
         # Shards on their way up: the device copies the gathers read from (the store's DEVICE
         # copies, bounded by its device budget) and the host copies of shards read from NVMe.
         device["param_shards"] = ceil_bytes((1 + prefetch_units) * unit_shard * terms.param_bytes)
-        buffers.setdefault(Tier.HOST, {})["param_staging"] = ceil_bytes(
-            (1 + prefetch_units) * unit_shard * terms.param_bytes)
+        if host_staging:
+            buffers.setdefault(Tier.HOST, {})["param_staging"] = ceil_bytes(
+                (1 + prefetch_units) * unit_shard * terms.param_bytes)
     if not device:
         buffers.pop(Tier.DEVICE)
 
@@ -503,9 +511,11 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
                          optimizer_host_resident_bytes: int = 0,
                          grads_on_nvme: bool = False, trainable_numel: int | None = None,
                          unit_trainable_numel: int | None = None,
-                         sub_group_numel: int | None = None) -> Ledger:
+                         sub_group_numel: int | None = None,
+                         device_holds_params: bool = False) -> Ledger:
     """The ledger of an engine config (stage, offload tiers, dtypes, sub-group size);
-    ``optimizer_host_resident_bytes`` and ``grads_on_nvme`` as in :func:`estimate_model_states`
+    ``optimizer_host_resident_bytes``, ``grads_on_nvme`` and ``device_holds_params`` as in
+    :func:`estimate_model_states`
     (the engine's plan), ``trainable_numel`` and ``unit_trainable_numel`` too (frozen
     parameters: [Note: frozen parameters]). ``sub_group_numel``: the size the engine resolved
     (``engine.stats()["sub_group_numel"]``, the plan again: an 'auto' size is halved where the
@@ -526,6 +536,7 @@ def estimate_from_config(config: InfinityConfig, numel: int, world_size: int, *,
         offload_optimizer=config.offload_optimizer.device, gpus_per_node=gpus_per_node,
         sub_group_numel=sub_group, unit_numel=unit_numel, prefetch_units=prefetch_units,
         optimizer_host_resident_bytes=optimizer_host_resident_bytes, grads_on_nvme=grads_on_nvme,
+        device_holds_params=device_holds_params,
         trainable_numel=trainable_numel, unit_trainable_numel=unit_trainable_numel,
         shard_size=shard_size, hpz_partition_size=z.hpz_partition_size,
         quantized_gradients=z.quantized_gradients)

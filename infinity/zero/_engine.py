@@ -726,6 +726,9 @@ class InfinityEngine:
             # [Note: host-resident sub-groups]: optimizer state homed on HOST out of an NVMe home.
             "optimizer_host_resident_bytes": self.shard_optimizer.host_resident_bytes,
             "grads_on_nvme": grads_on_nvme,
+            # The device budget holds every parameter shard: none is staged through the host
+            # after its first read (the ledger of the engine's plan leaves that row out).
+            "device_holds_params": self.offload is not None and self.offload.device_holds_params,
             # The optimizer's sub-group size as resolved ('auto' halves it for small host
             # budgets): the ledger of the engine's plan stages this many (None: nothing offloaded).
             "sub_group_numel": (self.offload.sub_group_numel if self.offload is not None

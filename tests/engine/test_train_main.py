@@ -17,16 +17,23 @@ import sys
 import pytest
 
 
-def test_main_job_trains_from_nvme_within_its_host_budget(tmp_path):
+@pytest.mark.parametrize("dtype", ["auto", "fp32"])
+def test_main_job_trains_from_nvme_within_its_host_budget(tmp_path, dtype):
+    """As the README runs it (``--dtype auto``: bf16 where the device computes it), and in fp32,
+    where the device holds every parameter shard and the ledger's host row has no staging for
+    them ([Note: bf16 where the device computes it] in infinity/_compute_dtype.py)."""
     swap = tmp_path / "swap"
     out = subprocess.run([sys.executable, "-m", "infinity", "train", "--steps", "3", "--json",
-                          "--dir", str(swap)], capture_output=True, text=True, timeout=300,
+                          "--dtype", dtype, "--dir", str(swap)], capture_output=True, text=True,
+                         timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout[out.stdout.index("{"):])
     tiers = summary["tiers"]
     host_budget = tiers["HOST"]["budget_bytes"]
     assert summary["offload"] == "nvme" and summary["steps"] == 3
+    assert summary["dtype_reason"].startswith(summary["dtype"] if dtype == "auto"
+                                              else f"--dtype {dtype}")  # auto says why
     assert summary["full_training_state_bytes"] > 2 * host_budget  # it cannot fit: NVMe it is
     assert 0 < tiers["HOST"]["measured_peak_bytes"] <= host_budget
     # The ledger of the engine's plan stages the sub-groups the engine resolved (3: read ahead,
@@ -107,7 +114,9 @@ def test_main_job_at_a_long_sequence_checkpoints_and_offloads_its_activations(tm
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout[out.stdout.index("{"):])
     acts = summary["activations"]
-    stored = 8 * 2 * 512 * 2 * 512  # 8 blocks x 2sbh (bf16), s = 512, b = 2, h = 512
+    # 8 blocks x s*b*h elements (2sbh bytes in bf16), s = 512, b = 2, h = 512, in the dtype
+    # --dtype auto chose ([Note: bf16 where the device computes it] in infinity/_compute_dtype.py)
+    stored = 8 * 512 * 2 * 512 * {"bf16": 2, "fp32": 4}[summary["dtype"]]
     assert acts["offload"] == "auto" and acts["ledger"]["stored_bytes"] == stored
     assert acts["measured"]["saved_bytes_per_micro_batch"] == stored
     nvme = acts["measured"]["nvme_saved_bytes_per_step"]
