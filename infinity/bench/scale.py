@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per size")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="as infinity train's --dtype (auto: bf16 where the device computes "
+                        "it, else fp32)")
     parser.add_argument("--host-budget", default="4GiB",
                         help="the fixed host budget of every row: 'auto' or a size (default 4GiB)")
     parser.add_argument("--dir", default="./infinity-data/scale", help="swap directory")
@@ -137,8 +139,11 @@ def run(args: argparse.Namespace) -> int:
     rows = [_row(numel, s, ram) for numel, s in zip(sizes, summaries)]
     if args.lora_record:
         rows.append(lora_row(_lora_record_path(args.lora_record, args.results_dir), ram))
+    # --dtype auto: what the rows trained in ([Note: bf16 where the device computes it] in
+    # infinity/_compute_dtype.py)
+    dtype = "/".join(sorted({str(s["dtype"]) for s in summaries if "dtype" in s})) or args.dtype
     report = Report(name="scale", title=f"model size at a fixed host budget ({args.host_budget}); "
-                    f"batch {args.batch_size} x {args.seq_len}, {args.dtype}, parameters and optimizer on NVMe",
+                    f"batch {args.batch_size} x {args.seq_len}, {dtype}, parameters and optimizer on NVMe",
                     rows=rows, params=vars(args) | {"ram_bytes": ram},
                     notes=["x roofline: median step / max(compute, disk), disk the least time "
                            "of the step's reads and writes one after the other or both at once "

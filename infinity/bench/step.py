@@ -80,7 +80,6 @@ USER_MODE = "user-config"
 NATIVE_MODE = "stage3"
 """The tuned native config ``x_native`` divides ``user-config`` by: units = the model's blocks."""
 DEFAULT_BATCH_SIZE = 4
-DEFAULT_DTYPE = "bf16"
 DEFAULT_DS_PYTHON = "/root/dsvenv/bin/python"
 # `infinity bench all --quick`: the tiny preset, plain PyTorch against ours, a few steps.
 QUICK_ARGS = ("--model", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1",
@@ -103,7 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "compute all but vanishes, as on a GPU, so the step is the engine's I/O "
                         "pipeline; reported against the disk's roofline (x_disk)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                        help=f"default {DEFAULT_DTYPE}, or the --ds-config file's precision")
+                        help="default: the --ds-config file's precision, else bf16 where the "
+                        "device computes it at most 2x slower than fp32, else fp32 (as "
+                        "infinity train --dtype auto)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--modes", default=None,
@@ -190,8 +191,13 @@ def apply_gpu_proxy(args: argparse.Namespace) -> None:
 
 def _default_shape(args: argparse.Namespace) -> None:
     """Without ``--ds-config``: dtype and micro-batch size from the flags or their defaults, one
-    micro-batch a step."""
-    args.dtype = args.dtype or DEFAULT_DTYPE
+    micro-batch a step. The default dtype is bf16 where the device computes it ([Note: bf16
+    where the device computes it] in infinity/_compute_dtype.py): on an AVX2-only CPU every
+    mode's step would be its bf16 matrix products."""
+    if args.dtype is None:
+        from infinity._compute_dtype import auto_compute_dtype  # torch: only when run
+        from infinity.zero import resolve_device
+        args.dtype = auto_compute_dtype(resolve_device("auto").type)[0]
     args.batch_size = args.batch_size or DEFAULT_BATCH_SIZE
     args.gradient_accumulation_steps = 1
 

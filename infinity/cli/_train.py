@@ -42,8 +42,8 @@ from infinity.ledger import ModelShape, Tier, activation_bytes, estimate_from_co
 from infinity.models.data import VOCAB_SIZE, text_batch, text_corpus
 from infinity.models.gpt import GPT, PRESETS, GPTConfig, gpt_for_params, synthetic_batch
 from infinity.tiers import AUTO_HOST_RAM_FRACTION
-from infinity.zero import BuildProgress, init, initialize, least_host_budget_bytes
-from infinity.zero._device import resolve_device
+from infinity.zero import (BuildProgress, init, initialize, least_host_budget_bytes,
+                           resolve_device)
 
 logger = logging.getLogger(__name__)
 

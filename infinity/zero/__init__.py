@@ -9,6 +9,7 @@ builds a model larger than memory (recorded on meta, materialised unit by unit).
 
 from infinity.zero._activations import apply_activation_checkpointing
 from infinity.zero._collectives import CollectiveError, Collectives, barrier, init_distributed
+from infinity.zero._device import resolve_device
 from infinity.zero._engine import InfinityEngine, initialize
 from infinity.zero._flat_group import Unit, UnitState, UnitUse
 from infinity.zero._lazy import LazyInitError, extend_recording, init
@@ -22,4 +23,5 @@ __all__ = ["BuildProgress", "CollectiveError", "Collectives", "InfinityEngine", 
            "MeshRanks", "ParameterManager", "Unit", "UnitState", "UnitUse",
            "apply_activation_checkpointing", "engine_of",
            "extend_recording", "host_needs_of", "init",
-           "init_distributed", "initialize", "least_host_budget_bytes", "mesh_ranks"]
+           "init_distributed", "initialize", "least_host_budget_bytes", "mesh_ranks",
+           "resolve_device"]

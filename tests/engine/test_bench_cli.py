@@ -269,8 +269,10 @@ def test_step_params_modes_ratio_and_same_training(tmp_path, capsys):
     assert nvme["x_params_in_memory"] == pytest.approx(nvme["step_s"] / ref["step_s"], rel=1e-12)
     assert nvme["compute_s"] == pytest.approx(raw["stage3-mem-params"]["fwd_bwd_s"], rel=1e-12)
     timed = raw["stage3-nvme-params"]["prefetch_timed"]
-    # every parameter shard lives in a swap file: bf16 bytes of the offloaded (non-persistent) units
-    assert 0 < timed["param_nvme_bytes"] <= 2 * raw["stage3-nvme-params"]["num_params"]
+    # every parameter shard lives in a swap file: the bytes of the offloaded (non-persistent)
+    # units in the compute dtype (the default: bf16 where the device computes it, else fp32)
+    item = {"bf16": 2, "fp32": 4}[record["params"]["dtype"]]
+    assert 0 < timed["param_nvme_bytes"] <= item * raw["stage3-nvme-params"]["num_params"]
     assert nvme["param_read_s"] == pytest.approx(timed["param_nvme_bytes"] / timed["read_bytes_per_s"])
     assert nvme["read_lt_compute"] == (nvme["param_read_s"] < nvme["compute_s"])
     assert not (tmp_path / "step").exists() or not any((tmp_path / "step").iterdir())
@@ -533,8 +535,8 @@ def test_step_over_a_modeled_link_bounds_the_step_with_what_cannot_hide(tmp_path
 
 def test_step_with_activations_on_nvme_counts_their_bytes_and_trains_like_plain(tmp_path, capsys):
     """``--activations nvme``: plain checkpoints the same blocks (torch.utils.checkpoint) and the
-    NVMe mode puts their inputs on NVMe (the small preset: 4 blocks, inputs of 2 x 128 x 256 bf16,
-    128 KiB each): its rows carry the activations' NVMe bytes, inside the step's, and its loss is
+    NVMe mode puts their inputs on NVMe (the small preset: 4 blocks, inputs of 2 x 128 x 256 in
+    the compute dtype, 128 KiB each in bf16): its rows carry the activations' NVMe bytes, inside the step's, and its loss is
     plain's; the least traffic counts them once each way."""
     argv = step_argv(tmp_path, "--json", "--no-save", "--activations", "nvme")
     argv[argv.index("--modes") + 1] = "plain,stage3-nvme"
@@ -544,7 +546,8 @@ def test_step_with_activations_on_nvme_counts_their_bytes_and_trains_like_plain(
     record = parse_single_json(capsys.readouterr()[0])
     rows = {r["mode"]: r for r in record["rows"]}
     raw = {r["mode"]: r for r in record["raw"]}
-    nvme, inputs = rows["stage3-nvme"], 4 * 2 * 128 * 256 * 2
+    item = {"bf16": 2, "fp32": 4}[record["params"]["dtype"]]  # the default dtype's bytes
+    nvme, inputs = rows["stage3-nvme"], 4 * 2 * 128 * 256 * item
     saved = raw["stage3-nvme"]["stats"]["activations"]
     assert saved["NVME"]["saved"] == 2 * inputs  # two steps, every block's input
     assert 0 < nvme["act_nvme_write_mib_per_step"] * 2**20 <= inputs

@@ -8,7 +8,7 @@ cli ──> bench ──> integrations ──> zero ──┬──> optim ─�
  │        └──> models (plain PyTorch, imports nothing of infinity)
  └──> (every package below)
 floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit, _modeled_link,
-_dtypes
+_dtypes, _compute_dtype
 (nothing above them)
 deepspeed ──> zero (the DeepSpeed drop-in); the design card's modules, each the face of one
 package: swapper ──> io, cpu_adam ──> optim, stage3 ──> zero
@@ -37,7 +37,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[2] / "infinity"
 
 FLOOR = frozenset({"errors", "_common", "_tier", "_transitions", "_async_copy", "_timing",
-                   "_process_exit", "_modeled_link", "_dtypes"})
+                   "_process_exit", "_modeled_link", "_dtypes", "_compute_dtype"})
 """Top-level modules every package may import."""
 
 ALLOWED: dict[str, set[str]] = {

@@ -14,9 +14,11 @@ from infinity.models.gpt import PRESETS
 
 
 def _args(**kw) -> argparse.Namespace:
+    """The flags' defaults, ``--dtype`` resolved to bf16 as run() resolves 'auto' first (the
+    16-bit terms below)."""
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
-    args = parser.parse_args([])
+    args = parser.parse_args(["--dtype", "bf16"])
     for k, v in kw.items():
         setattr(args, k, v)
     args.gpt_config = PRESETS[args.model]
