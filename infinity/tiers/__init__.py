@@ -35,6 +35,7 @@ Public API of the store (everything else is private)::
     store.state(key, tier) -> Residency; store.is_dirty(key) -> Tier | None; store.home(key) -> Tier;
     store.keys()
     store.set_next_use(key, distance); store.stats() -> dict; store.reset_peaks()
+    store.budget_bytes(tier); store.used_bytes(tier); store.moved_bytes(src, dst)  # cheap queries
     store.arena  # the HostArena (extents(), holes(), alignment_bytes, extent_bytes(n))
 
 Rules the store keeps:

@@ -874,6 +874,21 @@ class TieredStore:
         with self._lock:
             return self.budgets.reclaimable(tier)
 
+    def budget_bytes(self, tier: Tier) -> int:
+        """The bytes ``tier`` (DEVICE or HOST) may hold: its budget in the store's config."""
+        return int(self.config.device_budget_bytes if tier is Tier.DEVICE
+                   else self.config.host_budget_bytes)
+
+    def used_bytes(self, tier: Tier) -> int:
+        """The bytes charged to ``tier`` (DEVICE or HOST) now: one counter, no walk over the
+        shards (which :meth:`stats` makes), for planners that ask on every decision."""
+        with self._lock:
+            return int(self.budgets.used[tier])
+
+    def moved_bytes(self, src: Tier, dst: Tier) -> int:
+        """Bytes moved from ``src`` to ``dst`` so far (``stats()``'s ``bytes_<src>_to_<dst>``)."""
+        return int(self.counters.moved[(src.label, dst.label)])
+
     def stats(self) -> dict[str, float]:
         """Counters; keys in :data:`infinity.tiers.STATS_KEYS`, documented in the package docstring."""
         out = self.counters.snapshot()

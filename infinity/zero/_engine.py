@@ -29,7 +29,7 @@ ranks, Adam(W) on the fp32 master shards, write the new low-precision parameters
 
 Composition: the config is resolved once here, and each part gets the typed values it uses:
 :class:`~infinity.zero._param_manager.ParameterManager` (units, hooks, gradient shards; a
-:class:`~infinity.zero._param_manager.ManagerConfig`) and a shard optimizer from
+:class:`~infinity.zero._manager_config.ManagerConfig`) and a shard optimizer from
 :mod:`infinity.optim`: in memory on the compute device, or, with ``offload_optimizer``, over the
 tiered store (HOST or NVME home, pipelined by sub-group). With ``offload_param`` (stage 3) the
 manager keeps each unit's parameter shard in the same store. Budgets are resolved and checked by
@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tempfile
 import weakref
 from typing import Any, Callable, Mapping
 
@@ -54,160 +53,38 @@ from infinity._dtypes import torch_dtype
 from infinity._modeled_link import DuplexLink, LinkModel, ModeledLink
 from infinity._timing import timer_for
 from infinity.checkpoint import check_save_name, load_checkpoint, load_weights, save_checkpoint
-from infinity.config import AUTO, InfinityConfig, MeshConfig, load_config
+from infinity.config import InfinityConfig, load_config
 from infinity.io import activations_in_heap, manage_mmap_threshold
-from infinity.ledger import host_grad_dtype, stages_in_accumulator_dtype
 from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer,
-                            StoredGrad, check_hyperparameters, json_safe_group,
-                            rebind_param_groups, resolve_param_groups)
+                            check_hyperparameters, json_safe_group, rebind_param_groups,
+                            resolve_param_groups)
 from infinity.optim.schedulers import build_scheduler
-from infinity.tiers import OffloadBudgets, Tier
+from infinity.tiers import Tier
 from infinity.zero._activations import (HostActivations, apply_activation_checkpointing,
                                         select_modules)
-from infinity.zero._collectives import (Collectives, Phase, init_from_env_if_launched,
-                                        is_distributed)
+from infinity.zero._collectives import Phase, init_from_env_if_launched, is_distributed
 from infinity.zero._device import resolve_device
-from infinity.zero._flat_group import FlatGroup
-from infinity.zero._grad_norm import sum_of_squares
+from infinity.zero._grad_norm import global_norm_sq
 from infinity.zero._inputs import move_to_device
 from infinity.zero._lazy import materialise_placeholders, recording_of
 from infinity.zero._loss_scale import LossScaler
 from infinity.zero._managed import check_not_wrapped, register_engine
-from infinity.zero._manager_config import ManagerConfig
-from infinity.zero._mesh import mesh_collectives
+from infinity.zero._engine_setup import (MasterStream, check_copy_link, check_writable_dirs,
+                                         close_offload, manager_config, move_buffers,
+                                         parallelism)
+from infinity.zero._engine_stats import engine_stats
 from infinity.zero._offload import (activation_nvme_path, activations_need_store,
                                     build_activation_store, build_store, check_nvme_space_for,
-                                    param_reads_of, resolve_offload)
+                                    resolve_offload)
 from infinity.zero._param_manager import ParameterManager
-from infinity.zero._quantize import quant_settings
 from infinity.zero._step_plan import StepPlan
 from infinity.zero._stored_activations import StoredActivations, cuda_activation_room
-from infinity.zero._tensor_parallel import (check_data_parallel_group, resolve_parallelism,
-                                            tensor_rank_dir)
+from infinity.zero._tensor_parallel import tensor_rank_dir
 from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_builder import BuildProgress
 from infinity.zero._unit_choice import units_of
 
 logger = logging.getLogger(__name__)
-
-"""torch dtype of each ``precision.dtype`` name."""
-
-
-def _check_writable_dirs(config: InfinityConfig) -> None:
-    """Every NVMe swap directory exists (or can be made) and takes a file: before any state."""
-    dirs = [(s.nvme_path, f"{s.name}.nvme_path") for s in (config.offload_param,
-                                                             config.offload_optimizer)
-            if s.device == "nvme"]
-    acts = config.activation_checkpointing
-    if acts.nvme_path is not None and acts.offload_tier in ("nvme", "auto"):
-        dirs.append((acts.nvme_path, "activation_checkpointing.nvme_path"))
-    for path, field in dirs:
-        try:
-            os.makedirs(path, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path, prefix=".infinity-probe-"):
-                pass
-        except OSError as e:
-            raise ValueError(f"{field}: {path!r} is not a writable directory ({e.strerror or e}); "
-                             f"point it at a directory on a local disk this process can write"
-                             ) from None
-
-
-def _parallelism(model: nn.Module, config: InfinityConfig, mesh: Any,
-                 data_parallel_group: Any) -> tuple[Any, Collectives]:
-    """(the model's tensor parallelism or None, the engine's collectives).
-
-    A mesh (``mesh=`` or a config ``mesh`` section) and ``data_parallel_group`` are two ways to
-    say the same thing: one of them. Without either, a tensor-parallel model is sharded over
-    the other dimension of its tensor mesh's parent and any other model over the world
-    ([Note: collectives over a mesh], [Note: tensor-parallel parameters])."""
-    explicit_mesh = mesh is not None or config.mesh != MeshConfig()
-    if explicit_mesh and data_parallel_group is not None:
-        raise ValueError("initialize: both a mesh (mesh=... or the config's 'mesh' section) and "
-                         "data_parallel_group were given; pass one of them")
-    tensor_parallel, group = resolve_parallelism(model, data_parallel_group)
-    if tensor_parallel is None and group is None or explicit_mesh:
-        collectives = mesh_collectives(config.mesh, mesh)
-        if tensor_parallel is not None:  # the mesh's data ranks must share this tensor slice
-            check_data_parallel_group(collectives.world.group, tensor_parallel)
-        return tensor_parallel, collectives
-    return tensor_parallel, Collectives(group)
-
-
-def _check_copy_link(config: InfinityConfig, store: Any, device: torch.device) -> None:
-    """A modeled host<->device link ([Note: the modeled link] in infinity/_modeled_link.py) is
-    under the store's copies between HOST and DEVICE: there must be such copies."""
-    if store is None or config.offload_param.device == "none":
-        raise ValueError("initialize(copy_link=...): a modeled host<->device link needs "
-                         "parameters offloaded (offload_param.device 'cpu' or 'nvme'): without "
-                         "them nothing is copied between host and device")
-    if device.type == "cpu" and config.memory.device_budget_bytes == AUTO:
-        raise ValueError("initialize(copy_link=...): on a CPU engine set "
-                         "memory.device_budget_bytes (the modeled device's memory): with 'auto' "
-                         "gathers read the HOST copies and nothing crosses the link "
-                         "([Note: a CPU engine reads parameter shards from HOST] in "
-                         "infinity/zero/_manager_config.py)")
-
-
-def _manager_config(config: InfinityConfig, device: torch.device, world_size: int,
-                    offload: OffloadBudgets | None, *, shard_world_size: int) -> ManagerConfig:
-    """The parameter manager's settings, resolved from ``config`` once; ``world_size``: the
-    data-parallel ranks gradients are summed over, ``shard_world_size``: the shard degree."""
-    zero, precision = config.zero, config.precision
-    compute = torch_dtype(precision.dtype)
-
-    def number(value: Any) -> int | None:  # a knob that may be 'auto': the number, or None
-        return None if value == AUTO else int(value)
-
-    reuse = number(zero.max_reuse_distance_numel)
-    holds = offload is not None and offload.device_holds_params
-    host_grads = torch_dtype(host_grad_dtype(config, world_size))
-    optimizer_offloaded = config.offload_optimizer.home_tier is not Tier.DEVICE
-    return ManagerConfig(
-        stage=zero.stage, device=device, compute_dtype=compute,
-        param_home=config.offload_param.home_tier,
-        optimizer_offloaded=optimizer_offloaded,
-        reads=param_reads_of(config, device, shard_world_size=shard_world_size,
-                             device_holds_params=holds),
-        device_holds_params=holds,
-        prefetch=offload is not None and offload.overlap,
-        prefetch_lookahead_bytes=number(zero.prefetch_lookahead_bytes),
-        max_live_bytes=number(zero.max_live_bytes),
-        max_reuse_distance_bytes=None if reuse is None else reuse * compute.itemsize,
-        reduce_dtype=compute if precision.reduce_dtype == "compute" else torch.float32,
-        grad_host_dtype=host_grads,
-        grad_staging_dtype=host_grads if stages_in_accumulator_dtype(
-            optimizer_offloaded=optimizer_offloaded,
-            quantized_gradients=zero.quantized_gradients) else torch.float32,
-        stored_grad_slice_numel=(offload.sub_group_numel
-                                 if offload is not None and offload.grads_on_nvme else None),
-        hpz_partition_size=zero.hpz_partition_size,
-        overlap_param_gather=zero.overlap_param_gather,
-        **quant_settings(zero, precision))
-
-
-class _MasterStream:
-    """[Note: masters stream into the optimizer]
-    With the optimizer on NVMe, each trainable group's fp32 master goes to the optimizer as soon
-    as its unit is built, which registers (and writes) its NVMe-homed sub-groups at once; the
-    master is then dropped. Built after the last unit instead, every master (4 B per trainable
-    parameter, 13 GB at 3.3B) waited in host memory until then: set-up's peak grew with the
-    model (tests/engine/test_init_host_memory.py). Two orders are kept as before. The
-    host-resident sub-groups ([Note: host-resident sub-groups] in
-    infinity/tiers/_offload_budgets.py) are long-lived HOST extents, so their keys are held back
-    (their masters stay, at most the optimizer's host room / 3) and registered after the set-up
-    copies of parameters and sub-groups are evicted ([Note: set-up copies strew the home
-    extents] in infinity/zero/_unit_builder.py). And the optimizer's key order, the step's
-    tie-break, is the order the groups were built in. A host-homed optimizer ('cpu') keeps the
-    old order: its state is host memory by design."""
-
-    def __init__(self, optimizer: OffloadedShardOptimizer):
-        self.optimizer = optimizer
-
-    def take(self, group: FlatGroup, partition: Any) -> None:
-        self.optimizer.add(group.key, group.master, partition, param_key=group.store_key)
-
-    def drop_setup_copies(self) -> None:
-        self.optimizer.drop_setup_copies()
 
 
 class InfinityEngine:
@@ -226,7 +103,7 @@ class InfinityEngine:
                     "eps": float(opt.eps), "weight_decay": float(opt.weight_decay)}
         # Before anything is built: a bad group leaves the model untouched.
         groups = resolve_param_groups(model, model_parameters, defaults)
-        _check_writable_dirs(config)
+        check_writable_dirs(config)
         check_not_wrapped(model)
         if isinstance(config.activation_checkpointing.units, tuple):
             select_modules(model, config.activation_checkpointing)  # unknown class names: fail early
@@ -237,7 +114,7 @@ class InfinityEngine:
         init_from_env_if_launched(self.device)  # binds the device first, then the group
         # [Note: collectives over a mesh] in infinity/zero/_collectives.py and [Note:
         # tensor-parallel parameters] in infinity/zero/_tensor_parallel.py
-        self.tensor_parallel, self.collectives = _parallelism(model, config, mesh,
+        self.tensor_parallel, self.collectives = parallelism(model, config, mesh,
                                                               data_parallel_group)
         if comm_link is not None:  # [Note: the modeled link] in infinity/_modeled_link.py
             self.collectives.attach_link(ModeledLink(comm_link))
@@ -273,9 +150,9 @@ class InfinityEngine:
             # Set-up's writes go through a small window at the arena's bottom: not on huge pages
             # ([Note: huge pages where the disk moves the arena] in infinity/tiers/_arena.py).
             self.store.arena.pause_direct_io_advice()
-        self._finalizer = weakref.finalize(self, _close_offload, self.store, self._swapper)
+        self._finalizer = weakref.finalize(self, close_offload, self.store, self._swapper)
         if copy_link is not None:
-            _check_copy_link(config, self.store, self.device)
+            check_copy_link(config, self.store, self.device)
             self.store.copy_link = DuplexLink(copy_link)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None and self.offload is not None:
@@ -288,19 +165,19 @@ class InfinityEngine:
         if recording is not None:  # placeholders became real parameters: the groups follow
             now = dict(model.named_parameters())
             groups = rebind_param_groups(groups, {i: now[n] for i, n in names_before.items()})
-        _move_buffers(model, self.device, self.compute_dtype)
+        move_buffers(model, self.device, self.compute_dtype)
         nvme_optimizer = self.optimizer_home is Tier.NVME
-        # [Note: masters stream into the optimizer]
+        # [Note: masters stream into the optimizer] in infinity/zero/_engine_setup.py
         streaming = self._new_shard_optimizer() if nvme_optimizer else None
         if streaming is not None:
             streaming.hold_host_resident()
         self.manager = ParameterManager(
             model, units_of(model, config.zero),
-            _manager_config(config, self.device, data_parallel, self.offload,
+            manager_config(config, self.device, data_parallel, self.offload,
                             shard_world_size=world),
             collectives=self.collectives, store=self.store, initial_values=initial_values,
             on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
-            master_sink=None if streaming is None else _MasterStream(streaming),
+            master_sink=None if streaming is None else MasterStream(streaming),
             on_build_progress=progress,
             # [Note: the end of backward] in infinity/zero/_param_manager.py
             on_backward_begin=self._before_backward, on_backward_end=self._after_backward)
@@ -584,7 +461,11 @@ class InfinityEngine:
         self.manager.settle_params()  # a unit the last forward did not use: its gather is in flight
         grads = self.manager.grad_partitions()
         inv_scale = 1.0 / self.scaler.scale
-        norm_sq, overflow = self._global_norm_sq(grads)
+        norm_sq, overflow = global_norm_sq(
+            grads, sharded_keys=self.manager.tensor_sharded_keys(), device=self.device,
+            collectives=self.collectives if self.manager.stage > 0 else None,
+            tensor_collectives=(None if self.tensor_parallel is None
+                                else self.tensor_parallel.collectives))
         self.global_steps += 1
         if self.scaler.dynamic or self.compute_dtype == torch.float16:
             if overflow:
@@ -623,29 +504,6 @@ class InfinityEngine:
         if self.lr_scheduler is not None:  # not after a skipped step (the return above)
             self.lr_scheduler.step()
 
-    def _global_norm_sq(self, grads: Mapping[str, torch.Tensor | StoredGrad]
-                        ) -> tuple[float, bool]:
-        """Sum of squares over the optimizer partitions, summed over ranks when they are sharded
-        (stage 0 partitions are replicated: each rank already holds every gradient once). A
-        stored gradient brings its own, taken as it was accumulated ([Note: gradients on NVMe]
-        in infinity/zero/_grad_reducer.py)."""
-        # [0]: replicated over tensor ranks, [1]: sharded over them ([Note: gradient norm across
-        # tensor ranks] in infinity/zero/_tensor_parallel.py).
-        # Without tensor parallelism nothing is tensor-sharded: one value crosses the ranks.
-        total = torch.zeros(1 if self.tensor_parallel is None else 2, dtype=torch.float64,
-                            device=self.device)
-        sharded = self.manager.tensor_sharded_keys()
-        for key, g in grads.items():
-            total[int(key in sharded)] += (g.sum_sq if isinstance(g, StoredGrad)
-                                           else sum_of_squares(g))
-        if self.manager.stage > 0:
-            self.collectives.all_reduce_sum(total, context="global gradient norm", phase=Phase.NORM)
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.collectives.all_reduce_sum(
-                total[1:], context="global gradient norm over tensor ranks", phase=Phase.NORM)
-        value = float(total.sum().item())
-        return value, not math.isfinite(value)
-
     def stats(self) -> dict[str, Any]:
         """Bytes per tier (current and peak), bytes moved per tier pair, stall seconds, counters.
 
@@ -656,96 +514,8 @@ class InfinityEngine:
         [Note: gradient placement] in infinity/ledger/_estimate.py); NVME the bytes of the shards
         whose home is a swap file.
         """
-        held = self.manager.device_bytes()
-        state_device = 0 if self.shard_optimizer.offloaded else self.shard_optimizer.state_bytes()
-        store = self.store.stats() if self.store is not None else {}
-        device_now = sum(held.values()) + state_device + store.get("device_used_bytes", 0)
-        device_peak = (self.manager.peak_device_bytes + state_device
-                       + store.get("device_peak_bytes", 0))
-        nvme = 0
-        if self.optimizer_home is Tier.NVME:
-            nvme += (self.shard_optimizer.state_bytes() + self.shard_optimizer.master_bytes()
-                     - self.shard_optimizer.host_resident_bytes)  # [Note: host-resident sub-groups]
-        if self.config.offload_param.device == "nvme":
-            nvme += sum(g.shard_numel * self.compute_dtype.itemsize for u in self.manager.units
-                        for g in u.groups if g.store_key is not None)
-        grads_on_nvme = self.offload is not None and self.offload.grads_on_nvme
-        if grads_on_nvme:  # [Note: gradients on NVMe] in infinity/zero/_grad_reducer.py
-            nvme += self.manager.grad_accumulator_bytes()
-        return {
-            "world_size": self.collectives.data_parallel_size,  # R * S: what "mesh" splits
-            "mesh": {"replicate": self.collectives.replicate_size,
-                     "shard": self.collectives.world_size,
-                     "tensor": self.collectives.tensor_size},
-            "stage": self.manager.stage,
-            "bytes": {"DEVICE": {"current": device_now, "peak": max(device_now, device_peak),
-                                 # What the peak adds up: the manager's parts at its own peak,
-                                 # the in-memory optimizer state, the store's DEVICE copies.
-                                 "peak_parts": {**self.manager.peak_device_parts,
-                                                "optimizer_state": state_device,
-                                                "store_copies": store.get("device_peak_bytes", 0)}},
-                      "HOST": {"current": store.get("host_used_bytes", 0),
-                               "peak": store.get("host_peak_bytes", 0),
-                               "budget": store.get("host_budget_bytes", 0),
-                               # [Note: activations on the host]: outside the arena, counted.
-                               **self._host_activation_bytes()},
-                      "NVME": {"current": nvme, "peak": nvme}},
-            "model_state_bytes": {**held, "optimizer_state": self.shard_optimizer.state_bytes()},
-            "bytes_moved": {"NVME->HOST": store.get("bytes_nvme_to_host", 0),
-                            "HOST->DEVICE": store.get("bytes_host_to_device", 0),
-                            "DEVICE->HOST": store.get("bytes_device_to_host", 0),
-                            "HOST->NVME": store.get("bytes_host_to_nvme", 0),
-                            "DEVICE<->DEVICE (collectives, sent)": self.collectives.bytes_moved},
-            # Per kind (Phase values: forward-gather, backward-gather, reduce-grad, ...).
-            "collective_bytes_sent": dict(self.collectives.bytes_by_phase),
-            # [Note: the modeled link]: seconds the training thread waited on collectives, and
-            # the seconds the modeled link under them was busy (None without one).
-            "comm": self.collectives.lane.stats(),
-            # The same for the host<->device copies: the seconds the training thread waited on
-            # the store (the copies', and any NVMe read's), and the copy link's busy seconds.
-            "copy": {"exposed_s": store.get("wait_s", 0.0),
-                     **({"link_busy_s": None, "link_bytes": None} if self.store is None
-                        or self.store.copy_link is None else
-                        {"link_busy_s": self.store.copy_link.busy_s,
-                         "link_bytes": self.store.copy_link.bytes,
-                         # Per direction (the link's busy seconds and bytes: the busier one's)
-                         **{k: v for k, v in self.store.copy_link.stats().items()
-                            if k.endswith(("_to_device", "_to_host"))}})},
-            "stall_s": store.get("wait_s", 0.0),
-            "prefetch": self.manager.prefetch_stats(),
-            "num_gathers": self.manager.storage.num_gathers,
-            # [Note: a gathered unit borrows its HOST copy]: group gathers without a copy.
-            "num_borrowed_gathers": self.manager.storage.num_borrowed_gathers,
-            # [Note: hpZ secondary shards] in infinity/zero/_hpz.py; None when hpZ is off.
-            "hpz": self.manager.hpz.stats() if self.manager.hpz is not None else None,
-            "optimizer_step_s": self._step_timer.total_s(),
-            # [Note: deferred optimizer step]: updates run in the next forward, and the part of
-            # both spent waiting for sub-group reads.
-            "optimizer_deferred_s": self.shard_optimizer.deferred_s,
-            "optimizer_read_wait_s": self.shard_optimizer.wait_s,
-            # [Note: host-resident sub-groups]: optimizer state homed on HOST out of an NVMe home.
-            "optimizer_host_resident_bytes": self.shard_optimizer.host_resident_bytes,
-            "grads_on_nvme": grads_on_nvme,
-            # The device budget holds every parameter shard: none is staged through the host
-            # after its first read (the ledger of the engine's plan leaves that row out).
-            "device_holds_params": self.offload is not None and self.offload.device_holds_params,
-            # The optimizer's sub-group size as resolved ('auto' halves it for small host
-            # budgets): the ledger of the engine's plan stages this many (None: nothing offloaded).
-            "sub_group_numel": (self.offload.sub_group_numel if self.offload is not None
-                                else None),
-            "global_steps": self.global_steps,
-            "skipped_steps": self.skipped_steps,
-            "loss_scale": self.scaler.scale,
-            "store": store,
-            # Which state moves to and from NVMe, so far: see where traffic exceeds the minimum.
-            "nvme_bytes_by_kind": (self.store.nvme_bytes_by_kind() if self.store is not None
-                                   else {}),
-            # [Note: saved activations are shards of the store] in
-            # infinity/zero/_stored_activations.py: bytes per home tier (current, peak, saved so
-            # far) and the NVMe bytes they moved; None when they are not in the store.
-            "activations": (self.stored_activations.stats()
-                            if self.stored_activations is not None else None),
-        }
+        return engine_stats(self, host_activation_bytes=self._host_activation_bytes(),
+                            optimizer_step_s=self._step_timer.total_s())
 
     def full_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]:
         """The model's full state dict (fp32 masters for trained parameters), keyed like
@@ -882,25 +652,6 @@ class InfinityEngine:
             self.manager.reducer.close()
             self._finalizer()
         self.store, self._swapper = None, None
-
-
-def _close_offload(store: Any, swapper: Any) -> None:
-    if store is not None:
-        store.close()
-    if swapper is not None:
-        swapper.close()
-
-
-def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Buffers stay ordinary module buffers, replicated: move them to the device and cast floating
-    ones to the compute dtype (parameters are handled by the parameter manager)."""
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            target = dtype if buf.is_floating_point() else buf.dtype
-            if buf.device != device or buf.dtype != target:
-                module._buffers[name] = buf.to(device=device, dtype=target)
 
 
 def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,

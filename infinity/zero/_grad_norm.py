@@ -1,9 +1,15 @@
-"""The squared L2 norm of a gradient partition, exact enough to clip by (the global norm is the
-sum of these over every partition and rank); the package's one gradient norm."""
+"""The squared L2 norm of a gradient partition, exact enough to clip by, and the global norm: the
+sum of these over every partition and rank; the package's one gradient norm."""
 
 from __future__ import annotations
 
+import math
+from typing import Any, Mapping
+
 import torch
+
+from infinity.optim import StoredGrad
+from infinity.zero._collectives import Phase
 
 _SUM_SQ_CHUNK_NUMEL = 2 ** 18
 """Elements per fp32 dot product in :func:`sum_of_squares` (1 MiB of fp32: stays in cache)."""
@@ -26,3 +32,26 @@ def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
         c = chunk if chunk.dtype == torch.float32 else chunk.float()
         total += float(torch.dot(c, c))
     return torch.tensor(total, dtype=torch.float64)
+
+
+def global_norm_sq(grads: Mapping[str, Any], *, sharded_keys: set[str], device: torch.device,
+                   collectives: Any | None, tensor_collectives: Any | None) -> tuple[float, bool]:
+    """(the squared global norm of ``grads``, whether it is not finite): the sum of squares over
+    the optimizer partitions, summed over ranks by ``collectives`` where they are sharded (None:
+    stage 0's partitions are replicated, each rank already holds every gradient once). A
+    :class:`~infinity.optim.StoredGrad` brings its own, taken as it was accumulated ([Note:
+    gradients on NVMe] in infinity/zero/_grad_reducer.py). With tensor parallelism
+    (``tensor_collectives``) the keys in ``sharded_keys`` are summed over the tensor ranks too,
+    the others are replicated there ([Note: gradient norm across tensor ranks] in
+    infinity/zero/_tensor_parallel.py); without it one value crosses the ranks."""
+    total = torch.zeros(1 if tensor_collectives is None else 2, dtype=torch.float64, device=device)
+    for key, g in grads.items():
+        total[int(key in sharded_keys)] += (g.sum_sq if isinstance(g, StoredGrad)
+                                            else sum_of_squares(g))
+    if collectives is not None:
+        collectives.all_reduce_sum(total, context="global gradient norm", phase=Phase.NORM)
+    if tensor_collectives is not None:
+        tensor_collectives.all_reduce_sum(total[1:], context="global gradient norm over tensor "
+                                          "ranks", phase=Phase.NORM)
+    value = float(total.sum().item())
+    return value, not math.isfinite(value)

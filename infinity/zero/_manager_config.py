@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from infinity.tiers import Tier
-from infinity.zero._quantize import QuantSpec
+from infinity.zero._quantize import QuantPolicy
 
 
 DEFAULT_LIVE_UNITS = 3
@@ -111,13 +111,8 @@ class ManagerConfig:
     stored_grad_slice_numel: int | None = None
     """The optimizer's sub-group size when the gradient accumulators are NVMe-homed slices
     ([Note: gradients on NVMe] in infinity/zero/_grad_reducer.py); None: in host memory."""
-    weight_quant: QuantSpec | None = None
-    """qwZ: how stage 3's forward and backward all-gathers quantize parameters (``zero.
-    quantized_weights``); None: exact ([Note: qwZ dequantizes every slice])."""
-    weight_quant_frozen_only: bool = False
-    """Apply ``weight_quant`` to frozen flat groups only (``zero.quantized_frozen_weights``)."""
-    grad_quant: QuantSpec | None = None
-    """qgZ: how the gradient reduce-scatter quantizes (``zero.quantized_gradients``); None: exact."""
+    quant: QuantPolicy = dataclasses.field(default_factory=lambda: QuantPolicy())
+    """ZeRO++'s quantized gathers (qwZ) and reductions (qgZ); the default quantizes nothing."""
     overlap_param_gather: bool = False
     """Stages 1-2: the after-step all-gather overlaps the next forward (``zero.
     overlap_param_gather``; [Note: the after-step gather overlaps the next forward] in

@@ -166,7 +166,7 @@ class ParameterManager:
                           reduce_dtype=config.reduce_dtype, host_dtype=config.grad_host_dtype,
                           staging_dtype=config.grad_staging_dtype,
                           stored_slice_numel=config.stored_grad_slice_numel,
-                          grad_quant=config.grad_quant),
+                          grad_quant=config.quant.gradients),
             collectives=collectives, host_store=store if config.optimizer_offloaded else None,
             on_ready=on_grad_ready)
         if config.optimizer_offloaded:
@@ -199,7 +199,7 @@ class ParameterManager:
         heads = (head_candidates(module, trainable,
                                  self._rows.tapped_modules if self._rows is not None else set())
                  if collectives.data_parallel_size > 1 and config.stage >= 2
-                 and config.grad_quant is None else [])
+                 and config.quant.gradients is None else [])
         self._heads: HeadTaps | None = HeadTaps(heads, self._on_head) if heads else None
         """[Note: the head's gradient reduced as it is made] in infinity/zero/_head_grad.py;
         None: no head is tapped (kept by :meth:`_order_reductions` only where its unit is
@@ -635,10 +635,9 @@ class ParameterManager:
                  if not u.always_gathered and all(g.store_key is not None for g in u.groups)]
         if not units:
             return None
-        budgets = self.store.config
         prefetch = prefetch_config(
-            host_budget_bytes=budgets.host_budget_bytes,
-            device_budget_bytes=budgets.device_budget_bytes,
+            host_budget_bytes=self.store.budget_bytes(Tier.HOST),
+            device_budget_bytes=self.store.budget_bytes(Tier.DEVICE),
             largest_shard_bytes=max(u.shard_bytes for u in units),
             largest_gathered_bytes=max(u.gathered_bytes for u in units),
             world_size=self.world_size, lookahead_bytes=config.prefetch_lookahead_bytes,

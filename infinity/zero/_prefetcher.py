@@ -345,14 +345,8 @@ class ParamPrefetcher:
         # [Note: prefetch never displaces a sooner use] in infinity/prefetch/_planner.py: the free bytes here,
         # our evictable copies in _evictable; the planner takes only those used after the fetch.
         tier = self._tier_of[level]
-        return self._tier_budget(tier) - self._tier_used(tier)
+        return self.store.budget_bytes(tier) - self.store.used_bytes(tier)
 
-    def _tier_budget(self, tier: Tier) -> int:
-        return int(self.store.config.device_budget_bytes if tier is Tier.DEVICE
-                   else self.store.config.host_budget_bytes)
-
-    def _tier_used(self, tier: Tier) -> int:
-        return int(self.store.stats()[f"{tier.label}_used_bytes"])
 
     def _evictable(self, level: Level) -> list[tuple[float, int]]:
         """Our shards' copies at ``level`` the store may evict, with the next use we gave it.

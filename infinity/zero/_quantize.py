@@ -125,21 +125,39 @@ def decode(wire: torch.Tensor, numel: int, spec: QuantSpec, out: torch.Tensor) -
                out=out)
 
 
-def quant_settings(zero, precision=None) -> dict:
-    """The parameter manager's quantization settings from ``zero`` (a ``ZeroConfig``):
-    ``weight_quant``, ``weight_quant_frozen_only`` and ``grad_quant`` (qwZ is int8 only, as in
-    ZeRO++; qgZ takes ``zero.quantized_gradient_bits``). ``precision`` (a ``PrecisionConfig``):
-    its ``reduce_dtype`` 'compute' has no effect under qgZ, which says so once."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantPolicy:
+    """ZeRO++'s quantized collectives of one engine, resolved from its config once
+    (:func:`quant_policy`)."""
+
+    weights: QuantSpec | None = None
+    """qwZ: how stage 3's forward and backward all-gathers quantize parameters (``zero.
+    quantized_weights``); None: exact ([Note: qwZ dequantizes every slice])."""
+    frozen_only: bool = False
+    """Apply ``weights`` to frozen flat groups only (``zero.quantized_frozen_weights``)."""
+    gradients: QuantSpec | None = None
+    """qgZ: how the gradient reduce-scatter quantizes (``zero.quantized_gradients``); None: exact."""
+
+    def quantizes_gather(self, requires_grad: bool) -> QuantSpec | None:
+        """The spec a stage 3 gather of a group that does (not) train uses; None: exact."""
+        if self.weights is None or (self.frozen_only and requires_grad):
+            return None
+        return self.weights
+
+
+def quant_policy(zero, precision=None) -> QuantPolicy:
+    """The quantization policy of ``zero`` (a ``ZeroConfig``): qwZ is int8 only, as in ZeRO++;
+    qgZ takes ``zero.quantized_gradient_bits``. ``precision`` (a ``PrecisionConfig``): its
+    ``reduce_dtype`` 'compute' has no effect under qgZ, which says so once."""
     block = zero.quantization_block_numel
     if zero.quantized_gradients and precision is not None and precision.reduce_dtype != "fp32":
         warn_once("quantized-gradients-reduce-dtype",
                   f"precision.reduce_dtype {precision.reduce_dtype!r} has no effect with "
                   f"zero.quantized_gradients: gradients cross ranks as "
                   f"int{zero.quantized_gradient_bits} with fp32 block scales and are summed in fp32")
-    frozen_only = zero.quantized_frozen_weights and not zero.quantized_weights
     weights = zero.quantized_weights or zero.quantized_frozen_weights
-    return dict(
-        weight_quant=QuantSpec(bits=8, block_numel=block) if weights else None,
-        weight_quant_frozen_only=frozen_only,
-        grad_quant=(QuantSpec(bits=zero.quantized_gradient_bits, block_numel=block)
-                    if zero.quantized_gradients else None))
+    return QuantPolicy(
+        weights=QuantSpec(bits=8, block_numel=block) if weights else None,
+        frozen_only=zero.quantized_frozen_weights and not zero.quantized_weights,
+        gradients=(QuantSpec(bits=zero.quantized_gradient_bits, block_numel=block)
+                   if zero.quantized_gradients else None))

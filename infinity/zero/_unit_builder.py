@@ -35,7 +35,7 @@ from infinity.zero._unit_choice import ChosenUnit, UnitChoice
 
 class MasterSink(Protocol):
     """Takes each trainable group's fp32 master as soon as its group is built
-    ([Note: masters stream into the optimizer] in infinity/zero/_engine.py)."""
+    ([Note: masters stream into the optimizer] in infinity/zero/_engine_setup.py)."""
 
     def take(self, group: FlatGroup, partition: Any) -> None:
         """Take ``group.master``; ``partition`` is what the optimizer writes the updated
@@ -113,7 +113,7 @@ class UnitBuilder:
 
         def report() -> None:  # writes complete asynchronously: the figure trails the units
             if on_progress is not None:
-                written = int(self.store.stats()["bytes_host_to_nvme"]) if self.store else 0
+                written = self.store.moved_bytes(Tier.HOST, Tier.NVME) if self.store else 0
                 on_progress(BuildProgress(units_done=len(units), num_units=len(choice.units),
                                           nvme_written_bytes=written))
 

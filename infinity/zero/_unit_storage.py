@@ -148,10 +148,9 @@ class UnitStorage:
         receives) for the gathers around compute of units gathered on demand, when configured;
         exact for the always-gathered units, after-step and state-dict gathers (they are kept
         or saved, not recomputed each step)."""
-        spec = self.config.weight_quant
+        spec = self.config.quant.quantizes_gather(g.requires_grad)
         if (spec is not None and phase in (Phase.FORWARD_GATHER, Phase.BACKWARD_GATHER)
-                and not unit.always_gathered
-                and not (self.config.weight_quant_frozen_only and g.requires_grad)):
+                and not unit.always_gathered):
             all_gather_quantized(self.coll, g.full, shard, spec=spec, context=context, phase=phase)
             return DONE
         return self.coll.all_gather_async(g.full, shard, context=context, phase=phase)

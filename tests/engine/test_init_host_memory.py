@@ -1,6 +1,6 @@
-"""[Note: masters stream into the optimizer] (infinity/zero/_engine.py): a trainable model built
-under ``infinity.init`` with parameters and optimizer on NVMe reaches its first step with a host
-peak that does not grow with the model.
+"""[Note: masters stream into the optimizer] (infinity/zero/_engine_setup.py): a trainable model
+built under ``infinity.init`` with parameters and optimizer on NVMe reaches its first step with a
+host peak that does not grow with the model.
 
 Before, every trainable group's fp32 master (4 B per parameter) waited in host memory until the
 optimizer was built after the last unit: 13 GB at 3.3B parameters. The peak (VmHWM from before

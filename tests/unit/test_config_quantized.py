@@ -9,7 +9,7 @@ import pytest
 from infinity.config import load_config
 from infinity.config._deepspeed import config_to_deepspeed
 from infinity.config._sections import ZeroConfig
-from infinity.zero._quantize import QuantSpec, quant_settings
+from infinity.zero._quantize import QuantPolicy, QuantSpec, quant_policy
 
 
 def test_defaults_are_off_with_2048_element_blocks_and_int8_gradients():
@@ -17,8 +17,7 @@ def test_defaults_are_off_with_2048_element_blocks_and_int8_gradients():
     assert (z.quantized_weights, z.quantized_frozen_weights, z.quantized_gradients) == (
         False, False, False)
     assert (z.quantization_block_numel, z.quantized_gradient_bits) == (2048, 8)
-    assert quant_settings(z) == dict(weight_quant=None, weight_quant_frozen_only=False,
-                                     grad_quant=None)
+    assert quant_policy(z) == QuantPolicy(weights=None, frozen_only=False, gradients=None)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -41,14 +40,16 @@ def test_quantized_weights_below_stage_3_warn_that_they_do_nothing():
 def test_native_settings_resolve_to_specs():
     z = ZeroConfig(quantized_weights=True, quantized_gradients=True, quantized_gradient_bits=4,
                    quantization_block_numel=512)
-    assert quant_settings(z) == dict(weight_quant=QuantSpec(bits=8, block_numel=512),
-                                     weight_quant_frozen_only=False,
-                                     grad_quant=QuantSpec(bits=4, block_numel=512))
-    frozen = quant_settings(ZeroConfig(quantized_frozen_weights=True))
-    assert frozen["weight_quant"] == QuantSpec(bits=8, block_numel=2048)
-    assert frozen["weight_quant_frozen_only"] is True
-    both = quant_settings(ZeroConfig(quantized_frozen_weights=True, quantized_weights=True))
-    assert both["weight_quant_frozen_only"] is False  # all weights include the frozen ones
+    policy = quant_policy(z)
+    assert policy == QuantPolicy(weights=QuantSpec(bits=8, block_numel=512), frozen_only=False,
+                                 gradients=QuantSpec(bits=4, block_numel=512))
+    assert policy.quantizes_gather(True) == policy.quantizes_gather(False) == policy.weights
+    frozen = quant_policy(ZeroConfig(quantized_frozen_weights=True))
+    assert frozen.weights == QuantSpec(bits=8, block_numel=2048) and frozen.frozen_only is True
+    # frozen groups' gathers quantize, trained ones' stay exact
+    assert frozen.quantizes_gather(False) == frozen.weights and frozen.quantizes_gather(True) is None
+    both = quant_policy(ZeroConfig(quantized_frozen_weights=True, quantized_weights=True))
+    assert both.frozen_only is False  # all weights include the frozen ones
 
 
 def test_native_config_loads_the_fields():
@@ -95,5 +96,5 @@ def test_reduce_dtype_compute_under_quantized_gradients_warns_that_it_does_nothi
     from infinity.config._sections import PrecisionConfig
 
     with pytest.warns(UserWarning, match="reduce_dtype 'compute' has no effect"):
-        quant_settings(ZeroConfig(quantized_gradients=True),
+        quant_policy(ZeroConfig(quantized_gradients=True),
                        PrecisionConfig(dtype="bf16", reduce_dtype="compute"))

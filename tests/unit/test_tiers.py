@@ -55,6 +55,38 @@ def test_round_trip_every_path(tmp_path, home, dtype):
             assert same_bytes(store.fetch("s", tier).wait(), update), f"after write-back {tier.name}"
 
 
+def test_the_cheap_queries_say_what_stats_says(tmp_path):
+    """budget_bytes, used_bytes and moved_bytes (for planners that ask on every decision) agree
+    with stats() as shards come and go, are read and are written."""
+    with make_store(tmp_path, device_bytes=1 << 16, host_bytes=1 << 18) as (store, _):
+        assert store.budget_bytes(Tier.DEVICE) == 1 << 16
+        assert store.budget_bytes(Tier.HOST) == 1 << 18
+
+        def agree():
+            s = store.stats()
+            for tier in (Tier.DEVICE, Tier.HOST):
+                assert store.used_bytes(tier) == s[f"{tier.label}_used_bytes"]
+                assert store.budget_bytes(tier) == s[f"{tier.label}_budget_bytes"]
+            for src, dst in ((Tier.NVME, Tier.HOST), (Tier.HOST, Tier.DEVICE),
+                             (Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.NVME)):
+                assert store.moved_bytes(src, dst) == s[f"bytes_{src.label}_to_{dst.label}"]
+        agree()
+        store.register("a", 1000, torch.float32, Tier.NVME,
+                       initial=random_values(1000, torch.float32, 1))
+        store.register("b", 500, torch.float32, Tier.HOST)
+        store.flush()
+        agree()
+        assert store.moved_bytes(Tier.HOST, Tier.NVME) >= 4000
+        store.evict("a", Tier.HOST)
+        store.acquire("a", Tier.DEVICE).wait()
+        agree()
+        assert store.used_bytes(Tier.DEVICE) >= 4000
+        assert store.moved_bytes(Tier.NVME, Tier.HOST) >= 4000
+        store.release("a", Tier.DEVICE)
+        store.unregister("b")
+        agree()
+
+
 def test_register_without_initial_is_zeros(tmp_path):
     with make_store(tmp_path) as (store, _):
         for home in Tier:
