@@ -616,7 +616,7 @@ class OffloadedShardOptimizer:
         if run is None or run.done >= upto:
             return
         self._to(StepState.ADVANCING)
-        open_key, out_ctx, out = None, None, None
+        shard = _OpenParamShard(self)
         try:
             for j in range(run.done, upto):
                 sg = run.items[j]
@@ -628,47 +628,7 @@ class OffloadedShardOptimizer:
                 run.cursor = max(run.cursor, j + 1)
                 self._top_up()
                 del self._reading[sg.store_key]
-                buf = self._wait_read(sg)
-                sg.transition(SubGroupState.UPDATING)
-                updated = False
-                grad_handle, sg.grad_read = sg.grad_read, None
-                try:
-                    if sg.key != open_key:  # one key's parameter shard is open (pinned) at a time
-                        if out_ctx is not None:
-                            self._join_copy_out()
-                            out_ctx.__exit__(None, None, None)
-                        # Every sub-group of the key is stepped while it is open: all written.
-                        open_key = sg.key
-                        # Updated end to end: written whole, a stored shard is not read first.
-                        out_ctx = open_param_out(
-                            self._outs[sg.key],
-                            overwrite=covers(run.runs[sg.key], self._numel(sg.key)))
-                        out = out_ctx.__enter__()
-                    if grad_handle is None:  # not read ahead with its sub-group
-                        grad_handle = self._acquire_grad(run, sg)
-                    if grad_handle is not None:
-                        t0 = time.perf_counter()
-                        try:
-                            g = grad_handle.wait()
-                        except TierCapacityError:  # read ahead without room: read it now
-                            if not sg.read_ahead:
-                                raise
-                            self._room_short()
-                            grad_handle = self._acquire_grad(run, sg)
-                            g = grad_handle.wait()
-                        self.wait_s += time.perf_counter() - t0
-                    else:
-                        grad = run.grads.get(sg.key)
-                        g = None if grad is None else grad[sg.lo:sg.hi]
-                    self._update(buf, g, out, sg.lo, sg.hi, run)
-                    self.store.mark_dirty(sg.store_key, Tier.HOST)
-                    updated = True
-                finally:
-                    self.store.release(sg.store_key, Tier.HOST)
-                    self.store.set_next_use(sg.store_key, None)  # stepped: no longer needed soon
-                    if not (updated and sg.home is Tier.NVME):
-                        sg.transition(SubGroupState.AT_REST)
-                    self._done_with_grad(grad_handle, consumed=updated)
+                self._update_sub_group(run, sg, self._wait_read(sg), shard)
                 run.done = j + 1
                 if sg.home is Tier.NVME:  # its write overlaps the next update
                     sg.writeback = self.store.write_back(sg.store_key)
@@ -679,10 +639,7 @@ class OffloadedShardOptimizer:
             # old state; drain() raises nothing more. The window's pins go in any case, and the
             # write-backs issued finish on their own.
             try:
-                if out_ctx is not None:
-                    self._join_copy_out()
-                    out_ctx.__exit__(*sys.exc_info())
-                    out_ctx = None
+                shard.close(sys.exc_info())
             finally:
                 self._drop_reads()
                 for sg in run.items:
@@ -694,9 +651,7 @@ class OffloadedShardOptimizer:
             raise
         finally:
             try:
-                if out_ctx is not None:  # the last key's shard: marked dirty, maybe written back
-                    self._join_copy_out()
-                    out_ctx.__exit__(None, None, None)
+                shard.close()  # the last key's shard: marked dirty, maybe written back
             finally:
                 if self.state is StepState.ADVANCING:  # the updates ran; the step goes on
                     self._to(StepState.PENDING)
@@ -707,6 +662,44 @@ class OffloadedShardOptimizer:
             pending = set(run.pending_keys)
             run.pending_params = {sk: k for sk, k in run.pending_params.items() if k in pending}
             self._top_up()
+
+    def _update_sub_group(self, run: StepRun, sg: SubGroup, buf: torch.Tensor,
+                          shard: "_OpenParamShard") -> None:
+        """Step one sub-group whose state is read (``buf``): its gradient (a stored slice, read
+        now if it was not read ahead, or a slice of the run's), Adam, the new parameters into
+        its key's open shard; its HOST copy is marked dirty and unpinned either way."""
+        sg.transition(SubGroupState.UPDATING)
+        updated = False
+        grad_handle, sg.grad_read = sg.grad_read, None
+        try:
+            # Every sub-group of a key is stepped while its shard is open: written end to end, a
+            # stored shard is not read first.
+            out = shard.open(sg.key, overwrite=covers(run.runs[sg.key], self._numel(sg.key)))
+            if grad_handle is None:  # not read ahead with its sub-group
+                grad_handle = self._acquire_grad(run, sg)
+            if grad_handle is not None:
+                t0 = time.perf_counter()
+                try:
+                    g = grad_handle.wait()
+                except TierCapacityError:  # read ahead without room: read it now
+                    if not sg.read_ahead:
+                        raise
+                    self._room_short()
+                    grad_handle = self._acquire_grad(run, sg)
+                    g = grad_handle.wait()
+                self.wait_s += time.perf_counter() - t0
+            else:
+                grad = run.grads.get(sg.key)
+                g = None if grad is None else grad[sg.lo:sg.hi]
+            self._update(buf, g, out, sg.lo, sg.hi, run)
+            self.store.mark_dirty(sg.store_key, Tier.HOST)
+            updated = True
+        finally:
+            self.store.release(sg.store_key, Tier.HOST)
+            self.store.set_next_use(sg.store_key, None)  # stepped: no longer needed soon
+            if not (updated and sg.home is Tier.NVME):
+                sg.transition(SubGroupState.AT_REST)
+            self._done_with_grad(grad_handle, consumed=updated)
 
     def _done_with_grad(self, handle: TierHandle | None, *, consumed: bool) -> None:
         """Unpin a stored gradient slice; once its update ran, drop its HOST copy too (it is
@@ -770,6 +763,41 @@ class OffloadedShardOptimizer:
         if self._ring is None:
             self._ring = pinned_staging_ring(device)
         return self._ring
+
+
+class _OpenParamShard:
+    """The one key whose parameter shard is open (pinned) while its sub-groups are stepped, in
+    :meth:`OffloadedShardOptimizer._advance`: opening another key closes it first (its copies
+    out joined, then the shard closed: marked dirty, maybe written back)."""
+
+    def __init__(self, optimizer: OffloadedShardOptimizer):
+        self._optimizer = optimizer
+        self._key: str | None = None
+        self._ctx: ContextManager[Any] | None = None
+        self._out: Any = None
+
+    def open(self, key: str, *, overwrite: bool) -> Any:
+        """What ``key``'s new parameters are written into, opened unless it is open already."""
+        if key != self._key:
+            self.close()
+            ctx = open_param_out(self._optimizer._outs[key], overwrite=overwrite)
+            self._out = ctx.__enter__()
+            self._key, self._ctx = key, ctx
+        return self._out
+
+    def close(self, exc_info: tuple = (None, None, None)) -> None:
+        """Close the open shard (``exc_info``: the error that ends the step, which leaves it
+        unmarked); a no-op when none is open. Closed once: a copy out that fails closes it as
+        failed too."""
+        if self._ctx is None:
+            return
+        ctx, self._ctx, self._key, self._out = self._ctx, None, None, None
+        try:
+            self._optimizer._join_copy_out()
+        except BaseException:
+            ctx.__exit__(*sys.exc_info())
+            raise
+        ctx.__exit__(*exc_info)
 
 
 def _fill_sub_group(master: torch.Tensor, out: torch.Tensor) -> None:

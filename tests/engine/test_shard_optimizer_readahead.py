@@ -247,3 +247,56 @@ def test_reads_ahead_that_find_no_room_are_read_again_where_needed(tmp_path, slo
     finally:
         store.close()
         swapper.close()
+
+
+def test_a_shard_that_cannot_be_opened_ends_the_step_and_closes_the_open_one_once(tmp_path):
+    """Key a's parameter shard is open while its sub-groups step; opening key b's fails: a's
+    shard was closed once when b's turn came (every sub-group of a stepped: closed as written),
+    the step ends with the error, b's state is not stepped, the optimizer is idle with nothing
+    pinned, and the next step, with b's shard back, steps both."""
+    store, swapper = _store(tmp_path, host_budget_bytes=6 * 8192)
+    try:
+        opt = OffloadedShardOptimizer(OptimizerConfig(lr=0.01), store, home=Tier.NVME,
+                                      sub_group_numel=512, window_sub_groups=4)
+        gen = torch.Generator().manual_seed(0)
+        sizes = {"a": 1000, "b": 700}
+        outs = {k: torch.zeros(n) for k, n in sizes.items()}
+        exits: list[object] = []
+        broken = [True]
+
+        class Opened:  # a stored shard's context manager: records how it was closed
+            def __init__(self, key):
+                self.key = key
+
+            def __enter__(self):
+                return outs[self.key]
+
+            def __exit__(self, kind, value, tb):
+                exits.append((self.key, kind))
+
+        def opener(key):
+            def open_shard(overwrite=False):
+                if key == "b" and broken[0]:
+                    raise OSError("b's shard is gone")
+                return Opened(key)
+            return open_shard
+
+        for k, n in sizes.items():
+            opt.add(k, torch.randn(n, generator=gen), opener(k))
+        grads = {k: torch.randn(n, generator=gen) for k, n in sizes.items()}
+        with pytest.raises(OSError, match="b's shard is gone"):
+            opt.step(grads)
+        assert exits == [("a", None)]  # closed once, before b's failed open
+        assert torch.equal(outs["b"], torch.zeros(700)) and opt.state.name == "IDLE"
+        b_before = opt.master_values("b").clone()
+        for sk in store.keys():  # a pinned copy cannot be evicted (ValueError "acquired")
+            store.evict(sk, Tier.HOST)
+        broken[0] = False
+        exits.clear()
+        opt.step(grads)
+        assert exits == [("a", None), ("b", None)]
+        assert not torch.equal(outs["b"], torch.zeros(700))
+        assert not torch.equal(opt.master_values("b"), b_before)
+    finally:
+        store.close()
+        swapper.close()
