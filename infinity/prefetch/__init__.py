@@ -13,7 +13,8 @@ manager's prefetcher (:mod:`infinity.zero._prefetcher`) turns those into store f
 Module DAG inside the package: ``_trace`` <- ``_planner`` <- ``_executor``.
 """
 
-from infinity.prefetch._executor import PrefetchConfig, PrefetchExecutor, UnitSizes
+from infinity.prefetch._config import PrefetchConfig, UnitSizes
+from infinity.prefetch._executor import PrefetchExecutor
 from infinity.prefetch._planner import (HOPS, Bandwidths, FetchAction, FetchQuery, Hop, hop_chain,
                                         plan_fetches)
 from infinity.prefetch._trace import (Follow, Level, Trace, TraceEntry, TraceFollower,
