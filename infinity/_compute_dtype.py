@@ -28,8 +28,9 @@ BF16_SLOWDOWN_LIMIT = 2.0
 
 _ROWS, _WIDTH = 512, 256
 """The probe's layer: a (512 x 256) batch through a 256 x 256 weight, 200 MFLOP a pass. Not
-smaller: on the AVX2 VM a product of at most 256 x 256 x 256 took another kernel, as fast in
-bf16 as in fp32 (0.8-1.6x), and 512 x 256 x 256 the fallback (46x); a pass there takes ~0.1 s."""
+smaller: on the AVX2 VM products of at most 256 x 256 x 256 were as fast in bf16 as in fp32 in
+one process (0.8-1.6x) and 64-74x slower in another, 512 x 256 x 256 slow in both (46x, 94x:
+benchmarks/bf16_gemm.py); a pass there takes ~0.1 s."""
 
 
 def _pass_s(dtype: torch.dtype, repeats: int = 2) -> float:
