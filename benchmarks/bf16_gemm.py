@@ -14,25 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import torch
 
 from infinity._compute_dtype import auto_compute_dtype
+from infinity.bench.report import median_time_s
 from infinity.models.gpt import GPT, PRESETS, synthetic_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _median_s(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time_s(fn, repeats=repeats)[0]
 
 
 def layouts(m: int = 512, k: int = 512, n: int = 2048) -> dict[str, dict[str, float]]:
