@@ -259,5 +259,4 @@ def init_roofline(*, random_numel: int, state_bytes: int, disk: DiskBandwidth,
 
 __all__ = ["DiskBandwidth", "gpt_compute_s", "init_roofline", "nvme_minimum_bytes",
            "nvme_moved_bytes", "nvme_per_step", "OPTIMIZER_KINDS", "probe_disk", "roofline",
-           "staging_bound",
-           "steady_steps"]
+           "staging_bound", "steady_steps"]

@@ -246,7 +246,8 @@ def _manifest(engine: Any) -> dict[str, Any]:
         for g in unit.groups:
             for s in g.slots:
                 params[s.name] = {"shape": list(s.shape), "trainable": g.requires_grad,
-                                  "kinds": saved_kinds(g.requires_grad, engine.compute_dtype), "param_dtype": torch_name(engine.compute_dtype)}
+                                  "kinds": saved_kinds(g.requires_grad, engine.compute_dtype),
+                                  "param_dtype": torch_name(engine.compute_dtype)}
                 source[id(s.param)] = s.name
     state_dict = []
     for key, value in m.module.state_dict(keep_vars=True).items():

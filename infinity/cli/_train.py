@@ -533,7 +533,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
               f"{(r['disk_mixed_read_bytes_per_s'] or 0) / 1e9:.2f} + "
               f"{(r['disk_mixed_write_bytes_per_s'] or 0) / 1e9:.2f} GB/s both at once); mean step "
               f"{summary['mean_step_s']:.2f} s / its roofline {r['mean']['x_roofline']:.2f}x")
-        if "staging_bound_s" in r["mean"]:  # [Note: the staging bound] in infinity/bench
+        # [Note: the staging bound] in infinity/bench/roofline.py
+        if "staging_bound_s" in r["mean"]:
             print(f"mean step / staging bound {r['mean']['x_staging_bound']:.2f}x (with exact "
                   f"clipping the updates fall between a backward's end and the next forward's; "
                   f"the host stages {format_bytes(r['mean']['staging_room_bytes'])} of their NVMe "

@@ -672,9 +672,7 @@ class OffloadedShardOptimizer:
         updated = False
         grad_handle, sg.grad_read = sg.grad_read, None
         try:
-            # Every sub-group of a key is stepped while its shard is open: written end to end, a
-            # stored shard is not read first.
-            out = shard.open(sg.key, overwrite=covers(run.runs[sg.key], self._numel(sg.key)))
+            out = shard.open(sg.key, run)
             if grad_handle is None:  # not read ahead with its sub-group
                 grad_handle = self._acquire_grad(run, sg)
             if grad_handle is not None:
@@ -776,10 +774,13 @@ class _OpenParamShard:
         self._ctx: ContextManager[Any] | None = None
         self._out: Any = None
 
-    def open(self, key: str, *, overwrite: bool) -> Any:
-        """What ``key``'s new parameters are written into, opened unless it is open already."""
+    def open(self, key: str, run: StepRun) -> Any:
+        """What ``key``'s new parameters are written into, opened unless it is open already.
+        Every sub-group of a key is stepped while its shard is open: where ``run`` updates the
+        key end to end, it is written whole and a stored shard is not read first."""
         if key != self._key:
             self.close()
+            overwrite = covers(run.runs[key], self._optimizer._numel(key))
             ctx = open_param_out(self._optimizer._outs[key], overwrite=overwrite)
             self._out = ctx.__enter__()
             self._key, self._ctx = key, ctx
