@@ -166,7 +166,7 @@ class PrefetchExecutor:
             (Level.DEVICE, Level.GATHERED): cfg.all_gather_bytes_per_s}, ema_weight=cfg.bandwidth_ema_weight)
         self.store = store or TraceStore(max_variants=cfg.max_trace_variants)
         self._follower = TraceFollower(self.store, window_entries=cfg.resync_window_entries)
-        self._recorder: TraceRecorder | None = None  # None between steps
+        self._recorder: TraceRecorder | None = None  # the open step's recording; None between steps
         self._specs: dict[Hashable, UnitSizes] = {}
         self._present: dict[Hashable, set[Level]] = {}  # levels fetched and not reported evicted
         self._inflight: dict[Hashable, _Flight] = {}  # at most one hop per unit (hops are dependent)
@@ -417,6 +417,25 @@ class PrefetchExecutor:
             self._prefetch(time_to_cursor_s=cur.gap_s, next_plan_in_s=cur.gap_s)
 
     # ---- hooks and steps -----------------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        """A step is open: :meth:`begin_step` ran (or a hook opened one) and :meth:`end_step` did
+        not yet. The step's recording is the one owner of "inside a step"; the prefetcher above
+        asks here."""
+        return self._recorder is not None
+
+    @property
+    def phase(self) -> str | None:
+        """The open step's phase; None between steps."""
+        return None if self._recorder is None else self._recorder.phase
+
+    @property
+    def then(self) -> str | None:
+        """The open step's guess of the next step's phase, where it leaves the parameters as they
+        are ([Note: predicting past an evaluation step] in infinity/prefetch/_trace.py); None
+        between steps or when it changes them."""
+        return None if self._recorder is None else self._follower.then
+
     def begin_step(self, phase: str = "train", *, then: str | None = None) -> None:
         """Start following and recording a step of ``phase`` (an open step is ended first).
         ``then``: the step leaves the parameters as they are and the next one most likely has phase

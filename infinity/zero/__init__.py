@@ -10,7 +10,8 @@ builds a model larger than memory (recorded on meta, materialised unit by unit).
 from infinity.zero._activations import apply_activation_checkpointing
 from infinity.zero._collectives import CollectiveError, Collectives, barrier, init_distributed
 from infinity.zero._device import resolve_device
-from infinity.zero._engine import InfinityEngine, initialize
+from infinity.zero._engine import InfinityEngine
+from infinity.zero._initialize import initialize
 from infinity.zero._flat_group import Unit, UnitState, UnitUse
 from infinity.zero._lazy import LazyInitError, extend_recording, init
 from infinity.zero._managed import engine_of

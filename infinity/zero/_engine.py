@@ -53,31 +53,30 @@ from infinity._dtypes import torch_dtype
 from infinity._modeled_link import DuplexLink, LinkModel, ModeledLink
 from infinity._timing import timer_for
 from infinity.checkpoint import check_save_name, load_checkpoint, load_weights, save_checkpoint
-from infinity.config import InfinityConfig, load_config
+from infinity.config import InfinityConfig
 from infinity.io import activations_in_heap, manage_mmap_threshold
-from infinity.optim import (EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer,
-                            check_hyperparameters, json_safe_group, rebind_param_groups,
-                            resolve_param_groups)
+from infinity.optim import EngineOptimizer, InMemoryShardOptimizer, OffloadedShardOptimizer
 from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import Tier
-from infinity.zero._activations import (HostActivations, apply_activation_checkpointing,
-                                        select_modules)
-from infinity.zero._collectives import Phase, init_from_env_if_launched, is_distributed
+from infinity.zero._activations import HostActivations, apply_activation_checkpointing
+from infinity.zero._buffers import broadcast_buffers, move_buffers
+from infinity.zero._collectives import init_from_env_if_launched
 from infinity.zero._device import resolve_device
 from infinity.zero._grad_norm import global_norm_sq
 from infinity.zero._inputs import move_to_device
-from infinity.zero._lazy import materialise_placeholders, recording_of
 from infinity.zero._loss_scale import LossScaler
-from infinity.zero._managed import check_not_wrapped, register_engine
-from infinity.zero._engine_setup import (MasterStream, check_copy_link, check_writable_dirs,
-                                         close_offload, manager_config, move_buffers,
-                                         parallelism)
+from infinity.zero._managed import register_engine
+from infinity.zero._engine_setup import (MasterStream, check_copy_link, checked_param_groups,
+                                         close_offload, manager_config, materialise, parallelism)
+from infinity.zero._engine_step_state import (check_step_state_dict, load_step_state_dict,
+                                              step_state_dict)
 from infinity.zero._engine_stats import engine_stats
 from infinity.zero._offload import (activation_nvme_path, activations_need_store,
                                     build_activation_store, build_store, check_nvme_space_for,
                                     resolve_offload)
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._step_plan import StepPlan
+from infinity.zero._step_window import StepWindow
 from infinity.zero._stored_activations import StoredActivations, cuda_activation_room
 from infinity.zero._tensor_parallel import tensor_rank_dir
 from infinity.zero._training_state import ParamWriteback
@@ -95,22 +94,11 @@ class InfinityEngine:
                  progress: Callable[[BuildProgress], None] | None = None, mesh: Any = None,
                  data_parallel_group: Any = None, comm_link: LinkModel | None = None,
                  copy_link: LinkModel | None = None):
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
-        config.check_resolved("initialize")
-        opt = config.optimizer
-        defaults = {"lr": float(opt.lr), "betas": tuple(float(b) for b in opt.betas),
-                    "eps": float(opt.eps), "weight_decay": float(opt.weight_decay)}
         # Before anything is built: a bad group leaves the model untouched.
-        groups = resolve_param_groups(model, model_parameters, defaults)
-        check_writable_dirs(config)
-        check_not_wrapped(model)
-        if isinstance(config.activation_checkpointing.units, tuple):
-            select_modules(model, config.activation_checkpointing)  # unknown class names: fail early
+        groups, defaults = checked_param_groups(model, config, model_parameters)
         self.config = config
         self.device = resolve_device(config.device)  # [Note: one rank per device]
         self.compute_dtype = torch_dtype(config.precision.dtype)
-        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
         init_from_env_if_launched(self.device)  # binds the device first, then the group
         # [Note: collectives over a mesh] in infinity/zero/_collectives.py and [Note:
         # tensor-parallel parameters] in infinity/zero/_tensor_parallel.py
@@ -122,9 +110,37 @@ class InfinityEngine:
         self.optimizer_home: Tier = config.offload_optimizer.home_tier
         """Where the optimizer's state lives: DEVICE (in memory beside the parameters), HOST or
         NVME (``offload_optimizer.device``); the engine asks this, not the config."""
+        self._build_store(model, copy_link)
+        groups, initial_values = materialise(model, groups)
+        move_buffers(model, self.device, self.compute_dtype)
+        # [Note: masters stream into the optimizer] in infinity/zero/_engine_setup.py
+        streaming = self._new_shard_optimizer() if self.optimizer_home is Tier.NVME else None
+        if streaming is not None:
+            streaming.hold_host_resident()
+        self.manager = self._build_manager(model, initial_values, streaming, progress, copy_link)
+        # After the manager: its hooks stay outside the checkpointed regions
+        # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
+        if self.collectives.data_parallel_size > 1:
+            broadcast_buffers(model, self.collectives)
+        self.stored_activations = self._stored_activations()
+        """[Note: saved activations are shards of the store]; None: not offloaded to the store."""
+        self.activations = apply_activation_checkpointing(
+            model, config.activation_checkpointing,
+            unit_module_names=[u.name for u in self.manager.units],
+            place=self.stored_activations)
+        self._build_training_state(model, groups, defaults, streaming)
+        if self.store is not None:
+            self.store.arena.resume_direct_io_advice()  # set-up is over: the steps' reads next
+        logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
+                    config.precision.dtype, self.device, self.collectives.world_size)
+
+    def _build_store(self, model: nn.Module, copy_link: LinkModel | None) -> None:
+        """The offload plan (budgets checked on the parameters as they are: a budget error
+        leaves a recorded model untouched), the tiered store and its swapper, the NVMe space
+        check: before any state is written."""
+        config = self.config
         world = self.collectives.world_size  # the shard degree: what sizes divide by
         data_parallel = self.collectives.data_parallel_size
-        # Sized on the parameters as they are: a budget error leaves a recorded model untouched.
         self.offload = None
         # The units as the parameters are now: the sizes the budgets and the space check read
         # (the manager's own choice comes after materialisation, which replaces parameters).
@@ -159,44 +175,36 @@ class InfinityEngine:
             check_nvme_space_for(choice, config, self.offload,
                                  world_size=world, store=self.store,
                                  data_parallel_size=data_parallel)
-        recording = recording_of(model)  # built under infinity.init: values come unit by unit
-        names_before = {id(p): n for n, p in model.named_parameters()}
-        initial_values = None if recording is None else materialise_placeholders(model, recording)
-        if recording is not None:  # placeholders became real parameters: the groups follow
-            now = dict(model.named_parameters())
-            groups = rebind_param_groups(groups, {i: now[n] for i, n in names_before.items()})
-        move_buffers(model, self.device, self.compute_dtype)
-        nvme_optimizer = self.optimizer_home is Tier.NVME
-        # [Note: masters stream into the optimizer] in infinity/zero/_engine_setup.py
-        streaming = self._new_shard_optimizer() if nvme_optimizer else None
-        if streaming is not None:
-            streaming.hold_host_resident()
-        self.manager = ParameterManager(
+
+    def _build_manager(self, model: nn.Module, initial_values: Any,
+                       streaming: OffloadedShardOptimizer | None,
+                       progress: Callable[[BuildProgress], None] | None,
+                       copy_link: LinkModel | None) -> ParameterManager:
+        """The parameter manager over the materialised model, its parameters registered for
+        ``GatheredParameters``, its gradients down the modeled copy link where one is given."""
+        config, nvme_optimizer = self.config, self.optimizer_home is Tier.NVME
+        manager = ParameterManager(
             model, units_of(model, config.zero),
-            manager_config(config, self.device, data_parallel, self.offload,
-                            shard_world_size=world),
+            manager_config(config, self.device, self.collectives.data_parallel_size,
+                           self.offload, shard_world_size=self.collectives.world_size),
             collectives=self.collectives, store=self.store, initial_values=initial_values,
             on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
             master_sink=None if streaming is None else MasterStream(streaming),
             on_build_progress=progress,
             # [Note: the end of backward] in infinity/zero/_param_manager.py
             on_backward_begin=self._before_backward, on_backward_end=self._after_backward)
-        register_engine(self, [s.param for u in self.manager.units for g in u.groups
+        register_engine(self, [s.param for u in manager.units for g in u.groups
                                for s in g.slots])  # infinity.deepspeed.zero.GatheredParameters
         if copy_link is not None and self.device.type == "cpu":  # a GPU's copies are real
             # [Note: gradients down a modeled link] in infinity/zero/_grad_reducer.py
-            self.manager.reducer.attach_down_link(self.store.copy_link.to_host,
-                                                  self.store.counters.add_wait)
-        # After the manager: its hooks stay outside the checkpointed regions
-        # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
-        if data_parallel > 1:
-            self._broadcast_buffers()
-        self.stored_activations = self._stored_activations()
-        """[Note: saved activations are shards of the store]; None: not offloaded to the store."""
-        self.activations = apply_activation_checkpointing(
-            model, config.activation_checkpointing,
-            unit_module_names=[u.name for u in self.manager.units],
-            place=self.stored_activations)
+            manager.reducer.attach_down_link(self.store.copy_link.to_host,
+                                             self.store.counters.add_wait)
+        return manager
+
+    def _build_training_state(self, model: nn.Module, groups: Any, defaults: dict[str, Any],
+                              streaming: OffloadedShardOptimizer | None) -> None:
+        """What the training loop drives: the optimizer seen from outside, the shard optimizer,
+        the step plan, the scheduler, the loss scaler and the accumulation window."""
         self.optimizer = EngineOptimizer(groups, defaults)
         """What code outside the engine drives: a torch.optim.Optimizer over the model's
         parameters ([Note: the optimizer seen from outside] in infinity/optim/_engine_optimizer.py)."""
@@ -206,30 +214,26 @@ class InfinityEngine:
         """Which slices each step updates, with which hyperparameters and step numbers."""
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         """id(parameter) -> its first qualified name (checkpoints keep step counts by name)."""
-        self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
+        self.lr_scheduler = build_scheduler(self.optimizer, self.config.scheduler)
         """The config's ``scheduler`` over ``engine.optimizer`` (None without one), stepped after
         every optimizer step that is not skipped, as DeepSpeed's engine does."""
-        self.scaler = LossScaler(config.precision)
-        self.micro_steps = 0
-        """engine.step() calls so far (micro-batches)."""
-        self.global_steps = 0
-        """Optimizer steps taken (skipped fp16 overflow steps count too, as in DeepSpeed)."""
-        self.skipped_steps = 0
-        """Optimizer steps skipped for an fp16 overflow."""
-        self._backward_since_step = False
-        """engine.backward() ran since the last engine.step() (step() requires it)."""
+        self.scaler = LossScaler(self.config.precision)
+        self._window = StepWindow(self.config.gradient_accumulation_steps)
+        """The accumulation window and the step counters: the one owner of "where the loop is"
+        between ``step()`` calls."""
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping at the last optimizer step."""
         self._step_timer = timer_for(self.device)
         """Times the optimizer steps: event pairs on a GPU, the wall clock on a CPU ([Note:
         timing asynchronous GPU work] in infinity/_timing.py)."""
+        home = self.optimizer_home
+        self._can_defer = home is Tier.NVME or (home is Tier.HOST
+                                                and self._updates_cross_to_device)
+        """The optimizer step may be deferred into the next forward (resolved once: the
+        optimizer's home and the manager's tiers do not change): see :attr:`_deferring`."""
         self.defer_optimizer_step = True
         """NVMe optimizer: the updates of a step run in the next forward, each just before its
         parameter shard is read ([Note: deferred optimizer step]); False runs them in step()."""
-        if self.store is not None:
-            self.store.arena.resume_direct_io_advice()  # set-up is over: the steps' reads next
-        logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
-                    config.precision.dtype, self.device, world)
 
     def _stored_activations(self) -> StoredActivations | None:
         """The checkpointed inputs' place in the store, with 'auto' keeping the room the states
@@ -281,10 +285,8 @@ class InfinityEngine:
         """The optimizer step is deferred into the next forward ([Note: deferred optimizer step]
         in infinity/optim/_offloaded.py): with the optimizer's state on NVMe, and with it in host
         memory where the updated shards cross to the device every step ([Note: a deferred step
-        overlaps the copies up])."""
-        home = self.optimizer_home
-        return self.defer_optimizer_step and (
-            home is Tier.NVME or (home is Tier.HOST and self._updates_cross_to_device))
+        overlaps the copies up]); ``defer_optimizer_step`` False turns it off."""
+        return self.defer_optimizer_step and self._can_defer
 
     @property
     def _updates_cross_to_device(self) -> bool:
@@ -313,7 +315,7 @@ class InfinityEngine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and self.collectives.data_parallel_size > 1:
-            self._broadcast_buffers()
+            broadcast_buffers(self.module, self.collectives)
         # [Note: the engine moves inputs] in infinity/zero/_inputs.py
         args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
         if self.stored_activations is not None:  # what it saves now is named by this micro-step
@@ -332,37 +334,35 @@ class InfinityEngine:
                         f"end up in one unit") from e
                 raise
 
-    def _broadcast_buffers(self) -> None:
-        """DistributedDataParallel's ``broadcast_buffers``: every training forward on every rank
-        starts from rank 0's buffers (BatchNorm running statistics, counters). Not after the
-        forward: autograd saved some of them (batch norm's running statistics) and an in-place
-        write would fail the backward's version check. So that every rank reports the same
-        values, ``full_state_dict`` broadcasts too (checkpoints write rank 0's). One broadcast
-        per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for buf in self.module.buffers():
-            by_dtype.setdefault(buf.dtype, []).append(buf)
-        with torch.no_grad():
-            for dtype, bufs in by_dtype.items():
-                flat = torch.cat([b.reshape(-1) for b in bufs])
-                self.collectives.broadcast(flat, src=0, context=f"buffers ({dtype})",
-                                          phase=Phase.BROADCAST)
-                offset = 0
-                for b in bufs:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                    offset += b.numel()
-
     @property
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return self._window.is_boundary
 
     @property
     def between_steps(self) -> bool:
         """No micro-batch of an accumulation window is pending: the last ``engine.step()`` ran the
         optimizer (or none ran yet) and no backward came since. Checkpoints and weights are
         saved and loaded only here (partial gradients belong to no saved state)."""
-        return (not self._backward_since_step
-                and self.micro_steps % self.gradient_accumulation_steps == 0)
+        return self._window.between_steps
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self._window.gradient_accumulation_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """``engine.step()`` calls so far (micro-batches)."""
+        return self._window.micro_steps
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (skipped fp16 overflow steps count too, as in DeepSpeed)."""
+        return self._window.global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for an fp16 overflow."""
+        return self._window.skipped_steps
 
     @property
     def lr(self) -> float:
@@ -411,7 +411,7 @@ class InfinityEngine:
     def _after_backward(self) -> None:
         """A backward ended and its gradients are reduced."""
         self.manager.end_prefetch_step()  # before the optimizer step changes the parameters
-        self._backward_since_step = True
+        self._window.backward_done()
 
     def step(self, *, boundary: bool | None = None, gradient_clipping: float | None = None
              ) -> None:
@@ -424,25 +424,13 @@ class InfinityEngine:
         ``between_steps`` after it as after any other step. ``gradient_clipping``: this step's
         clip norm instead of the config's (0 or inf: no clipping; accelerate's
         ``clip_grad_norm_(parameters, max_norm)`` passes its ``max_norm``)."""
-        if not self._backward_since_step:
-            raise RuntimeError("engine.step() called without engine.backward(loss) since the last "
-                               "step; call engine.backward(loss) once per micro-batch, then step()")
+        self._window.require_backward()
         clip = self.config.gradient_clipping if gradient_clipping is None else gradient_clipping
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
             raise ValueError(f"engine.step: gradient_clipping must be a number >= 0 (0 or inf: "
                              f"no clipping), got {gradient_clipping!r}")
-        natural = self.is_gradient_accumulation_boundary
-        if boundary is False and natural:
-            raise ValueError(
-                f"engine.step(boundary=False): micro-batch {self.micro_steps + 1} completes a "
-                f"window of gradient_accumulation_steps={self.gradient_accumulation_steps}; a "
-                f"window may not be longer (raise gradient_accumulation_steps in the config)")
-        self._backward_since_step = False
-        self.micro_steps += 1
-        if not (natural if boundary is None else boundary):
+        if not self._window.count(boundary):
             return
-        window = self.gradient_accumulation_steps
-        self.micro_steps = -(-self.micro_steps // window) * window  # an early boundary ends it
         self.optimizer.mark_stepped()  # torch's LR schedulers check it
         self._step_timer.start()
         self._optimizer_step(float(clip))
@@ -466,11 +454,11 @@ class InfinityEngine:
             collectives=self.collectives if self.manager.stage > 0 else None,
             tensor_collectives=(None if self.tensor_parallel is None
                                 else self.tensor_parallel.collectives))
-        self.global_steps += 1
-        if self.scaler.dynamic or self.compute_dtype == torch.float16:
+        fp16 = self.scaler.dynamic or self.compute_dtype == torch.float16
+        self._window.optimizer_step(skipped=fp16 and overflow)
+        if fp16:
             if overflow:
                 self.scaler.update(True)
-                self.skipped_steps += 1
                 logger.info("fp16 overflow: step %d skipped, loss scale now %g",
                             self.global_steps, self.scaler.scale)
                 self.manager.zero_grads()
@@ -523,7 +511,7 @@ class InfinityEngine:
         gathering the frozen base). A collective: call it on every rank with the same keys."""
         self._settle()  # a deferred step's updates and after-step gathers land first
         if self.collectives.data_parallel_size > 1:
-            self._broadcast_buffers()
+            broadcast_buffers(self.module, self.collectives)
         return self.manager.full_state_dict(master_of=self.shard_optimizer.master_values,
                                             keys=keys)
 
@@ -590,58 +578,17 @@ class InfinityEngine:
             self.store.flush()
 
     def step_state_dict(self) -> dict[str, Any]:
-        """The step counters of the engine, its optimizer and its loss scaler, the parameter
-        groups' hyperparameters (JSON values) and the per-parameter step counts by qualified name
-        (what a checkpoint's manifest keeps as ``engine``)."""
-        opt = self.optimizer
-        steps = {self._param_names[id(p)]: opt.step_of(p)
-                 for g in opt.param_groups for p in g["params"] if opt.step_of(p)}
-        return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                "skipped_steps": self.skipped_steps, "last_grad_norm": self.last_grad_norm,
-                "optimizer_step_count": self.shard_optimizer.step_count, "lr": self.lr,
-                "param_groups": [json_safe_group(g) for g in opt.param_groups],
-                "param_steps": steps, "loss_scaler": self.scaler.state_dict(),
-                "lr_scheduler": (None if self.lr_scheduler is None
-                                 else self.lr_scheduler.state_dict())}
+        """What a checkpoint's manifest keeps as ``engine`` (:func:`step_state_dict`)."""
+        return step_state_dict(self)
 
     def check_step_state_dict(self, state: Mapping[str, Any]) -> None:
         """ValueError when :meth:`load_step_state_dict` could not take ``state`` (checked before
         a checkpoint changes anything)."""
-        groups = state.get("param_groups")
-        if groups is None:
-            return  # saved before parameter groups: one lr, every parameter stepped each time
-        if len(groups) != len(self.optimizer.param_groups):
-            raise ValueError(f"the checkpoint has {len(groups)} parameter groups, "
-                             f"engine.optimizer has {len(self.optimizer.param_groups)}; pass the "
-                             f"same model_parameters groups as when it was saved")
-        for i, group in enumerate(groups):
-            check_hyperparameters(group, f"checkpoint param_groups[{i}]")
+        check_step_state_dict(self, state)
 
     def load_step_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`step_state_dict` returned (between steps)."""
-        self.check_step_state_dict(state)
-        self.global_steps = int(state["global_steps"])
-        self.micro_steps = int(state["micro_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
-        self.last_grad_norm = state["last_grad_norm"]
-        self._backward_since_step = False
-        self.shard_optimizer.step_count = int(state["optimizer_step_count"])
-        opt = self.optimizer
-        if state.get("param_groups") is None:  # an older save: one lr, every step updated all
-            self.lr = float(state["lr"])
-            steps = {self._param_names[id(p)]: int(state["optimizer_step_count"])
-                     for g in opt.param_groups for p in g["params"] if p.requires_grad}
-        else:
-            for group, saved in zip(opt.param_groups, state["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-                group["betas"] = tuple(float(b) for b in group["betas"])
-            steps = state.get("param_steps", {})
-        for g in opt.param_groups:
-            for p in g["params"]:
-                opt.set_step(p, int(steps.get(self._param_names[id(p)], 0)))
-        self.scaler.load_state_dict(state["loss_scaler"])
-        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])  # sets the groups' lr too
+        load_step_state_dict(self, state)
 
     def close(self) -> None:
         """Stop the store's threads and delete swap files (also done when the engine is
@@ -652,41 +599,3 @@ class InfinityEngine:
             self.manager.reducer.close()
             self._finalizer()
         self.store, self._swapper = None, None
-
-
-def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
-               *, model_parameters: Any = None,
-               progress: Callable[[BuildProgress], None] | None = None,
-               mesh: Any = None, data_parallel_group: Any = None,
-               comm_link: LinkModel | None = None,
-               copy_link: LinkModel | None = None) -> InfinityEngine:
-    """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
-    DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
-    it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
-    ``requires_grad``, the config's hyperparameters), the parameters to train, or torch-style
-    parameter groups ``[{"params": [...], "weight_decay": 0.0, ...}, ...]`` whose missing keys
-    take the config's values (:func:`~infinity.optim.resolve_param_groups`). ``progress``: called
-    with a :class:`~infinity.zero.BuildProgress` after each unit is built (units done, bytes
-    written to NVMe): building a large model under ``infinity.init`` writes its whole state and
-    takes minutes. Uses the default process group when ``torch.distributed`` is initialised.
-    ``mesh``: a ``torch.distributed.DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP:
-    shard over "shard", replicate over "replicate") or ``("replicate", "shard", "tensor")``
-    (tensor innermost), instead of the one the config's ``mesh`` section builds
-    ([Note: mesh dimensions] in infinity/config/_mesh.py).
-    ``data_parallel_group``: the ranks to shard over instead of a mesh. A model parallelized with
-    ``parallelize_module`` (DTensor parameters on a 1-D tensor mesh) is sharded over the other
-    dimension of the mesh it was sliced from, or over ``data_parallel_group`` or the mesh's data
-    dimensions ([Note: tensor-parallel parameters] in infinity/zero/_tensor_parallel.py).
-    ``comm_link``: a modeled link under every collective; ``copy_link``: one under the store's
-    host<->device copies (a CPU engine with ``memory.device_budget_bytes`` standing in for a
-    GPU). Benchmarks and tests on machines without a GPU or a network: [Note: the modeled link]
-    in infinity/_modeled_link.py."""
-    if config is None:
-        recording = recording_of(model) if isinstance(model, nn.Module) else None
-        config = recording.config if recording is not None else None
-    config = load_config(config)
-    if is_distributed():
-        logger.debug("using the default process group")
-    return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress,
-                          mesh=mesh, data_parallel_group=data_parallel_group,
-                          comm_link=comm_link, copy_link=copy_link)

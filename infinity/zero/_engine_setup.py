@@ -14,18 +14,21 @@ from torch import nn
 from infinity._dtypes import torch_dtype
 from infinity.config import AUTO, InfinityConfig, MeshConfig
 from infinity.ledger import host_grad_dtype, stages_in_accumulator_dtype
-from infinity.optim import OffloadedShardOptimizer
+from infinity.optim import OffloadedShardOptimizer, rebind_param_groups, resolve_param_groups
 from infinity.tiers import OffloadBudgets, Tier
+from infinity.zero._activations import select_modules
 from infinity.zero._collectives import Collectives
 from infinity.zero._flat_group import FlatGroup
+from infinity.zero._lazy import materialise_placeholders, recording_of
+from infinity.zero._managed import check_not_wrapped
 from infinity.zero._manager_config import ManagerConfig
 from infinity.zero._mesh import mesh_collectives
 from infinity.zero._offload import param_reads_of
 from infinity.zero._quantize import quant_policy
 from infinity.zero._tensor_parallel import check_data_parallel_group, resolve_parallelism
 
-__all__ = ["MasterStream", "check_copy_link", "check_writable_dirs", "close_offload",
-           "manager_config", "move_buffers", "parallelism"]
+__all__ = ["MasterStream", "check_copy_link", "check_writable_dirs", "checked_param_groups",
+           "close_offload", "manager_config", "materialise", "parallelism"]
 
 
 def check_writable_dirs(config: InfinityConfig) -> None:
@@ -152,13 +155,32 @@ def close_offload(store: Any, swapper: Any) -> None:
         swapper.close()
 
 
-def move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Buffers stay ordinary module buffers, replicated: move them to the device and cast floating
-    ones to the compute dtype (parameters are handled by the parameter manager)."""
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            target = dtype if buf.is_floating_point() else buf.dtype
-            if buf.device != device or buf.dtype != target:
-                module._buffers[name] = buf.to(device=device, dtype=target)
+def checked_param_groups(model: nn.Module, config: InfinityConfig, model_parameters: Any
+                         ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The checks before anything is built (a bad group, directory or class name leaves the
+    model untouched), and the optimizer's parameter groups with the config's defaults."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
+    config.check_resolved("initialize")
+    opt = config.optimizer
+    defaults = {"lr": float(opt.lr), "betas": tuple(float(b) for b in opt.betas),
+                "eps": float(opt.eps), "weight_decay": float(opt.weight_decay)}
+    groups = resolve_param_groups(model, model_parameters, defaults)
+    check_writable_dirs(config)
+    check_not_wrapped(model)
+    if isinstance(config.activation_checkpointing.units, tuple):
+        select_modules(model, config.activation_checkpointing)  # unknown class names: fail early
+    return groups, defaults
+
+
+def materialise(model: nn.Module, groups: Any) -> tuple[Any, Any]:
+    """A model built under ``infinity.init`` gets real parameters now (its values come unit by
+    unit as the manager builds them); the parameter groups follow the new parameters. Returns
+    the groups and the recorded initial values (None for an ordinary model)."""
+    recording = recording_of(model)
+    if recording is None:
+        return groups, None
+    names_before = {id(p): n for n, p in model.named_parameters()}
+    initial_values = materialise_placeholders(model, recording)
+    now = dict(model.named_parameters())
+    return rebind_param_groups(groups, {i: now[n] for i, n in names_before.items()}), initial_values

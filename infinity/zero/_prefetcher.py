@@ -173,11 +173,8 @@ class ParamPrefetcher:
                                                  gathered_bytes=u.gathered_bytes, home=u.home))
         self._cached: dict[Hashable, set[Level]] = {}
         """Levels our fetches filled and no eviction was reported for yet (checked at each hook)."""
-        self._phase: str | None = None  # the open step's phase; None between steps
         self._last_cursor = -1  # cursor at the last next-use refresh: a jump means a full refresh
         self._last_synced = False
-        self._then: str | None = None  # the open step's guess of the next step's phase, if it leaves
-        # the parameters as they are ([Note: predicting past an evaluation step])
         self._last_phase: str | None = None  # the next step's likely phase: the last ended step's
         # ``then``, else its own
         self._warm_bytes = 0  # shard bytes warm_next_step() fetched
@@ -190,11 +187,13 @@ class ParamPrefetcher:
     # ---- steps -----------------------------------------------------------------------------------
     @property
     def in_step(self) -> bool:
-        return self._phase is not None
+        """A step is open (the executor's recording owns that fact)."""
+        return self.executor.in_step
 
     @property
     def phase(self) -> str | None:
-        return self._phase
+        """The open step's phase; None between steps."""
+        return self.executor.phase
 
     def begin_step(self, phase: str, *, then: str | None = None) -> None:
         """A step of ``phase`` starts ('train', 'eval', ...: each phase has its own traces).
@@ -203,7 +202,6 @@ class ParamPrefetcher:
         units ([Note: predicting past an evaluation step] in infinity/prefetch/_trace.py)."""
         self._report_evictions()
         self._sole_cache = self._levels_only_we_cache()
-        self._phase, self._then = phase, then
         self.executor.begin_step(phase, then=then)
         # After the executor follows the new step: before, the ended step's follower put every
         # unit at 'not used again' and undid end_step()'s positions, so the store's first
@@ -213,9 +211,9 @@ class ParamPrefetcher:
     def end_step(self) -> None:
         """The step's last unit ran: commit its trace; until the next step the store keeps first
         what the next step (of phase ``then``, else of the same phase) needs first."""
-        if self._phase is None:
+        if not self.executor.in_step:
             return
-        self._last_phase, self._phase = self._then or self._phase, None
+        self._last_phase = self.executor.then or self.executor.phase
         self.executor.end_step()  # commits the step's trace: the latest of its phase
         self._last_cursor = -1
         following = self.executor.store.latest(self._last_phase)
@@ -282,7 +280,7 @@ class ParamPrefetcher:
     # ---- per unit --------------------------------------------------------------------------------
     def before_compute(self, unit: Hashable) -> None:
         """Follow the trace, make ``unit`` gathered (prefetched or on demand), plan ahead."""
-        if self._phase is None:
+        if not self.executor.in_step:
             self.begin_step("train")
         self._report_evictions()
         self.executor.pre_hook(unit).wait()
@@ -291,7 +289,7 @@ class ParamPrefetcher:
     def should_keep(self, unit: Hashable) -> bool:
         """Keep ``unit`` gathered after its compute: the trace says it comes back within the reuse
         distance and the gathered budget still fits what runs in between."""
-        if self._phase is None:
+        if not self.executor.in_step:
             return False  # between steps nothing is kept ([Note: stale gathered units])
         return self.executor.keep_gathered(unit)
 
@@ -303,7 +301,7 @@ class ParamPrefetcher:
 
     def after_compute(self, unit: Hashable) -> None:
         """``unit``'s compute finished (after the release decision): record its time, plan ahead."""
-        if self._phase is None:
+        if not self.executor.in_step:
             return
         self._report_evictions()
         self.executor.post_hook(unit)

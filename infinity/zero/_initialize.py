@@ -1,0 +1,58 @@
+"""``infinity.initialize``: a model and a config in, an :class:`~infinity.zero.InfinityEngine` out
+(the config loaded and resolved from whatever form it comes in)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from infinity._modeled_link import LinkModel
+from infinity.config import InfinityConfig, load_config
+from infinity.zero._collectives import is_distributed
+from infinity.zero._engine import InfinityEngine
+from infinity.zero._lazy import recording_of
+from infinity.zero._unit_builder import BuildProgress
+
+__all__ = ["initialize"]
+
+logger = logging.getLogger(__name__)
+
+
+def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
+               *, model_parameters: Any = None,
+               progress: Callable[[BuildProgress], None] | None = None,
+               mesh: Any = None, data_parallel_group: Any = None,
+               comm_link: LinkModel | None = None,
+               copy_link: LinkModel | None = None) -> InfinityEngine:
+    """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
+    DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
+    it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
+    ``requires_grad``, the config's hyperparameters), the parameters to train, or torch-style
+    parameter groups ``[{"params": [...], "weight_decay": 0.0, ...}, ...]`` whose missing keys
+    take the config's values (:func:`~infinity.optim.resolve_param_groups`). ``progress``: called
+    with a :class:`~infinity.zero.BuildProgress` after each unit is built (units done, bytes
+    written to NVMe): building a large model under ``infinity.init`` writes its whole state and
+    takes minutes. Uses the default process group when ``torch.distributed`` is initialised.
+    ``mesh``: a ``torch.distributed.DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP:
+    shard over "shard", replicate over "replicate") or ``("replicate", "shard", "tensor")``
+    (tensor innermost), instead of the one the config's ``mesh`` section builds
+    ([Note: mesh dimensions] in infinity/config/_mesh.py).
+    ``data_parallel_group``: the ranks to shard over instead of a mesh. A model parallelized with
+    ``parallelize_module`` (DTensor parameters on a 1-D tensor mesh) is sharded over the other
+    dimension of the mesh it was sliced from, or over ``data_parallel_group`` or the mesh's data
+    dimensions ([Note: tensor-parallel parameters] in infinity/zero/_tensor_parallel.py).
+    ``comm_link``: a modeled link under every collective; ``copy_link``: one under the store's
+    host<->device copies (a CPU engine with ``memory.device_budget_bytes`` standing in for a
+    GPU). Benchmarks and tests on machines without a GPU or a network: [Note: the modeled link]
+    in infinity/_modeled_link.py."""
+    if config is None:
+        recording = recording_of(model) if isinstance(model, nn.Module) else None
+        config = recording.config if recording is not None else None
+    config = load_config(config)
+    if is_distributed():
+        logger.debug("using the default process group")
+    return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress,
+                          mesh=mesh, data_parallel_group=data_parallel_group,
+                          comm_link=comm_link, copy_link=copy_link)
