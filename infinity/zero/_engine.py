@@ -73,7 +73,7 @@ from infinity.zero._engine_step_state import (check_step_state_dict, load_step_s
 from infinity.zero._engine_stats import engine_stats
 from infinity.zero._offload import (activation_nvme_path, activations_need_store,
                                     build_activation_store, build_store, check_nvme_space_for,
-                                    resolve_offload)
+                                    offload_inputs, resolve_offload)
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._step_plan import StepPlan
 from infinity.zero._step_window import StepWindow
@@ -145,9 +145,10 @@ class InfinityEngine:
         # The units as the parameters are now: the sizes the budgets and the space check read
         # (the manager's own choice comes after materialisation, which replaces parameters).
         choice = units_of(model, config.zero)
-        if config.offload_param.device != "none" or config.offload_optimizer.device != "none":
-            self.offload = resolve_offload(choice, config, world_size=world,
-                                           device=self.device, data_parallel_size=data_parallel)
+        inputs = offload_inputs(config, world_size=world, device=self.device,
+                                data_parallel_size=data_parallel)
+        if inputs.request.offloaded:
+            self.offload = resolve_offload(choice, inputs, device=self.device)
         self.store, self._swapper = None, None
         if self.offload is not None:
             # [Note: activations stay in the heap] in infinity/io/_host_malloc.py
@@ -172,9 +173,7 @@ class InfinityEngine:
             self.store.copy_link = DuplexLink(copy_link)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None and self.offload is not None:
-            check_nvme_space_for(choice, config, self.offload,
-                                 world_size=world, store=self.store,
-                                 data_parallel_size=data_parallel)
+            check_nvme_space_for(choice, inputs, self.offload, store=self.store)
 
     def _build_manager(self, model: nn.Module, initial_values: Any,
                        streaming: OffloadedShardOptimizer | None,

@@ -74,6 +74,52 @@ def offload_request(config: InfinityConfig, world_size: int) -> OffloadRequest:
                           activation_staging_bytes=ACTIVATION_STAGING_BYTES)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadInputs:
+    """What sizing an offload reads of a config, resolved once (:func:`offload_inputs`): the
+    budgets (:func:`resolve_offload`), the device's working set (:func:`device_working_set`) and
+    the NVMe space check (:func:`check_nvme_space_for`) take this, not the config."""
+
+    request: OffloadRequest
+    """Where state lives and the budgets asked for, at the data-parallel size."""
+    stage: int
+    """The ZeRO stage (stage 3 offloads parameter shards)."""
+    world_size: int
+    """The shard degree the sizes divide by."""
+    param_bytes: int
+    """Bytes per element of the compute dtype (the parameters' shards)."""
+    grad_staging_bytes: int
+    """Bytes per element a unit's gradient is staged in ([Note: staging in the accumulator's
+    dtype] in infinity/ledger/_estimate.py)."""
+    borrows_host_copies: bool
+    """Gathered units live in the host arena ([Note: a gathered unit borrows its HOST copy] in
+    infinity/zero/_unit_storage.py), as the budgets see it before they know whether the DEVICE
+    tier holds every shard."""
+    nvme_sections: tuple[str, ...]
+    """The config sections that put state on NVMe (named by the space check's error)."""
+
+
+def offload_inputs(config: InfinityConfig, *, world_size: int, device: torch.device,
+                   data_parallel_size: int | None = None) -> OffloadInputs:
+    """Resolve ``config`` for offload sizing at ``world_size`` (the shard degree) on ``device``;
+    ``data_parallel_size``: the ranks the gradients are summed over, which decide the
+    accumulators' dtype (None: ``world_size``; [Note: collectives over a mesh] in
+    infinity/zero/_collectives.py). The one place this module reads a config."""
+    data_parallel = data_parallel_size or world_size
+    staged = DTYPE_BYTES["fp32"]  # [Note: staging in the accumulator's dtype] (ledger)
+    if stages_in_accumulator_dtype(
+            optimizer_offloaded=config.offload_optimizer.home_tier is not Tier.DEVICE,
+            quantized_gradients=config.zero.quantized_gradients):
+        staged = DTYPE_BYTES[host_grad_dtype(config, data_parallel)]
+    reads = param_reads_of(config, device, shard_world_size=world_size, device_holds_params=False)
+    return OffloadInputs(
+        request=offload_request(config, data_parallel), stage=config.zero.stage,
+        world_size=world_size, param_bytes=config.precision.param_bytes,
+        grad_staging_bytes=staged, borrows_host_copies=reads.borrow and reads.tier is Tier.HOST,
+        nvme_sections=tuple(s.name for s in (config.offload_param, config.offload_optimizer)
+                            if s.device == "nvme"))
+
+
 def _sizes_of(module: nn.Module, config: InfinityConfig, world_size: int) -> StateSizes:
     return state_sizes(units_of(module, config.zero), stage=config.zero.stage,
                        world_size=world_size, param_bytes=config.precision.param_bytes)
@@ -97,21 +143,15 @@ def host_needs_of(module: nn.Module, config: InfinityConfig, sub_group_numel: in
                       sub_group_numel)
 
 
-def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
-                       world_size: int, data_parallel_size: int | None = None) -> DeviceWorkingSet:
+def device_working_set(choice: UnitChoice, inputs: OffloadInputs) -> DeviceWorkingSet:
     """What the engine allocates on the device beside the store's shard copies, at its peak, for
     the units of ``choice`` ([Note: the 'auto' device budget] in infinity/tiers/_offload_budgets.py).
     The same terms as the ledger's device working buffers (``prefetch_units`` gathered beyond the
-    current unit, a unit's full gradient), counted on the real, padded groups. ``world_size``
-    and ``data_parallel_size`` as in :func:`resolve_offload`."""
-    stage, item = config.zero.stage, config.precision.param_bytes
+    current unit, a unit's full gradient), counted on the real, padded groups."""
+    stage, item, world_size = inputs.stage, inputs.param_bytes, inputs.world_size
     fp32 = DTYPE_BYTES["fp32"]
     gathered, resident, grad_staging, device_state = [], 0, [0], 0
-    opt_on_device = config.offload_optimizer.home_tier is Tier.DEVICE
-    staged = fp32  # [Note: staging in the accumulator's dtype] in infinity/ledger/_estimate.py
-    if stages_in_accumulator_dtype(optimizer_offloaded=not opt_on_device,
-                                   quantized_gradients=config.zero.quantized_gradients):
-        staged = DTYPE_BYTES[host_grad_dtype(config, data_parallel_size or world_size)]
+    opt_on_device = inputs.request.optimizer_home is Tier.DEVICE
     for unit in choice.units:
         for trainable in (True, False):
             numels = [p.numel() for _, p in unit.params if p.requires_grad == trainable]
@@ -126,7 +166,7 @@ def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
             if not trainable:
                 continue
             # [Note: gradient ledger]: staging of the whole unit, and its reduced shard.
-            grad_staging.append((lay.padded_numel + lay.shard_numel) * staged)
+            grad_staging.append((lay.padded_numel + lay.shard_numel) * inputs.grad_staging_bytes)
             if opt_on_device:  # accumulator, master and moments of the partition (fp32)
                 part = lay.shard_numel if stage > 0 else lay.padded_numel
                 device_state += part * (fp32 + SUB_GROUP_BYTES_PER_NUMEL)
@@ -135,23 +175,17 @@ def device_working_set(choice: UnitChoice, config: InfinityConfig, *,
                             grad_bytes=max(grad_staging), optimizer_bytes=device_state)
 
 
-def resolve_offload(choice: UnitChoice, config: InfinityConfig, *, world_size: int,
-                    device: torch.device, data_parallel_size: int | None = None
+def resolve_offload(choice: UnitChoice, inputs: OffloadInputs, *, device: torch.device
                     ) -> OffloadBudgets | None:
-    """The store's budgets for the units of ``choice`` under ``config`` (None when nothing is
-    offloaded); raises ``ValueError`` before any state exists when an explicit budget is too small.
-    ``world_size``: the shard degree the sizes divide by; ``data_parallel_size``: the ranks the
-    gradients are summed over, which decide the accumulators' dtype (None: ``world_size``;
-    [Note: collectives over a mesh] in infinity/zero/_collectives.py)."""
-    sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
-                        param_bytes=config.precision.param_bytes)
-    request = offload_request(config, data_parallel_size or world_size)
-    if borrows_host_copies(config, device, world_size):
+    """The store's budgets for the units of ``choice`` (None when nothing is offloaded); raises
+    ``ValueError`` before any state exists when an explicit budget is too small."""
+    sizes = state_sizes(choice, stage=inputs.stage, world_size=inputs.world_size,
+                        param_bytes=inputs.param_bytes)
+    request = inputs.request
+    if inputs.borrows_host_copies:
         request = dataclasses.replace(request, gathered_units_on_host=DEFAULT_LIVE_UNITS)
     return resolve_offload_budgets(sizes, request, device=device,
-                                   device_working=device_working_set(
-                                       choice, config, world_size=world_size,
-                                       data_parallel_size=data_parallel_size))
+                                   device_working=device_working_set(choice, inputs))
 
 
 def param_reads_of(config: InfinityConfig, device: torch.device, *, shard_world_size: int,
@@ -165,16 +199,6 @@ def param_reads_of(config: InfinityConfig, device: torch.device, *, shard_world_
                        shard_world_size=shard_world_size,
                        exact_gathers=(not zero.quantized_weights and not zero.quantized_frozen_weights
                                       and zero.hpz_partition_size <= 1))
-
-
-def borrows_host_copies(config: InfinityConfig, device: torch.device,
-                        shard_world_size: int) -> bool:
-    """Whether gathered units will live in the host arena, as the budgets see it before they
-    know whether the DEVICE tier holds every shard ([Note: a gathered unit borrows its HOST
-    copy] in infinity/zero/_unit_storage.py)."""
-    reads = param_reads_of(config, device, shard_world_size=shard_world_size,
-                           device_holds_params=False)
-    return reads.borrow and reads.tier is Tier.HOST
 
 
 def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config: SwapperConfig,
@@ -232,20 +256,18 @@ def build_activation_store(device: torch.device, config: InfinityConfig, *, rank
     return store, swapper
 
 
-def check_nvme_space_for(choice: UnitChoice, config: InfinityConfig, budgets: OffloadBudgets, *,
-                         world_size: int, store: TieredStore,
-                         data_parallel_size: int | None = None) -> NvmeBytes:
+def check_nvme_space_for(choice: UnitChoice, inputs: OffloadInputs, budgets: OffloadBudgets, *,
+                         store: TieredStore) -> NvmeBytes:
     """[Note: NVMe space check] in infinity/tiers/_nvme_space.py: raise ``DiskSpaceError`` when
     the file system of ``budgets.nvme_path`` cannot take what the store built from ``budgets``
     (``store``, not yet holding anything) will write for the units of ``choice``, times the ranks
     on this machine (``LOCAL_WORLD_SIZE``, set by torchrun). Returns the bytes checked."""
-    sizes = state_sizes(choice, stage=config.zero.stage, world_size=world_size,
-                        param_bytes=config.precision.param_bytes)
-    need = nvme_bytes(sizes, offload_request(config, data_parallel_size or world_size), budgets,
-                      extent_bytes=store.arena.extent_bytes, header_bytes=store.swapper.header_bytes)
-    fields = " and ".join(s.name for s in (config.offload_param, config.offload_optimizer)
-                          if s.device == "nvme")
-    fix = (f" ({fields}), or keep more state in host memory: a device 'cpu' there"
+    sizes = state_sizes(choice, stage=inputs.stage, world_size=inputs.world_size,
+                        param_bytes=inputs.param_bytes)
+    need = nvme_bytes(sizes, inputs.request, budgets, extent_bytes=store.arena.extent_bytes,
+                      header_bytes=store.swapper.header_bytes)
+    fix = (f" ({' and '.join(inputs.nvme_sections)}), or keep more state in host memory: a "
+           f"device 'cpu' there"
            + (", or a memory.host_budget_bytes that holds the gradients" if need.gradient_bytes
               else ""))
     check_nvme_space([NvmeDemand(budgets.nvme_path, need.file_bytes, need.describe())],
@@ -253,6 +275,7 @@ def check_nvme_space_for(choice: UnitChoice, config: InfinityConfig, budgets: Of
     return need
 
 
-__all__ = ["activation_nvme_path", "activations_need_store", "build_activation_store",
-           "build_store", "check_nvme_space_for", "device_working_set", "host_needs_of",
-           "least_host_budget_bytes", "offload_request", "resolve_offload", "state_sizes"]
+__all__ = ["OffloadInputs", "activation_nvme_path", "activations_need_store",
+           "build_activation_store", "build_store", "check_nvme_space_for", "device_working_set",
+           "host_needs_of", "least_host_budget_bytes", "offload_inputs", "offload_request",
+           "resolve_offload", "state_sizes"]

@@ -15,7 +15,7 @@ from infinity.ledger import estimate_from_config
 from infinity.tiers import Tier
 from infinity.zero import least_host_budget_bytes
 from infinity.zero._grad_reducer import GradientReducer
-from infinity.zero._offload import device_working_set
+from infinity.zero._offload import device_working_set, offload_inputs
 from infinity.zero._unit_choice import units_of
 from tests._support.engine import (TINY, assert_close_run, batches, engine_train, offload_config,
                                    reference_train, tiny_gpt)
@@ -100,6 +100,7 @@ def test_the_ledger_and_the_device_working_set_stage_as_the_engine(tmp_path, gas
     finally:
         engine.close()
     assert staged.itemsize == per_element
-    working = device_working_set(units_of(tiny_gpt(), config.zero), config, world_size=1)
+    working = device_working_set(units_of(tiny_gpt(), config.zero),
+                                 offload_inputs(config, world_size=1, device=torch.device("cpu")))
     # the largest trainable group: its staging and its reduced shard (the whole of it at world 1)
     assert working.grad_bytes == max(2 * g.padded_numel for g in groups) * per_element

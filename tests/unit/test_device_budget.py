@@ -17,7 +17,7 @@ from infinity.ledger import flat_layout
 from infinity.models.gpt import GPT, GPTConfig
 from infinity.tiers import (CUDA_FREE_FRACTION, DeviceWorkingSet, OffloadRequest, StateSizes, Tier,
                             auto_device_budget_bytes, resolve_offload_budgets)
-from infinity.zero._offload import device_working_set
+from infinity.zero._offload import device_working_set, offload_inputs
 from infinity.zero._unit_choice import units_of
 
 WORK = DeviceWorkingSet(gathered_bytes=3 * GiB, resident_bytes=1 * GiB, grad_bytes=2 * GiB,
@@ -69,7 +69,8 @@ def test_engine_working_set_of_a_model():
                           "precision": {"dtype": "bf16"},
                           "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
     choice = units_of(model, config.zero)
-    got = device_working_set(choice, config, world_size=2)
+    got = device_working_set(choice, offload_inputs(config, world_size=2,
+                                                    device=torch.device("cpu")))
     fulls, persistent, grads = [], 0, []
     for unit in choice.units:
         numels = [p.numel() for _, p in unit.params]

@@ -134,14 +134,16 @@ def test_offload_budgets_price_fp32_accumulators_when_only_replicas_reduce():
     import torch
 
     from infinity.ledger import host_grad_dtype
-    from infinity.zero._offload import resolve_offload
+    from infinity.zero._offload import offload_inputs, resolve_offload
     from infinity.zero._unit_choice import units_of
     from tests._support.engine import engine_config, tiny_gpt
 
     config = load_config(engine_config(stage=2, dtype="bf16", offload_optimizer={"device": "cpu"}))
     model = tiny_gpt()
-    budget = {dp: resolve_offload(units_of(model, config.zero), config, world_size=1,
-                                  device=torch.device("cpu"), data_parallel_size=dp
+    cpu = torch.device("cpu")
+    budget = {dp: resolve_offload(units_of(model, config.zero),
+                                  offload_inputs(config, world_size=1, device=cpu,
+                                                 data_parallel_size=dp), device=cpu
                                   ).host_budget_bytes for dp in (1, 4)}
     assert host_grad_dtype(config, 1) == "bf16" and host_grad_dtype(config, 4) == "fp32"
     assert budget[4] - budget[1] >= 2 * sum(p.numel() for p in model.parameters())

@@ -29,7 +29,7 @@ from infinity.tiers import (AUTO_HOST_RAM_FRACTION, AUTO_SUB_GROUP_NUMEL, StateS
                             resolve_offload_budgets)
 from infinity.zero import least_host_budget_bytes
 from infinity.zero._manager_config import CAN_BORROW_STORAGE, DEFAULT_LIVE_UNITS
-from infinity.zero._offload import offload_request, resolve_offload, state_sizes
+from infinity.zero._offload import offload_inputs, offload_request, resolve_offload, state_sizes
 from infinity.zero._unit_choice import choose_units, units_of
 
 CPU = torch.device("cpu")
@@ -99,7 +99,8 @@ def _expected(reference, host, sub="auto"):
 
 def plan_offload(model, config, *, world_size, device):
     """The engine's budget resolution for ``model`` under ``config`` (as ``initialize`` runs it)."""
-    return resolve_offload(units_of(model, config.zero), config, world_size=world_size,
+    return resolve_offload(units_of(model, config.zero),
+                           offload_inputs(config, world_size=world_size, device=device),
                            device=device)
 
 
@@ -248,8 +249,9 @@ def test_auto_host_budget_has_room_for_gathered_units_that_borrow_host_copies(mo
     assert two_ranks.host_budget_bytes == two_ranks_alone.host_budget_bytes
     # Two replicas of unsharded units (HSDP, shard degree 1): each rank's gathers borrow as one
     # rank's do (nothing crosses ranks to gather), so the budget has the same room.
-    replicas = resolve_offload(units_of(model, _config("auto").zero), _config("auto"),
-                               world_size=1, data_parallel_size=2, device=CPU)
+    replicas = resolve_offload(units_of(model, _config("auto").zero),
+                               offload_inputs(_config("auto"), world_size=1, device=CPU,
+                                              data_parallel_size=2), device=CPU)
     replicas_alone = resolve_offload_budgets(sizes, offload_request(_config("auto"), 2),
                                              device=CPU)
     assert replicas.host_budget_bytes == replicas_alone.host_budget_bytes + (
