@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -402,105 +403,11 @@ def _lanes_per_step(after: dict[str, Any], before: dict[str, Any], steps: int
 def main() -> None:
     spec = json.loads(sys.argv[1])
     rank = _join(spec)
-    torch.manual_seed(0)
-    bench_model = step_model(spec["model"])
-    if spec["mode"] == "plain":
-        model = bench_model.build()
-    else:  # as the README builds a model for the engine: on meta, materialised unit by unit
-        with init():  # (bitwise the same values: final_loss matches plain's)
-            model = bench_model.build()
+    bench_model, model = _build(spec)
     runner, stats, close = (_plain if spec["mode"] == "plain" else _ours)(model, spec)
-    times, opt_times, loss, warm = [], [], float("nan"), {}
-    # CPU seconds of every thread of this process per step: on cores shared with other jobs the
-    # wall time swings with their load, the work done (CPU time) much less.
-    cpu_times: list[float] = []
-    # Per timed step: NVMe bytes (read, written), the roofline's disk side, and the CPU seconds of
-    # the engine's own threads (I/O and copies: on 2 cores they compete with the compute).
-    step_moved: list[tuple[int, int]] = []
-    io_thread_cpu: list[dict[str, float]] = []
-    edges: dict[str, list[dict[str, float]]] = {"comm": [], "copy": []}  # [Note: what cannot
-    # hide] in overlap.py, per timed step
-    for i in range(spec["warmup"] + spec["steps"]):
-        before = stats() or {}
-        if i == spec["warmup"]:
-            warm = before
-        gas = spec.get("gradient_accumulation_steps", 1)
-        micro = [bench_model.batch(spec["batch_size"], spec["seq_len"],
-                                   seed=i * gas + m + 100_003 * rank)
-                 for m in range(gas)]  # gas 1: seed i, as before accumulation was measured
-        threads_before = thread_cpu_s()
-        _sync()
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = runner(micro)
-        _sync()
-        if i >= spec["warmup"]:
-            times.append(time.perf_counter() - t0)
-            cpu_times.append(time.process_time() - c0)
-            io_thread_cpu.append(cpu_between(threads_before, thread_cpu_s()))
-            # The optimizer step's share (NVMe optimizer state is read and written there, which
-            # the parameter prefetcher does not hide): step minus it is forward + backward.
-            after = stats() or {}
-            opt_times.append(sum(after.get(k, 0.0) - before.get(k, 0.0)  # deferred: in the forward
-                                 for k in ("optimizer_step_s", "optimizer_deferred_s")))
-            step_moved.append(nvme_moved_bytes(before.get("bytes_moved", {}),
-                                               after.get("bytes_moved", {})))
-            for lane, per_step in edges.items():
-                if after.get(f"{lane}_link_edges_s"):
-                    per_step.append(after[f"{lane}_link_edges_s"])
+    run = _timed_steps(spec, rank, bench_model, runner, stats)
     s = stats() or {}
-    extra: dict[str, Any] = {}
-    if spec["mode"] == "plain":
-        timed_phases = PLAIN_PHASES[spec["warmup"]:]
-        extra["phase_s"] = {k: statistics.median(p[k] for p in timed_phases)
-                            for k in ("forward", "backward", "optimizer")}
-    else:
-        timed_phases = ENGINE_PHASES[spec["warmup"]:]
-        extra["phase_s"] = {k: statistics.median(p[k] for p in timed_phases)
-                            for k in ("forward", "backward", "optimizer")}
-        timed_disk = ENGINE_PHASE_DISK[spec["warmup"]:]
-        if timed_disk and timed_disk[0]["forward"]:  # a swapper: something lives on NVMe
-            extra["phase_disk_busy_s"] = {
-                k: {name: statistics.median(p[k][name] for p in timed_disk)
-                    for name in timed_disk[0][k]} for k in ("forward", "backward", "optimizer")}
-        if s.get("store"):
-            extra["staging"] = _staging(s, warm, len(times))
-        for lane, per_step in edges.items():
-            if per_step:
-                extra[f"{lane}_link_edges_s_per_step"] = {
-                    k: statistics.median(e[k] for e in per_step) for k in ("head_s", "tail_s")}
-    act_nvme = 0
-    if s.get("activations"):  # their NVMe bytes over the timed steps, per step
-        now, then = s["activations"], warm.get("activations") or {}
-        extra["activations_per_step"] = {
-            k: (now[k] - then.get(k, 0)) / len(times)
-            for k in ("nvme_read_bytes", "nvme_written_bytes")}
-        act_nvme = int((now["NVME"]["saved"] - then.get("NVME", {}).get("saved", 0)) / len(times))
-    timed = _timed(s, warm, times)
-    if spec["mode"] == "stage3-nvme-params":
-        timed.update(_param_reads(s, warm, len(times), spec))
-    step_s = statistics.median(times)
-    tokens = spec["batch_size"] * spec["seq_len"] * spec.get("gradient_accumulation_steps", 1)
-    flops = model_flops_per_token(model, bench_model.block_class_name, spec["seq_len"])
-    out = {"mode": spec["mode"], "step_s": step_s, "step_times_s": times,
-           "step_cpu_s": statistics.median(cpu_times), "step_cpu_times_s": cpu_times,
-           "device": str(_device()), "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
-           "model_tflops": flops * tokens / step_s / 1e12,
-           "fwd_bwd_s": statistics.median(t - o for t, o in zip(times, opt_times)),
-           "peak_rss_bytes": peak_rss_bytes(), "final_loss": loss,
-           "num_params": sum(p.numel() for p in model.parameters()),
-           "stall_fraction": timed["stall_fraction"], "hit_rate": timed["hit_rate"], "prefetch_timed": timed,
-           "io_wait_fraction": (s.get("stall_s", 0.0) - warm.get("stall_s", 0.0)) / max(sum(times), 1e-9)
-           if s else 0.0,
-           "bytes_moved": sum(s.get("bytes_moved", {}).values()) if isinstance(
-               s.get("bytes_moved"), dict) else 0,
-           # The timed steps only (the warm-up steps, the first reading cold files, are not
-           # among them): plain PyTorch keeps everything in memory and moves nothing.
-           "nvme_per_step": nvme_per_step(step_moved, s, warm=True,
-                                          activation_bytes=act_nvme) if s else {
-               "read_bytes": 0, "write_bytes": 0},
-           **_io_thread_cpu(io_thread_cpu), **_lanes_per_step(s, warm, len(times)), **extra,
-           "updated_shard_bytes": s.get("updated_shard_bytes", 0) if s else 0,
-           "stats": s}
+    out = _result(spec, model, bench_model, run, s)
     if rank == 0:
         print(json.dumps(out, default=str), flush=True)
     close()  # prefetches may be in flight: stop the store's threads before the interpreter does
@@ -508,6 +415,147 @@ def main() -> None:
         exit_after_distributed(0)  # [Note: gloo teardown at exit] in infinity/_process_exit.py
     if spec["mode"] in NVME_MODES or spec.get("activations") in ("nvme", "auto"):
         shutil.rmtree(os.path.abspath(spec["dir"]), ignore_errors=True)
+
+
+def _build(spec: dict[str, Any]) -> tuple[Any, nn.Module]:
+    """The benchmark's model, seeded: built plainly for plain PyTorch, and, as the README builds
+    a model for the engine, on meta, materialised unit by unit (bitwise the same values:
+    final_loss matches plain's)."""
+    torch.manual_seed(0)
+    bench_model = step_model(spec["model"])
+    if spec["mode"] == "plain":
+        return bench_model, bench_model.build()
+    with init():
+        return bench_model, bench_model.build()
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the timed steps measured, one entry per timed step."""
+
+    times: list[float] = dataclasses.field(default_factory=list)
+    opt_times: list[float] = dataclasses.field(default_factory=list)
+    """The optimizer step's share (deferred updates included): step minus it is fwd + bwd."""
+    cpu_times: list[float] = dataclasses.field(default_factory=list)
+    """CPU seconds of every thread of this process per step: on cores shared with other jobs
+    the wall time swings with their load, the work done (CPU time) much less."""
+    step_moved: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """NVMe bytes (read, written) per step: the roofline's disk side."""
+    io_thread_cpu: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """CPU seconds of the engine's own threads (I/O and copies: on 2 cores they compete with
+    the compute)."""
+    edges: dict[str, list[dict[str, float]]] = dataclasses.field(
+        default_factory=lambda: {"comm": [], "copy": []})
+    """[Note: what cannot hide] in infinity/bench/overlap.py, per timed step."""
+    loss: float = float("nan")
+    warm: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The engine's stats when the warm-up ended (what the timed figures subtract)."""
+
+
+def _timed_steps(spec: dict[str, Any], rank: int, bench_model: Any, runner: Any,
+                 stats: Any) -> _Run:
+    """``warmup`` steps, then ``steps`` timed ones, each measured as :class:`_Run` says."""
+    run = _Run()
+    for i in range(spec["warmup"] + spec["steps"]):
+        before = stats() or {}
+        if i == spec["warmup"]:
+            run.warm = before
+        gas = spec.get("gradient_accumulation_steps", 1)
+        micro = [bench_model.batch(spec["batch_size"], spec["seq_len"],
+                                   seed=i * gas + m + 100_003 * rank)
+                 for m in range(gas)]  # gas 1: seed i, as before accumulation was measured
+        threads_before = thread_cpu_s()
+        _sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        run.loss = runner(micro)
+        _sync()
+        if i >= spec["warmup"]:
+            run.times.append(time.perf_counter() - t0)
+            run.cpu_times.append(time.process_time() - c0)
+            run.io_thread_cpu.append(cpu_between(threads_before, thread_cpu_s()))
+            # NVMe optimizer state is read and written in the optimizer step, which the
+            # parameter prefetcher does not hide.
+            after = stats() or {}
+            run.opt_times.append(sum(after.get(k, 0.0) - before.get(k, 0.0)  # deferred: in the forward
+                                     for k in ("optimizer_step_s", "optimizer_deferred_s")))
+            run.step_moved.append(nvme_moved_bytes(before.get("bytes_moved", {}),
+                                                   after.get("bytes_moved", {})))
+            for lane, per_step in run.edges.items():
+                if after.get(f"{lane}_link_edges_s"):
+                    per_step.append(after[f"{lane}_link_edges_s"])
+    return run
+
+
+def _phases(spec: dict[str, Any], s: dict[str, Any], run: _Run) -> dict[str, Any]:
+    """The timed steps' median phases (forward, backward, optimizer), and for the engine its
+    disk's busy time per phase, its staging and the link's edges."""
+    extra: dict[str, Any] = {}
+    if spec["mode"] == "plain":
+        timed_phases = PLAIN_PHASES[spec["warmup"]:]
+        extra["phase_s"] = {k: statistics.median(p[k] for p in timed_phases)
+                            for k in ("forward", "backward", "optimizer")}
+        return extra
+    timed_phases = ENGINE_PHASES[spec["warmup"]:]
+    extra["phase_s"] = {k: statistics.median(p[k] for p in timed_phases)
+                        for k in ("forward", "backward", "optimizer")}
+    timed_disk = ENGINE_PHASE_DISK[spec["warmup"]:]
+    if timed_disk and timed_disk[0]["forward"]:  # a swapper: something lives on NVMe
+        extra["phase_disk_busy_s"] = {
+            k: {name: statistics.median(p[k][name] for p in timed_disk)
+                for name in timed_disk[0][k]} for k in ("forward", "backward", "optimizer")}
+    if s.get("store"):
+        extra["staging"] = _staging(s, run.warm, len(run.times))
+    for lane, per_step in run.edges.items():
+        if per_step:
+            extra[f"{lane}_link_edges_s_per_step"] = {
+                k: statistics.median(e[k] for e in per_step) for k in ("head_s", "tail_s")}
+    return extra
+
+
+def _activations_per_step(s: dict[str, Any], run: _Run, extra: dict[str, Any]) -> int:
+    """The saved activations' NVMe bytes over the timed steps, per step (into ``extra``);
+    returns the bytes saved to NVMe per step (0 without them)."""
+    if not s.get("activations"):
+        return 0
+    now, then = s["activations"], run.warm.get("activations") or {}
+    extra["activations_per_step"] = {
+        k: (now[k] - then.get(k, 0)) / len(run.times)
+        for k in ("nvme_read_bytes", "nvme_written_bytes")}
+    return int((now["NVME"]["saved"] - then.get("NVME", {}).get("saved", 0)) / len(run.times))
+
+
+def _result(spec: dict[str, Any], model: nn.Module, bench_model: Any, run: _Run,
+            s: dict[str, Any]) -> dict[str, Any]:
+    """The worker's JSON line: the timed steps' figures, the engine's stats after them."""
+    times, warm = run.times, run.warm
+    extra = _phases(spec, s, run)
+    act_nvme = _activations_per_step(s, run, extra)
+    timed = _timed(s, warm, times)
+    if spec["mode"] == "stage3-nvme-params":
+        timed.update(_param_reads(s, warm, len(times), spec))
+    step_s = statistics.median(times)
+    tokens = spec["batch_size"] * spec["seq_len"] * spec.get("gradient_accumulation_steps", 1)
+    flops = model_flops_per_token(model, bench_model.block_class_name, spec["seq_len"])
+    return {"mode": spec["mode"], "step_s": step_s, "step_times_s": times,
+            "step_cpu_s": statistics.median(run.cpu_times), "step_cpu_times_s": run.cpu_times,
+            "device": str(_device()), "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
+            "model_tflops": flops * tokens / step_s / 1e12,
+            "fwd_bwd_s": statistics.median(t - o for t, o in zip(times, run.opt_times)),
+            "peak_rss_bytes": peak_rss_bytes(), "final_loss": run.loss,
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "stall_fraction": timed["stall_fraction"], "hit_rate": timed["hit_rate"], "prefetch_timed": timed,
+            "io_wait_fraction": (s.get("stall_s", 0.0) - warm.get("stall_s", 0.0)) / max(sum(times), 1e-9)
+            if s else 0.0,
+            "bytes_moved": sum(s.get("bytes_moved", {}).values()) if isinstance(
+                s.get("bytes_moved"), dict) else 0,
+            # The timed steps only (the warm-up steps, the first reading cold files, are not
+            # among them): plain PyTorch keeps everything in memory and moves nothing.
+            "nvme_per_step": nvme_per_step(run.step_moved, s, warm=True,
+                                           activation_bytes=act_nvme) if s else {
+                "read_bytes": 0, "write_bytes": 0},
+            **_io_thread_cpu(run.io_thread_cpu), **_lanes_per_step(s, warm, len(times)), **extra,
+            "updated_shard_bytes": s.get("updated_shard_bytes", 0) if s else 0,
+            "stats": s}
 
 
 if __name__ == "__main__":

@@ -68,10 +68,31 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
     torch.manual_seed(0)
     device = torch.device(device)
     opt_device = device if optimizer_device is None else torch.device(optimizer_device)
-    d = config.n_embd
+    block_s, block_forward_s, block_numel = _block_s(config, batch_size=batch_size,
+                                                     seq_len=seq_len, dtype=dtype,
+                                                     repeats=repeats, device=device,
+                                                     checkpointing=checkpointing)
+    ends_s, ends_forward_s = _ends_s(config, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
+                                     repeats=repeats, device=device)
+    forward_backward_s = config.n_layer * block_s + ends_s
+    forward_s = min(config.n_layer * block_forward_s + ends_forward_s, forward_backward_s)
+    numel = config.num_params if trainable_numel is None else trainable_numel
+    adam_s = _adam_s(numel, min(numel, block_numel), dtype=dtype, repeats=repeats,
+                     device=opt_device)
+    return {"forward_backward_s": forward_backward_s, "forward_s": forward_s,
+            "backward_s": forward_backward_s - forward_s, "adam_s": adam_s,
+            "cpu_s": forward_backward_s + adam_s}
+
+
+def _block_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: torch.dtype,
+             repeats: int, device: torch.device, checkpointing: bool
+             ) -> tuple[float, float, int]:
+    """One block's forward + backward (with its recompute when ``checkpointing``), its forward
+    alone, and its parameter count."""
     block = Block(config).to(device=device, dtype=dtype)
     block_numel = sum(p.numel() for p in block.parameters())
-    x = torch.randn(batch_size, seq_len, d, dtype=dtype, device=device, requires_grad=True)
+    x = torch.randn(batch_size, seq_len, config.n_embd, dtype=dtype, device=device,
+                    requires_grad=True)
 
     def block_step() -> None:
         if checkpointing:
@@ -81,8 +102,14 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
 
     block_s = _median_s(block_step, repeats, device)
     block_forward_s = _median_s(lambda: block(x), repeats, device)  # the graph built, not used
-    del block
-    # Embedding, final norm and head (tied or not, the matmul is the same), and the loss.
+    return block_s, block_forward_s, block_numel
+
+
+def _ends_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: torch.dtype,
+            repeats: int, device: torch.device) -> tuple[float, float]:
+    """Embedding, final norm and head (tied or not, the matmul is the same), and the loss:
+    forward + backward, and forward alone."""
+    d = config.n_embd
     wte = torch.nn.Embedding(config.vocab_size, d).to(device=device, dtype=dtype)
     ln_f = torch.nn.LayerNorm(d).to(device=device, dtype=dtype)
     idx = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
@@ -94,26 +121,23 @@ def gpt_compute_s(config: GPTConfig, *, batch_size: int, seq_len: int, dtype: to
                                                  idx.view(-1))
 
     ends_s = _median_s(lambda: ends_forward().backward(), repeats, device)
-    ends_forward_s = _median_s(ends_forward, repeats, device)
-    del wte, ln_f
-    forward_backward_s = config.n_layer * block_s + ends_s
-    forward_s = min(config.n_layer * block_forward_s + ends_forward_s, forward_backward_s)
-    numel = config.num_params if trainable_numel is None else trainable_numel
-    chunk = min(numel, block_numel)
-    master, grad = (torch.randn(chunk, device=opt_device) for _ in range(2))
-    m, v = (torch.zeros(chunk, device=opt_device) for _ in range(2))
-    out = (torch.empty(chunk, dtype=dtype, device=opt_device) if dtype != torch.float32
+    return ends_s, _median_s(ends_forward, repeats, device)
+
+
+def _adam_s(numel: int, chunk: int, *, dtype: torch.dtype, repeats: int,
+            device: torch.device) -> float:
+    """The engine's Adam over ``numel`` elements, timed on a ``chunk`` of them and scaled."""
+    master, grad = (torch.randn(chunk, device=device) for _ in range(2))
+    m, v = (torch.zeros(chunk, device=device) for _ in range(2))
+    out = (torch.empty(chunk, dtype=dtype, device=device) if dtype != torch.float32
            else None)
-    kernel = adam_kernel_for(opt_device)  # the engine's: the CPU kernel, or the device's step
+    kernel = adam_kernel_for(device)  # the engine's: the CPU kernel, or the device's step
 
     def adam() -> None:
         kernel(master, grad, m, v, step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
                weight_decay=0.01, out=out)
 
-    adam_s = _median_s(adam, repeats, opt_device) * numel / max(chunk, 1)
-    return {"forward_backward_s": forward_backward_s, "forward_s": forward_s,
-            "backward_s": forward_backward_s - forward_s, "adam_s": adam_s,
-            "cpu_s": forward_backward_s + adam_s}
+    return _median_s(adam, repeats, device) * numel / max(chunk, 1)
 
 
 def nvme_moved_bytes(before: Mapping[str, int], after: Mapping[str, int]) -> tuple[int, int]:

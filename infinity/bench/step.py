@@ -63,6 +63,9 @@ from infinity.bench.plot import save_plot
 from infinity.bench.progress import progress
 from infinity.bench.report import Report, add_common_arguments
 
+from infinity.bench._step_roofline import (disk_bandwidth, disk_record, roofline_columns,
+                                           roofline_notes)
+
 if TYPE_CHECKING:  # the module imports no torch until run
     from infinity.bench.roofline import DiskBandwidth
 
@@ -73,8 +76,6 @@ host memory, the device budget bounded) against the same configuration with ever
 host memory; ``x_params_in_memory`` is the first's step time over the second's."""
 PARAMS_REF = "stage3-mem-params"
 DS_MODES = ("ds-stage3", "ds-stage3-cpu", "ds-stage3-nvme")
-DS_MEMORY_MODES = ("ds-stage3", "ds-stage3-cpu")
-"""DeepSpeed modes that touch no NVMe (its worker counts no bytes: ds-stage3-nvme's are unknown)."""
 USER_MODE = "user-config"
 """The engine under ``--ds-config FILE`` as the user wrote it."""
 NATIVE_MODE = "stage3"
@@ -87,6 +88,25 @@ QUICK_ARGS = ("--model", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _workload_arguments(parser)
+    _mode_arguments(parser)
+    _link_arguments(parser)
+    parser.add_argument("--activations", choices=("none", "device", "host", "nvme", "auto"),
+                        default="none",
+                        help="activation checkpointing of the model's blocks and where their "
+                        "saved inputs live (activation_checkpointing.offload; 'device': kept "
+                        "where torch keeps them); plain PyTorch checkpoints the same blocks "
+                        "(torch.utils.checkpoint), so the roofline's compute has the recompute "
+                        "and its disk side the activations' NVMe bytes")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw a per-step timeline (compute, I/O, stall) per mode "
+                        "(needs pip install 'infinity[plot]')")
+    add_common_arguments(parser)
+
+
+def _workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """What one step is: the model, its batch, its dtype, and how many steps are timed."""
     parser.add_argument("--model", default="small", help="GPT preset (tiny, small, medium, 135m, "
                         "gpt2-124m, 350m, 1b) or Hugging Face model built from its config "
                         "(hf-llama-135m: SmolLM-135M's shape, hf-gpt2-124m: GPT-2 small; "
@@ -107,6 +127,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "infinity train --dtype auto)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+
+
+def _mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which modes run, how often, and where they keep their files."""
     parser.add_argument("--modes", default=None,
                         help="comma-separated subset of plain, "
                         + ", ".join(OURS_MODES + PARAMS_MODES + DS_MODES + (USER_MODE,))
@@ -128,6 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode-timeout-s", type=float, default=None,
                         help="stop a mode's worker after this many seconds and report it as an "
                         "error (the other modes still run; default: no limit)")
+
+
+def _link_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several ranks over a modeled link (infinity/bench/overlap.py)."""
     parser.add_argument("--world-size", type=int, default=1,
                         help="ranks (gloo processes on this machine) for the --link-gbps "
                         "comparison; default 1")
@@ -147,18 +175,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", choices=("fp32", "compute"), default="fp32",
                         help="the engine's precision.reduce_dtype: gradients cross ranks in fp32 "
                         "(default) or in the compute dtype (FSDP2's and DeepSpeed's default)")
-    parser.add_argument("--activations", choices=("none", "device", "host", "nvme", "auto"),
-                        default="none",
-                        help="activation checkpointing of the model's blocks and where their "
-                        "saved inputs live (activation_checkpointing.offload; 'device': kept "
-                        "where torch keeps them); plain PyTorch checkpoints the same blocks "
-                        "(torch.utils.checkpoint), so the roofline's compute has the recompute "
-                        "and its disk side the activations' NVMe bytes")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="draw a per-step timeline (compute, I/O, stall) per mode "
-                        "(needs pip install 'infinity[plot]')")
-    add_common_arguments(parser)
 
 
 def _worker_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -287,6 +303,23 @@ def run(args: argparse.Namespace) -> int:
         return overlap.run(args, _worker_args(args))
     modes = resolve_modes(args)
     rounds = max(1, args.rounds)
+    per_mode = _run_rounds(args, modes, rounds)
+    results = [_median_round(per_mode[m]) for m in modes]
+    plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)
+    disk, disk_error = disk_bandwidth(results, args.dir)
+    rows = _rows(per_mode, results, plain, disk)
+    report = _report(args, modes, rounds, per_mode, results, rows, plain, disk, disk_error)
+    if args.plot:
+        written, message = _plot(results, args.plot)
+        print(message, file=sys.stderr)  # stderr: keeps --json stdout one document
+        report.extra["plot"] = args.plot if written else None
+    report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
+    return 0 if all("error" not in r for r in results if not r["mode"].startswith("ds-")) else 1
+
+
+def _run_rounds(args: argparse.Namespace, modes: list[str], rounds: int
+                ) -> dict[str, list[dict[str, Any]]]:
+    """Each mode's worker once per round: mode -> its result per round."""
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     bar = progress(len(modes) * rounds, desc="bench step")
     for k in range(rounds):
@@ -299,11 +332,15 @@ def run(args: argparse.Namespace) -> int:
                             refresh=False)
             bar.update(1)
     bar.close()
-    results = [_median_round(per_mode[m]) for m in modes]
-    plain = next((r for r in results if r["mode"] == "plain" and "error" not in r), None)
-    disk, disk_error = _disk_bandwidth(results, args.dir)
+    return per_mode
+
+
+def _rows(per_mode: dict[str, list[dict[str, Any]]], results: list[dict[str, Any]],
+          plain: dict[str, Any] | None, disk: DiskBandwidth | None) -> list[dict[str, Any]]:
+    """The table's rows: each mode's median round, its ratios (paired per round) and its
+    roofline; the user's config also against the tuned native one."""
     rows = [_row(r, plain, _params_ratio(per_mode, r["mode"]), _paired_x(per_mode, r["mode"], "plain"))
-            | _roofline_columns(r, plain, disk) for r in results]
+            | roofline_columns(r, plain, disk) for r in results]
     native = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1)
     native_cpu = _paired_x(per_mode, USER_MODE, NATIVE_MODE, min_pairs=1, key="step_cpu_s")
     for row in rows:  # the user's config against the tuned native one (issue #15's 3 %)
@@ -313,44 +350,54 @@ def run(args: argparse.Namespace) -> int:
         if row["mode"] == USER_MODE and native is not None:
             row["x_native"] = native
             row["cpu_x_native"] = native_cpu
+    return rows
+
+
+def _report(args: argparse.Namespace, modes: list[str], rounds: int,
+            per_mode: dict[str, list[dict[str, Any]]], results: list[dict[str, Any]],
+            rows: list[dict[str, Any]], plain: dict[str, Any] | None, disk: DiskBandwidth | None,
+            disk_error: str | None) -> Report:
+    """The report of the run: its title, the rows, the raw results and the notes."""
     columns = list(dict.fromkeys(k for row in rows for k in row))  # later rows may add columns
     gas = args.gradient_accumulation_steps
     kind = "" if args.model.startswith("hf-") else "GPT "
-    report = Report(name="step", title=f"infinity bench step: {kind}{args.model}, {args.dtype}, "
-                    f"batch {args.batch_size} x {args.seq_len}"
-                    + (f" x {gas} micro-batches" if gas > 1 else "")
-                    + (f", {USER_MODE} {os.path.basename(args.ds_config)}" if args.ds_config else "")
-                    + f", median of {args.steps} steps"
-                    + (f", median of {rounds} rounds" if rounds > 1 else ""),
-                    rows=rows, columns=columns, params={**_worker_args(args), "rounds": rounds, "modes": modes},
-                    extra={"raw": results, "disk": _disk_record(disk, disk_error)} | (
-                        {} if rounds == 1 else {"rounds_raw": [r for m in modes for r in per_mode[m]]}),
-                    notes=["x_plain: step time / plain PyTorch step time (same run; with --rounds, "
-                           "the median of the per-round ratios)",
-                           *([f"{USER_MODE}: the engine under {args.ds_config} as written; a step "
-                              f"is one optimizer step ({gas} micro-batch(es)) in every mode"]
-                             if args.ds_config else []),
-                           "tokens_per_s: tokens of one step / step time; model_tflops: the "
-                           "model's training FLOPs (6 per weight per token in the matmuls, plus "
-                           "attention) / step time, in TFLOP/s",
-                           *([f"x_native: {USER_MODE} step time / {NATIVE_MODE}'s (the tuned "
-                              f"native config, the model's blocks as units), paired per round, "
-                              f"median over rounds; cpu_x_native: the same of the CPU seconds "
-                              f"per step (all threads), steadier than wall time on cores shared "
-                              f"with other jobs"] if any("x_native" in r for r in rows) else []),
-                           "step_cpu_s: CPU seconds per step of the mode's process (all "
-                           "threads); cpu_x_plain: its ratio to plain PyTorch's, paired per "
-                           "round like x_plain",
-                           "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
-                           "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
-                           *_roofline_notes(disk, disk_error, plain),
-                           *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])])
-    if args.plot:
-        written, message = _plot(results, args.plot)
-        print(message, file=sys.stderr)  # stderr: keeps --json stdout one document
-        report.extra["plot"] = args.plot if written else None
-    report.emit(as_json=args.json, results_dir=args.results_dir, save=not args.no_save)
-    return 0 if all("error" not in r for r in results if not r["mode"].startswith("ds-")) else 1
+    return Report(name="step", title=f"infinity bench step: {kind}{args.model}, {args.dtype}, "
+                  f"batch {args.batch_size} x {args.seq_len}"
+                  + (f" x {gas} micro-batches" if gas > 1 else "")
+                  + (f", {USER_MODE} {os.path.basename(args.ds_config)}" if args.ds_config else "")
+                  + f", median of {args.steps} steps"
+                  + (f", median of {rounds} rounds" if rounds > 1 else ""),
+                  rows=rows, columns=columns, params={**_worker_args(args), "rounds": rounds, "modes": modes},
+                  extra={"raw": results, "disk": disk_record(disk, disk_error)} | (
+                      {} if rounds == 1 else {"rounds_raw": [r for m in modes for r in per_mode[m]]}),
+                  notes=_notes(args, rows, results, plain, disk, disk_error))
+
+
+def _notes(args: argparse.Namespace, rows: list[dict[str, Any]], results: list[dict[str, Any]],
+           plain: dict[str, Any] | None, disk: DiskBandwidth | None, disk_error: str | None
+           ) -> list[str]:
+    """What each column means, with the notes of the modes that ran."""
+    gas = args.gradient_accumulation_steps
+    return ["x_plain: step time / plain PyTorch step time (same run; with --rounds, "
+            "the median of the per-round ratios)",
+            *([f"{USER_MODE}: the engine under {args.ds_config} as written; a step "
+               f"is one optimizer step ({gas} micro-batch(es)) in every mode"]
+              if args.ds_config else []),
+            "tokens_per_s: tokens of one step / step time; model_tflops: the "
+            "model's training FLOPs (6 per weight per token in the matmuls, plus "
+            "attention) / step time, in TFLOP/s",
+            *([f"x_native: {USER_MODE} step time / {NATIVE_MODE}'s (the tuned "
+               f"native config, the model's blocks as units), paired per round, "
+               f"median over rounds; cpu_x_native: the same of the CPU seconds "
+               f"per step (all threads), steadier than wall time on cores shared "
+               f"with other jobs"] if any("x_native" in r for r in rows) else []),
+            "step_cpu_s: CPU seconds per step of the mode's process (all "
+            "threads); cpu_x_plain: its ratio to plain PyTorch's, paired per "
+            "round like x_plain",
+            "rss_x_plain: peak RSS / plain PyTorch's peak RSS",
+            "stall_frac, hit_rate: over the timed steps (after the warm-up steps)",
+            *roofline_notes(disk, disk_error, plain),
+            *(PARAMS_NOTES if any(r["mode"] in PARAMS_MODES for r in results) else [])]
 
 
 PARAMS_NOTES = [
@@ -421,121 +468,6 @@ def _row(r: dict[str, Any], plain: dict[str, Any] | None, params: dict[str, Any]
         row["read_lt_compute"] = (row["param_read_s"] < row["compute_s"]
                                   if row["param_read_s"] is not None and row["compute_s"] else None)
     return row
-
-
-def _disk_bandwidth(results: list[dict[str, Any]], directory: str
-                    ) -> tuple[DiskBandwidth | None, str | None]:
-    """The raw direct-I/O bandwidths of ``directory`` and an error message: probed once, after
-    every mode has finished (nothing else of this run is on the disk then); (None, None) when no
-    mode moved NVMe bytes (a disk time of 0 needs no bandwidth). A failed probe is reported, not
-    raised: the modes' own figures stand without it."""
-    from infinity.bench.roofline import probe_disk  # deferred: imports torch
-
-    if not any(sum(_nvme_bytes(r) or (0, 0)) for r in results):
-        return None, None
-    path = os.path.abspath(directory)
-    existed = os.path.isdir(path)  # the NVMe modes remove their swap files (and the folder)
-    try:
-        return probe_disk(path), None
-    except OSError as e:
-        return None, f"disk probe of {path} failed: {e}"
-    finally:
-        if not existed:
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
-
-
-def _nvme_bytes(r: dict[str, Any]) -> tuple[int, int] | None:
-    """A record's NVMe bytes (read, written) per timed step; None where they are unknown (an
-    error, or DeepSpeed's NVMe mode: its worker counts none)."""
-    if "error" in r:
-        return None
-    moved = r.get("nvme_per_step")
-    if moved is None:
-        return (0, 0) if r["mode"] in DS_MEMORY_MODES else None
-    return moved["read_bytes"], moved["write_bytes"]
-
-
-def _roofline_columns(r: dict[str, Any], plain: dict[str, Any] | None,
-                      disk: DiskBandwidth | None) -> dict[str, Any]:
-    """The row's roofline (issue #16): its NVMe bytes per step, disk_s at the probed bandwidths,
-    cpu_s, roofline_s = max(cpu_s, disk_s), the bound and x_roofline = step_s / roofline_s, by
-    :func:`infinity.bench.roofline.roofline` (the formula ``infinity train`` uses)."""
-    from infinity.bench.roofline import roofline, staging_bound  # deferred: imports torch
-
-    moved = _nvme_bytes(r)
-    if moved is None:
-        return {}
-    read, write = moved
-    cols: dict[str, Any] = {"nvme_read_mib_per_step": read / 2**20,
-                            "nvme_write_mib_per_step": write / 2**20}
-    acts = r.get("activations_per_step")
-    if acts:  # [Note: saved activations are shards of the store]: their share of those bytes
-        cols |= {"act_nvme_read_mib_per_step": acts["nvme_read_bytes"] / 2**20,
-                 "act_nvme_write_mib_per_step": acts["nvme_written_bytes"] / 2**20}
-    threads = {"io_threads_cpu_s": r.get("io_threads_cpu_s")}  # the last column
-    if disk is not None and (read or write):  # [GPU-proxy row]: the step against its disk time
-        cols["x_disk"] = r["step_s"] / disk.seconds(read, write)
-    if plain is None or (disk is None and (read or write)):
-        return cols | threads  # no CPU time to divide by, or no bandwidth (the probe failed)
-    # CPU time: plain PyTorch's median step. It is this very model's forward, backward and
-    # optimizer step with every weight in memory, on the same batches and threads, measured in
-    # the same run; infinity train's per-unit estimate (gpt_compute_s) exists for models that do
-    # not fit in memory, which a bench step model always does (plain ran it). On a GPU machine
-    # plain computes on the GPU, so there "cpu_s" is the compute side of the roofline all the same.
-    line = roofline(cpu_s=plain["step_s"], read_bytes=read, write_bytes=write, disk=disk,
-                    step_s=r["step_s"])
-    cols |= {k: line[k] for k in ("disk_s", "cpu_s", "roofline_s", "bound", "x_roofline")}
-    staging, phases = r.get("staging"), plain.get("phase_s")
-    if staging and phases and disk is not None and staging["window_read_bytes"]:
-        # The optimizer on NVMe: what the host budget lets the disk do outside the update window.
-        bound = staging_bound(forward_s=phases["forward"], backward_s=phases["backward"],
-                              optimizer_s=phases["optimizer"], disk=disk,
-                              roofline_s=line["roofline_s"], step_s=r["step_s"],
-                              window_read_bytes=staging["window_read_bytes"],
-                              window_write_bytes=staging["window_write_bytes"],
-                              staging_room_bytes=staging["staging_room_bytes"])
-        cols |= {k: bound[k] for k in ("staging_bound_s", "x_staging_bound")}
-    return cols | threads
-
-
-def _disk_record(disk: DiskBandwidth | None, error: str | None) -> dict[str, Any] | None:
-    if disk is None:
-        return {"error": error} if error else None
-    return {"read_bytes_per_s": disk.read_bytes_per_s, "write_bytes_per_s": disk.write_bytes_per_s,
-            "mixed_read_bytes_per_s": disk.mixed_read_bytes_per_s,
-            "mixed_write_bytes_per_s": disk.mixed_write_bytes_per_s, "direct_io": disk.direct}
-
-
-def _mixed_words(disk: DiskBandwidth) -> str:
-    if not (disk.mixed_read_bytes_per_s and disk.mixed_write_bytes_per_s):
-        return "both at once not probed"
-    return (f"{disk.mixed_read_bytes_per_s / 1e9:.2f} read + "
-            f"{disk.mixed_write_bytes_per_s / 1e9:.2f} write GB/s both at once")
-
-
-def _roofline_notes(disk: DiskBandwidth | None, error: str | None, plain: dict[str, Any] | None) -> list[str]:
-    probed = (f"{disk.read_bytes_per_s / 1e9:.2f} GB/s read, {disk.write_bytes_per_s / 1e9:.2f} "
-              f"GB/s write alone, {_mixed_words(disk)}"
-              f"{'' if disk.direct else ' (buffered: O_DIRECT refused)'}, raw probe of "
-              f"--dir in this run" if disk is not None else
-              error or "not probed: no mode moved NVMe bytes")
-    return ["x_roofline: step_s / roofline_s, roofline_s = max(cpu_s, disk_s); cpu_s: plain "
-            "PyTorch's median step (everything in memory); disk_s: the least time the disk reads "
-            "and writes a step's NVMe bytes, one direction after the other or both at once "
-            f"(the mixed disk roofline) ({probed})"
-            + ("" if plain else "; no roofline without the plain mode: add plain to --modes"),
-            "x_staging_bound: step_s / staging_bound_s (optimizer on NVMe): with exact clipping "
-            "every update falls between the end of a backward and the end of the next forward, "
-            "and the host budget stages only so much of the optimizer's NVMe traffic outside that "
-            "window; staging_bound_s = max(roofline_s, plain backward + max(plain forward + "
-            "optimizer, the disk's least time for R - H read and W - H written, as disk_s)), R, W "
-            "the optimizer's NVMe bytes per step, H the host budget less its homed bytes "
-            "([Note: the staging bound] in infinity/bench/roofline.py)",
-            "io_threads_cpu_s: CPU seconds per step of the engine's own threads (swapper I/O, "
-            "store copies), CPU the compute does not get"]
 
 
 def _plot(results: list[dict[str, Any]], path: str) -> tuple[bool, str]:

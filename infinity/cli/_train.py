@@ -22,7 +22,7 @@ import os
 import shutil
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -31,12 +31,13 @@ from infinity._common import format_bytes
 from infinity._compute_dtype import auto_compute_dtype
 from infinity._dtypes import torch_dtype
 from infinity.bench.progress import progress
-from infinity.bench.report import format_table, peak_rss_bytes
+from infinity.bench.report import peak_rss_bytes
 from infinity.bench.roofline import (OPTIMIZER_KINDS, gpt_compute_s, init_roofline,
                                      nvme_moved_bytes, nvme_per_step, probe_disk, roofline,
                                      staging_bound, steady_steps)
 from infinity.cli._consolidate import parse_bytes
 from infinity.cli._resume_check import ResumeCheck, deterministic_kernels
+from infinity.cli._train_report import print_summary
 from infinity.config import AUTO, DTYPE_BYTES, load_config
 from infinity.ledger import ModelShape, Tier, activation_bytes, estimate_from_config
 from infinity.models.data import VOCAB_SIZE, text_batch, text_corpus
@@ -215,6 +216,38 @@ def _model_config(args: argparse.Namespace) -> GPTConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    gpt_config = _resolve_run(args)
+    batch = _batch_source(args, gpt_config)
+    # Before the first kernel: bitwise resumption needs deterministic ones on a GPU.
+    kernels = deterministic_kernels() if args.resume_check else None
+    torch.manual_seed(args.seed)
+    built = _build(args, gpt_config)
+    engine, config = built.engine, built.engine.config
+    ledger = _ledger(built)
+    micro_steps = args.steps * args.grad_accum
+    check = (ResumeCheck(os.path.join(args.dir, "checkpoint"), (args.steps // 2) * args.grad_accum,
+                         kernels=kernels) if args.resume_check else None)
+    try:
+        log = _train_steps(engine, args, batch, check)
+        summary = _report(built, ledger, log, args, gpt_config)
+        if check is not None:
+            summary["resume_check"] = check.finish(engine, batch, log.losses, micro_steps)
+    finally:
+        engine.close()
+        swap_dirs = {s.nvme_path for s in (config.offload_param, config.offload_optimizer)
+                     if s.device == "nvme"} | {config.activation_checkpointing.nvme_path}
+        if os.path.abspath(args.dir) in swap_dirs and not args.config:
+            shutil.rmtree(os.path.abspath(args.dir), ignore_errors=True)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print_summary(summary)
+    return 0
+
+
+def _resolve_run(args: argparse.Namespace) -> GPTConfig:
+    """The model's shape and the compute dtype, checked; sets ``args.dtype_reason`` and
+    ``args.gpt_config`` for the summary."""
     gpt_config = _model_config(args)
     args.dtype_reason = f"--dtype {args.dtype}"
     # [Note: bf16 where the device computes it] in infinity/_compute_dtype.py
@@ -228,6 +261,12 @@ def run(args: argparse.Namespace) -> int:
                     args.seq_len, args.model, gpt_config.block_size, args.seq_len)
         gpt_config = dataclasses.replace(gpt_config, block_size=args.seq_len)
     args.gpt_config = gpt_config
+    return gpt_config
+
+
+def _batch_source(args: argparse.Namespace, gpt_config: GPTConfig) -> Callable[[int], Any]:
+    """``batch(i)``: micro-batch ``i`` (``--data``: the text corpus or synthetic tokens), the
+    same for the same seed."""
     use_text = args.data == "text" or (args.data == "auto" and gpt_config.vocab_size == VOCAB_SIZE)
     if use_text and gpt_config.vocab_size < VOCAB_SIZE:
         raise ValueError(f"--data text needs a vocabulary of at least {VOCAB_SIZE}; the {args.model} "
@@ -239,10 +278,24 @@ def run(args: argparse.Namespace) -> int:
         if corpus is not None:
             return text_batch(corpus, args.batch_size, args.seq_len, seed=seed)
         return synthetic_batch(gpt_config, args.batch_size, args.seq_len, seed=seed)
+    return batch
 
-    # Before the first kernel: bitwise resumption needs deterministic ones on a GPU.
-    kernels = deterministic_kernels() if args.resume_check else None
-    torch.manual_seed(args.seed)
+
+@dataclasses.dataclass
+class _Built:
+    """The model and its engine as :func:`_build` made them, with what their making cost."""
+
+    model: GPT
+    engine: Any
+    numel: int
+    init_s: float
+    init_state: dict[str, int]
+    """What the init roofline prices: random values drawn, state bytes written to NVMe."""
+
+
+def _build(args: argparse.Namespace, gpt_config: GPTConfig) -> _Built:
+    """Build the model on meta and let ``initialize`` materialise it unit by unit, with a
+    progress bar (units built, GB written, ETA)."""
     t_init = time.perf_counter()
     with init() as recording:  # built on meta; initialize materialises it unit by unit (same values)
         model = GPT(gpt_config)
@@ -260,84 +313,96 @@ def run(args: argparse.Namespace) -> int:
     init_s = time.perf_counter() - t_init
     init_state = {"random_numel": recording.random_numel,
                   "nvme_state_bytes": int(engine.stats()["bytes"]["NVME"]["current"])}
-    config = engine.config
-    unit_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
-    stats = engine.stats()
-    ledger = estimate_from_config(config, numel, stats["world_size"], unit_numel=unit_numel,
-                                  optimizer_host_resident_bytes=stats["optimizer_host_resident_bytes"],
-                                  grads_on_nvme=stats["grads_on_nvme"],
-                                  device_holds_params=stats["device_holds_params"],
-                                  sub_group_numel=stats["sub_group_numel"])
+    return _Built(model=model, engine=engine, numel=numel, init_s=init_s, init_state=init_state)
 
-    micro_steps = args.steps * args.grad_accum
-    check = (ResumeCheck(os.path.join(args.dir, "checkpoint"), (args.steps // 2) * args.grad_accum,
-                         kernels=kernels) if args.resume_check else None)
-    bar = progress(args.steps, desc="train")
-    step_times: list[float] = []
-    losses: list[float] = []
-    step_moved: list[tuple[int, int]] = []
+
+def _ledger(built: _Built) -> Any:
+    """The estimator's ledger of the engine's resolved plan (what the summary compares with)."""
+    engine = built.engine
+    unit_numel = max(sum(p.numel() for p in b.parameters()) for b in built.model.blocks)
+    stats = engine.stats()
+    return estimate_from_config(engine.config, built.numel, stats["world_size"],
+                                unit_numel=unit_numel,
+                                optimizer_host_resident_bytes=stats["optimizer_host_resident_bytes"],
+                                grads_on_nvme=stats["grads_on_nvme"],
+                                device_holds_params=stats["device_holds_params"],
+                                sub_group_numel=stats["sub_group_numel"])
+
+
+@dataclasses.dataclass
+class _StepLog:
+    """What the training loop measured, per optimizer step (and per micro-step for losses)."""
+
+    losses: list[float] = dataclasses.field(default_factory=list)
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    step_moved: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     """NVMe bytes (read, written) of each step."""
+    step_kinds: list[dict[str, dict[str, int]]] = dataclasses.field(default_factory=list)
+    """NVMe bytes of each step per kind of state (param, opt, grad)."""
+    wall_s: float = 0.0
+
+
+def _train_steps(engine: Any, args: argparse.Namespace, batch: Callable[[int], Any],
+                 check: ResumeCheck | None) -> _StepLog:
+    """``--steps`` optimizer steps of ``--grad-accum`` micro-batches each, timed per step, with
+    the NVMe bytes each step moved; a progress bar shows loss, step time, traffic and stall."""
+    micro_steps = args.steps * args.grad_accum
+    bar = progress(args.steps, desc="train")
+    log = _StepLog()
     t_start = time.perf_counter()
-    try:
-        t0 = time.perf_counter()
-        moved = engine.stats()["bytes_moved"]
-        kinds = engine.stats()["nvme_bytes_by_kind"]
-        step_kinds: list[dict[str, dict[str, int]]] = []
-        """NVMe bytes of each step per kind of state (param, opt, grad)."""
-        for i in range(micro_steps):
-            x, y = batch(i)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.item()))
-            if (i + 1) % args.grad_accum == 0:
-                if i + 1 == micro_steps:  # the last update would wait for a forward that never comes
-                    engine.finish_step()
-                step_times.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                s = engine.stats()
-                before, moved = moved, s["bytes_moved"]
-                step_moved.append(nvme_moved_bytes(before, moved))
-                kinds_before, kinds = kinds, s["nvme_bytes_by_kind"]
-                step_kinds.append({k: {way: n - kinds_before.get(k, {}).get(way, 0)
+    t0 = time.perf_counter()
+    moved = engine.stats()["bytes_moved"]
+    kinds = engine.stats()["nvme_bytes_by_kind"]
+    for i in range(micro_steps):
+        x, y = batch(i)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        log.losses.append(float(loss.item()))
+        if (i + 1) % args.grad_accum == 0:
+            if i + 1 == micro_steps:  # the last update would wait for a forward that never comes
+                engine.finish_step()
+            log.step_times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            s = engine.stats()
+            before, moved = moved, s["bytes_moved"]
+            log.step_moved.append(nvme_moved_bytes(before, moved))
+            kinds_before, kinds = kinds, s["nvme_bytes_by_kind"]
+            log.step_kinds.append({k: {way: n - kinds_before.get(k, {}).get(way, 0)
                                        for way, n in v.items()} for k, v in kinds.items()})
-                elapsed = time.perf_counter() - t_start
-                bar.set_postfix(loss=f"{losses[-1]:.4g}", step_s=f"{step_times[-1]:.3g}",
-                                nvme_read=format_bytes(moved.get("NVME->HOST", 0)),
-                                nvme_write=format_bytes(moved.get("HOST->NVME", 0)),
-                                stall=f"{s['stall_s'] / max(elapsed, 1e-9):.1%}", refresh=False)
-                bar.update(1)
-            if check is not None and check.maybe_save(engine, i + 1):
-                t0 = time.perf_counter()  # the save is not part of the next step's time
-        bar.close()
-        summary = _summary(engine, ledger, numel, losses, step_times, time.perf_counter() - t_start,
-                           args)
-        summary["init_s"] = init_s
-        summary["init_state"] = init_state
-        summary["peak_rss_bytes"] = peak_rss_bytes()  # before the probes below allocate
-        summary["activations"] = _activations_summary(engine, args, micro_steps)
-        summary["nvme_per_step"] = nvme_per_step(
-            step_moved, engine.stats(),
-            activation_bytes=summary["activations"]["measured"]["nvme_saved_bytes_per_step"]
-            if summary["activations"] else 0)
-        summary["nvme_per_step"]["by_step"] = [
-            {"step_s": t, "read_bytes": r, "write_bytes": w, "by_kind": k}
-            for t, (r, w), k in zip(step_times, step_moved, step_kinds)]
-        if not args.no_roofline and args.offload == "nvme":
-            summary["roofline"] = _roofline(args, gpt_config, summary, engine)
-        if check is not None:
-            summary["resume_check"] = check.finish(engine, batch, losses, micro_steps)
-    finally:
-        engine.close()
-        swap_dirs = {s.nvme_path for s in (config.offload_param, config.offload_optimizer)
-                     if s.device == "nvme"} | {config.activation_checkpointing.nvme_path}
-        if os.path.abspath(args.dir) in swap_dirs and not args.config:
-            shutil.rmtree(os.path.abspath(args.dir), ignore_errors=True)
-    if args.json:
-        print(json.dumps(summary, indent=2, default=str))
-    else:
-        _print_summary(summary)
-    return 0
+            elapsed = time.perf_counter() - t_start
+            bar.set_postfix(loss=f"{log.losses[-1]:.4g}", step_s=f"{log.step_times[-1]:.3g}",
+                            nvme_read=format_bytes(moved.get("NVME->HOST", 0)),
+                            nvme_write=format_bytes(moved.get("HOST->NVME", 0)),
+                            stall=f"{s['stall_s'] / max(elapsed, 1e-9):.1%}", refresh=False)
+            bar.update(1)
+        if check is not None and check.maybe_save(engine, i + 1):
+            t0 = time.perf_counter()  # the save is not part of the next step's time
+    bar.close()
+    log.wall_s = time.perf_counter() - t_start
+    return log
+
+
+def _report(built: _Built, ledger: Any, log: _StepLog, args: argparse.Namespace,
+            gpt_config: GPTConfig) -> dict[str, Any]:
+    """The run's summary: the ledger against the measured tiers, the steps' times and NVMe
+    bytes, the activations and (NVMe runs) the roofline."""
+    engine, micro_steps = built.engine, args.steps * args.grad_accum
+    summary = _summary(engine, ledger, built.numel, log.losses, log.step_times, log.wall_s, args)
+    summary["init_s"] = built.init_s
+    summary["init_state"] = built.init_state
+    summary["peak_rss_bytes"] = peak_rss_bytes()  # before the probes below allocate
+    summary["activations"] = _activations_summary(engine, args, micro_steps)
+    summary["nvme_per_step"] = nvme_per_step(
+        log.step_moved, engine.stats(),
+        activation_bytes=summary["activations"]["measured"]["nvme_saved_bytes_per_step"]
+        if summary["activations"] else 0)
+    summary["nvme_per_step"]["by_step"] = [
+        {"step_s": t, "read_bytes": r, "write_bytes": w, "by_kind": k}
+        for t, (r, w), k in zip(log.step_times, log.step_moved, log.step_kinds)]
+    if not args.no_roofline and args.offload == "nvme":
+        summary["roofline"] = _roofline(args, gpt_config, summary, engine)
+    return summary
 
 
 def _roofline(args: argparse.Namespace, gpt_config: GPTConfig, summary: dict[str, Any],
@@ -460,96 +525,3 @@ def _summary(engine: Any, ledger: Any, numel: int, losses: list[float], step_tim
                  "stall_fraction": stall / max(step_total, 1e-9)},
         "stats": s,
     }
-
-
-def _print_summary(summary: dict[str, Any]) -> None:
-    print(f"\nGPT {summary['model']}: {summary['num_params']:,} parameters, {summary['dtype']}, "
-          f"offload {summary['offload']}; full training state "
-          f"{format_bytes(summary['full_training_state_bytes'])}")
-    print(f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} over {summary['steps']} "
-          f"steps; median step {summary['median_step_s']:.3f} s; wall {summary['wall_s']:.1f} s\n")
-    rows = [{"tier": k, "ledger estimate": format_bytes(v["estimate_bytes"]),
-             "measured peak": format_bytes(v["measured_peak_bytes"]),
-             "budget": format_bytes(v["budget_bytes"]) if v.get("budget_bytes") else "-"}
-            for k, v in summary["tiers"].items()]
-    print(format_table(rows))
-    a = summary.get("activations")
-    if a:
-        m, led = a["measured"], a["ledger"]
-        where = {"none": "kept on the device", "host": "in the host arena",
-                 "nvme": "on NVMe", "auto": "host arena, then NVMe"}[a["offload"]]
-        line = (f"activations (checkpointed blocks' inputs, {where}): ledger "
-                f"{format_bytes(led['stored_bytes'])} per micro-batch")
-        if "saved_bytes_per_micro_batch" in m:
-            line += (f", saved {format_bytes(m['saved_bytes_per_micro_batch'])}; peak held "
-                     f"{format_bytes(m['host_peak_bytes'])} in the arena (inside the HOST row), "
-                     f"{format_bytes(m['nvme_peak_bytes'])} on NVMe; per step written "
-                     f"{format_bytes(m['nvme_written_bytes_per_step'])}, read back "
-                     f"{format_bytes(m['nvme_read_bytes_per_step'])}")
-        print(line)
-    host = summary["tiers"]["HOST"]
-    if host.get("budget_bytes") and host["measured_peak_bytes"] > host["estimate_bytes"]:
-        # The ledger's HOST row is the least the plan needs (homed state, staging); an 'auto'
-        # budget leaves room above it that the store fills with evictable parameter copies and
-        # the optimizer's read-ahead ([Note: ledger placement]): a policy, not a ledger term.
-        above = host["measured_peak_bytes"] - host["estimate_bytes"]
-        room = host["budget_bytes"] - host["estimate_bytes"]
-        print(f"  HOST above the ledger: {format_bytes(above)} of cached copies and read-ahead, "
-              f"within the budget's {format_bytes(room)} of room")
-    print()
-    print(format_table([{"traffic": k, "bytes": format_bytes(v)}
-                        for k, v in summary["bytes_moved"].items()]))
-    t = summary["time"]
-    print()
-    print(format_table([
-        {"where the time went": "training steps (total)", "seconds": t["steps_s"]},
-        {"where the time went": "  of which optimizer step", "seconds": t["optimizer_step_s"]},
-        {"where the time went": "  of which deferred updates (in the forward)",
-         "seconds": t["optimizer_deferred_s"]},
-        {"where the time went": "  of which stalled on data", "seconds": t["stall_s"]},
-    ]))
-    print(f"stall fraction {t['stall_fraction']:.1%}")
-    print(f"init {summary['init_s']:.1f} s; peak RSS {format_bytes(summary['peak_rss_bytes'])} "
-          f"({summary['peak_rss_bytes'] / psutil.virtual_memory().total:.1%} of RAM)")
-    n = summary["nvme_per_step"]
-    print(f"NVMe per step: read {format_bytes(n['read_bytes'])}, write {format_bytes(n['write_bytes'])}"
-          f"; least {format_bytes(n['minimum_read_bytes'])} each way ({n['x_minimum']:.2f}x; "
-          f"mean over every step {n['x_minimum_mean']:.2f}x)")
-    r = summary.get("roofline")
-    if r:
-        print()
-        print(format_table([
-            {"roofline": "compute: forward + backward (per unit)", "seconds": r["forward_backward_s"]},
-            {"roofline": "compute: CPU Adam", "seconds": r["adam_s"]},
-            {"roofline": "disk: read at the probed bandwidth", "seconds": r["disk_read_s"]},
-            {"roofline": "disk: write at the probed bandwidth", "seconds": r["disk_write_s"]},
-            {"roofline": "disk: the least of serial and both at once", "seconds": r["disk_s"]},
-            {"roofline": f"roofline max(cpu, disk): {r['bound']}-bound", "seconds": r["roofline_s"]},
-            {"roofline": "median step", "seconds": r["median_step_s"]},
-        ]))
-        print(f"step / roofline {r['x_roofline']:.2f}x (disk probed at "
-              f"{r['disk_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
-              f"{r['disk_write_bytes_per_s'] / 1e9:.2f} GB/s write alone; "
-              f"{(r['disk_mixed_read_bytes_per_s'] or 0) / 1e9:.2f} + "
-              f"{(r['disk_mixed_write_bytes_per_s'] or 0) / 1e9:.2f} GB/s both at once); mean step "
-              f"{summary['mean_step_s']:.2f} s / its roofline {r['mean']['x_roofline']:.2f}x")
-        # [Note: the staging bound] in infinity/bench/roofline.py
-        if "staging_bound_s" in r["mean"]:
-            print(f"mean step / staging bound {r['mean']['x_staging_bound']:.2f}x (with exact "
-                  f"clipping the updates fall between a backward's end and the next forward's; "
-                  f"the host stages {format_bytes(r['mean']['staging_room_bytes'])} of their NVMe "
-                  f"traffic outside that window: bound {r['mean']['staging_bound_s']:.2f} s)")
-        print(f"init / (random values once {r['init_rng_s']:.1f} s + state written "
-              f"{r['init_write_s']:.1f} s) = {r['init_x']:.2f}x")
-    c = summary.get("resume_check")
-    if c:
-        print()
-        if "refused" in c:
-            print(f"resume check: the save was refused before writing anything: {c['refused']}")
-        elif "bitwise_equal" in c:
-            print(f"resume check: checkpoint of {format_bytes(c['checkpoint_bytes'])} saved in "
-                  f"{c['save_s']:.1f} s after micro-step {c['save_after_micro_steps']}, loaded in "
-                  f"{c['load_s']:.1f} s; the resumed steps are "
-                  f"{'bitwise equal' if c['bitwise_equal'] else 'DIFFERENT'} "
-                  f"(losses {c['resumed_losses']}, masters sha256 {c['resumed_masters_sha256'][:12]}; "
-                  f"{c['kernels']})")

@@ -321,6 +321,24 @@ def config_from_deepspeed(raw: Mapping[str, Any]) -> InfinityConfig:
 
 def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
     """The DeepSpeed-style form of a config (what ``infinity plan`` writes beside the native one)."""
+    out: dict[str, Any] = {"zero_optimization": _zero_to_deepspeed(config)}
+    out.update(_precision_to_deepspeed(config.precision))
+    out["optimizer"] = _optimizer_to_deepspeed(config.optimizer)
+    s = config.swapper
+    out["aio"] = {"block_size": s.block_size_bytes, "queue_depth": s.queue_depth,
+                  "thread_count": s.num_io_threads}
+    if config.scheduler.enabled:
+        out["scheduler"] = _scheduler_to_deepspeed(config.scheduler)
+    out["gradient_clipping"] = config.gradient_clipping
+    out["gradient_accumulation_steps"] = config.gradient_accumulation_steps
+    if config.train_micro_batch_size_per_gpu is not None:
+        out["train_micro_batch_size_per_gpu"] = config.train_micro_batch_size_per_gpu
+    return out
+
+
+def _zero_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
+    """The ``zero_optimization`` section: the stage, the offloads, and each knob set away from
+    'auto' (byte knobs in DeepSpeed's element counts, at the parameters' dtype)."""
     zero: dict[str, Any] = {"stage": config.zero.stage}
     for name in ("offload_param", "offload_optimizer"):
         off: OffloadConfig = getattr(config, name)
@@ -353,8 +371,12 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
         zero["zero_quantized_gradients"] = True
     if z.hpz_partition_size != 1:
         zero["zero_hpz_partition_size"] = z.hpz_partition_size
-    out: dict[str, Any] = {"zero_optimization": zero}
-    p = config.precision
+    return zero
+
+
+def _precision_to_deepspeed(p: PrecisionConfig) -> dict[str, Any]:
+    """The precision keys: the reduction's dtype, and the ``bf16`` or ``fp16`` section."""
+    out: dict[str, Any] = {}
     if p.dtype != "fp32":  # DeepSpeed's own default would be the compute dtype: say which
         out["communication_data_type"] = p.dtype if p.reduce_dtype == "compute" else "fp32"
     if p.dtype == "bf16":
@@ -364,22 +386,17 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
                        "initial_scale_power": p.initial_scale_power,
                        "loss_scale_window": p.loss_scale_window, "hysteresis": p.hysteresis,
                        "min_loss_scale": p.min_loss_scale}
-    o = config.optimizer
-    out["optimizer"] = {"type": "AdamW" if o.type == "adamw" else "Adam",
-                        "params": {"lr": o.lr, "betas": list(o.betas) if o.betas != AUTO else AUTO,
-                                   "eps": o.eps, "weight_decay": o.weight_decay,
-                                   "bias_correction": o.bias_correction}}
+    return out
+
+
+def _optimizer_to_deepspeed(o: OptimizerConfig) -> dict[str, Any]:
+    """The ``optimizer`` section (Adam's decoupled weight decay as DeepSpeed spells it)."""
+    out = {"type": "AdamW" if o.type == "adamw" else "Adam",
+           "params": {"lr": o.lr, "betas": list(o.betas) if o.betas != AUTO else AUTO,
+                      "eps": o.eps, "weight_decay": o.weight_decay,
+                      "bias_correction": o.bias_correction}}
     if o.type == "adam":
-        out["optimizer"]["params"]["adam_w_mode"] = False
-    s = config.swapper
-    out["aio"] = {"block_size": s.block_size_bytes, "queue_depth": s.queue_depth,
-                  "thread_count": s.num_io_threads}
-    if config.scheduler.enabled:
-        out["scheduler"] = _scheduler_to_deepspeed(config.scheduler)
-    out["gradient_clipping"] = config.gradient_clipping
-    out["gradient_accumulation_steps"] = config.gradient_accumulation_steps
-    if config.train_micro_batch_size_per_gpu is not None:
-        out["train_micro_batch_size_per_gpu"] = config.train_micro_batch_size_per_gpu
+        out["params"]["adam_w_mode"] = False
     return out
 
 

@@ -355,36 +355,51 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     ``shard_size``: the shard degree S the sharded terms divide by, over a mesh of replicas
     (HSDP / MiCS: [Note: mesh dimensions] in infinity/config/_mesh.py); None: ``world_size``
     (the flat mesh). Replicas add no bytes per rank: each holds what a rank of S ranks holds.
-
-    ``hpz_partition_size``: ZeRO++ hpZ's secondary group size H; above 1 (stage 3, parameters on
-    the device, H dividing the shard degree) the device holds 1/H of the parameters as secondary
-    shards ([Note: the hpZ term]). ``quantized_gradients``: qgZ, whose unit staging is fp32
-    ([Note: staging in the accumulator's dtype]).
-
     ``trainable_numel``: how many of them train (None: all); the others are frozen, with a
     params term and no gradient or optimizer state ([Note: frozen parameters]).
-    ``unit_trainable_numel``: the trainable elements of the largest unit, which size its
-    gradient buffer (None: all of ``unit_numel`` when everything trains, else its share
-    ``unit_numel * trainable_numel / numel``, adapters spread evenly over the units).
 
-    ``grads_on_nvme`` (optimizer on NVMe): the gradient accumulators are NVMe-homed slices, as
-    the engine's offload budgets choose when the host cannot hold them (``OffloadBudgets``): the
-    gradient term moves from the HOST to the NVMe row, and the host holds slices of it as
-    staging.
-
-    ``device_holds_params`` (parameters offloaded): the engine's device budget holds every
-    parameter shard (``OffloadBudgets.device_holds_params``), so after its first read a shard
-    stays on the device and the optimizer writes it there: nothing is staged through the host
-    (no ``param_staging`` row), as the engine's budgets plan it ([Note: optimizer read-ahead] in
-    infinity/tiers/_offload_budgets.py).
-
-    ``optimizer_host_resident_bytes``: optimizer state the engine homes on HOST out of an NVMe
-    home when the host budget has room beyond its pipeline (``OffloadBudgets`` of
-    :mod:`infinity.tiers`, [Note: host-resident sub-groups]): moved from the NVMe to the HOST row.
-
-    ``unit_numel``: the largest unit's element count; when given, the working buffers of the
-    gathered units and of a unit's gradient are added (see [Note: ledger placement]).
+    Where the model states sit (``grads_on_nvme``, ``optimizer_host_resident_bytes``):
+    :func:`_place_states`. The optimizer's NVMe staging (``sub_group_numel``):
+    :func:`_optimizer_staging`. The working buffers of the largest unit (``unit_numel``,
+    ``unit_trainable_numel``, ``prefetch_units``, ``device_holds_params``,
+    ``quantized_gradients``): :func:`_unit_working_buffers`. ``hpz_partition_size``: ZeRO++
+    hpZ's secondary group size H; above 1 (stage 3, parameters on the device, H dividing the
+    shard degree) the device holds 1/H of the parameters as secondary shards
+    ([Note: the hpZ term]).
     """
+    n, trainable = _check_sizes(numel, stage, world_size, shard_size, trainable_numel)
+    terms = terms or StateTerms()
+    param_home = _check_offload("offload_param", offload_param)
+    opt_tier = _check_offload("offload_optimizer", offload_optimizer)
+    if stage < 3 and param_home is not Tier.DEVICE:
+        raise ValueError(f"offload_param = {offload_param!r} needs stage 3 (got stage {stage}); "
+                         "parameters are replicated below stage 3, set --offload-param none")
+    _check_hpz(hpz_partition_size, stage, n, param_home)
+    if grads_on_nvme and opt_tier is not Tier.NVME:
+        raise ValueError(f"grads_on_nvme needs offload_optimizer 'nvme', got {offload_optimizer!r}")
+    states, stepped = _place_states(
+        numel, trainable, stage=stage, shard_size=n, terms=terms, param_home=param_home,
+        opt_tier=opt_tier, grads_on_nvme=grads_on_nvme,
+        optimizer_host_resident_bytes=optimizer_host_resident_bytes)
+    buffers = _optimizer_staging(opt_tier, stepped, sub_group_numel, terms, grads_on_nvme)
+    if unit_numel:
+        _unit_working_buffers(
+            buffers, numel, trainable, stage=stage, shard_size=n, terms=terms,
+            unit_numel=unit_numel, unit_trainable_numel=unit_trainable_numel,
+            prefetch_units=prefetch_units, device_holds_params=device_holds_params,
+            param_home=param_home, opt_tier=opt_tier, quantized_gradients=quantized_gradients)
+    if hpz_partition_size > 1:  # [Note: the hpZ term]
+        buffers.setdefault(Tier.DEVICE, {})["hpz_secondary"] = ceil_bytes(
+            numel * terms.param_bytes / hpz_partition_size)
+    return Ledger(numel=numel, stage=stage, world_size=world_size, shard_size=n,
+                  gpus_per_node=gpus_per_node or world_size, terms=terms, trainable_numel=trainable,
+                  offload_param=offload_param, offload_optimizer=offload_optimizer,
+                  states=states, buffers=buffers)
+
+
+def _check_sizes(numel: int, stage: int, world_size: int, shard_size: int | None,
+                 trainable_numel: int | None) -> tuple[int, int]:
+    """The shard degree and the trainable count of :func:`estimate_model_states`, each checked."""
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel: expected an integer >= 0, got {numel!r}")
     if stage not in (0, 1, 2, 3):
@@ -395,17 +410,28 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or world_size % n:
         raise ValueError(f"shard_size: expected an integer >= 1 dividing world_size "
                          f"{world_size}, got {shard_size!r}")
-    terms = terms or StateTerms()
     trainable = numel if trainable_numel is None else trainable_numel
     if isinstance(trainable, bool) or not isinstance(trainable, int) or not 0 <= trainable <= numel:
         raise ValueError(f"trainable_numel: expected an integer in [0, numel={numel}], got "
                          f"{trainable_numel!r}")
-    param_home = _check_offload("offload_param", offload_param)
-    opt_tier = _check_offload("offload_optimizer", offload_optimizer)
-    if stage < 3 and param_home is not Tier.DEVICE:
-        raise ValueError(f"offload_param = {offload_param!r} needs stage 3 (got stage {stage}); "
-                         "parameters are replicated below stage 3, set --offload-param none")
-    _check_hpz(hpz_partition_size, stage, n, param_home)
+    return n, trainable
+
+
+def _place_states(numel: int, trainable: int, *, stage: int, shard_size: int, terms: StateTerms,
+                  param_home: Tier, opt_tier: Tier, grads_on_nvme: bool,
+                  optimizer_host_resident_bytes: int) -> tuple[dict[str, dict[Tier, int]], int]:
+    """The model states per term and tier, and the elements this rank's optimizer steps.
+
+    ``grads_on_nvme`` (optimizer on NVMe): the gradient accumulators are NVMe-homed slices, as
+    the engine's offload budgets choose when the host cannot hold them (``OffloadBudgets``): the
+    gradient term moves from the HOST to the NVMe row, and the host holds slices of it as
+    staging.
+
+    ``optimizer_host_resident_bytes``: optimizer state the engine homes on HOST out of an NVMe
+    home when the host budget has room beyond its pipeline (``OffloadBudgets`` of
+    :mod:`infinity.tiers`, [Note: host-resident sub-groups]): moved from the NVMe to the HOST row.
+    """
+    n = shard_size
     shard = ceil_bytes(numel / n)
     states: dict[str, dict[Tier, int]] = {t: {} for t in TERMS}
 
@@ -417,8 +443,6 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     stepped = trainable if stage == 0 else trainable_shard
     # [Note: gradient placement]: the accumulator sits beside the optimizer, in host memory when
     # the optimizer is offloaded (to 'cpu' or 'nvme'), holding just the part the optimizer steps.
-    if grads_on_nvme and opt_tier is not Tier.NVME:
-        raise ValueError(f"grads_on_nvme needs offload_optimizer 'nvme', got {offload_optimizer!r}")
     if opt_tier is Tier.DEVICE:
         put("grads", Tier.DEVICE, (trainable_shard if stage >= 2 else trainable) * terms.grad_bytes)
     else:
@@ -428,36 +452,57 @@ def estimate_model_states(numel: int, stage: int, world_size: int, terms: StateT
     put("optimizer", opt_tier, stepped * terms.optimizer_bytes - resident)
     if resident:
         put("optimizer", Tier.HOST, resident)
+    return states, stepped
 
+
+def _optimizer_staging(opt_tier: Tier, stepped: int, sub_group_numel: int | None,
+                       terms: StateTerms, grads_on_nvme: bool) -> dict[Tier, dict[str, int]]:
+    """The host staging of an optimizer on NVMe: sub-groups of optimizer state (K) read,
+    stepped and written; the gradient is read in place from its host accumulator, the new
+    parameters go straight to their home. Gradients on NVMe add a slice beside each sub-group,
+    and the one being accumulated."""
     buffers: dict[Tier, dict[str, int]] = {}
     if opt_tier is Tier.NVME and stepped:
-        # Sub-groups of optimizer state (K) read, stepped and written; the gradient is read in
-        # place from its host accumulator, the new parameters go straight to their home.
         group = min(sub_group_numel or AUTO_SUB_GROUP_NUMEL, stepped)
         buffers.setdefault(Tier.HOST, {})["optimizer_staging"] = ceil_bytes(
             OPTIMIZER_STAGING_SUBGROUPS * group * terms.optimizer_bytes)
-        if grads_on_nvme:  # a slice beside each sub-group, and the one being accumulated
+        if grads_on_nvme:
             buffers[Tier.HOST]["gradient_staging"] = ceil_bytes(
                 (OPTIMIZER_STAGING_SUBGROUPS + 1) * group * terms.optimizer_grad_bytes)
-    if unit_numel:
-        if unit_trainable_numel is None:
-            unit_trainable_numel = unit_numel if trainable == numel else \
-                ceil_bytes(unit_numel * trainable / max(1, numel))
-        _add_unit_buffers(buffers, stage=stage, world_size=n, terms=terms,
-                          unit_numel=unit_numel, unit_trainable_numel=unit_trainable_numel,
-                          prefetch_units=prefetch_units, host_staging=not device_holds_params,
-                          param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE,
-                          grad_staging_bytes=terms.optimizer_grad_bytes
-                          if stages_in_accumulator_dtype(
-                              optimizer_offloaded=opt_tier is not Tier.DEVICE,
-                              quantized_gradients=quantized_gradients) else terms.grad_bytes)
-    if hpz_partition_size > 1:  # [Note: the hpZ term]
-        buffers.setdefault(Tier.DEVICE, {})["hpz_secondary"] = ceil_bytes(
-            numel * terms.param_bytes / hpz_partition_size)
-    return Ledger(numel=numel, stage=stage, world_size=world_size, shard_size=n,
-                  gpus_per_node=gpus_per_node or world_size, terms=terms, trainable_numel=trainable,
-                  offload_param=offload_param, offload_optimizer=offload_optimizer,
-                  states=states, buffers=buffers)
+    return buffers
+
+
+def _unit_working_buffers(buffers: dict[Tier, dict[str, int]], numel: int, trainable: int, *,
+                          stage: int, shard_size: int, terms: StateTerms, unit_numel: int,
+                          unit_trainable_numel: int | None, prefetch_units: int,
+                          device_holds_params: bool, param_home: Tier, opt_tier: Tier,
+                          quantized_gradients: bool) -> None:
+    """Add the working buffers of the gathered units and of a unit's gradient (see
+    [Note: ledger placement]); ``unit_numel``: the largest unit's element count.
+
+    ``unit_trainable_numel``: the trainable elements of the largest unit, which size its
+    gradient buffer (None: all of ``unit_numel`` when everything trains, else its share
+    ``unit_numel * trainable_numel / numel``, adapters spread evenly over the units).
+    ``quantized_gradients``: qgZ, whose unit staging is fp32 ([Note: staging in the
+    accumulator's dtype]).
+
+    ``device_holds_params`` (parameters offloaded): the engine's device budget holds every
+    parameter shard (``OffloadBudgets.device_holds_params``), so after its first read a shard
+    stays on the device and the optimizer writes it there: nothing is staged through the host
+    (no ``param_staging`` row), as the engine's budgets plan it ([Note: optimizer read-ahead] in
+    infinity/tiers/_offload_budgets.py).
+    """
+    if unit_trainable_numel is None:
+        unit_trainable_numel = unit_numel if trainable == numel else \
+            ceil_bytes(unit_numel * trainable / max(1, numel))
+    _add_unit_buffers(buffers, stage=stage, world_size=shard_size, terms=terms,
+                      unit_numel=unit_numel, unit_trainable_numel=unit_trainable_numel,
+                      prefetch_units=prefetch_units, host_staging=not device_holds_params,
+                      param_home=param_home, grads_leave=stage >= 2 or opt_tier is not Tier.DEVICE,
+                      grad_staging_bytes=terms.optimizer_grad_bytes
+                      if stages_in_accumulator_dtype(
+                          optimizer_offloaded=opt_tier is not Tier.DEVICE,
+                          quantized_gradients=quantized_gradients) else terms.grad_bytes)
 
 
 def _check_hpz(partition_size: Any, stage: int, world_size: int, param_home: Tier) -> None:

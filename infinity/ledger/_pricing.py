@@ -242,12 +242,54 @@ def _memory(ledger: Ledger, acts: Activations, hw: Hardware,
 
 def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, micro_batch: int,
                checkpointing: bool, ga: int, acts: Activations) -> tuple[dict[str, float], float]:
-    n, psi, t = hw.gpus, req.numel, ledger.terms
-    p, g, k, og = t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.optimizer_grad_bytes
-    # Gradient collectives move ``gw`` bytes per element: the engine reduces its fp32 staging as
-    # is, or cast to the compute dtype (precision.reduce_dtype). The fp32 accumulator (``g``) is
-    # what sits in memory and crosses PCIe; parameter gathers move ``p``.
-    gw = p if req.reduce_dtype == "compute" else DTYPE_BYTES["fp32"]
+    """Seconds per lane of one optimizer step (``ga`` micro-steps and the boundary), and the
+    step's time: each phase takes its slowest lane and part of the others (:func:`_overlap`)."""
+    m = _micro_step(req, hw, ledger, stage=stage, micro_batch=micro_batch,
+                    checkpointing=checkpointing, acts=acts)
+    micro = m.fill + _overlap([m.compute, m.link, m.pcie_bytes / hw.pcie_bytes_per_s, m.nvme])
+    reduce_once = _reduce_once(req, hw, ledger, stage=stage, per_micro=m.reduce_per_micro)
+    pcie_last = m.pcie_bytes
+    last = m.fill + _overlap([m.compute, m.link + reduce_once, pcie_last / hw.pcie_bytes_per_s,
+                              m.nvme])
+    opt, link_b, pcie_b, nvme_b = _boundary(req, hw, ledger, stage=stage)
+    boundary = _overlap([opt, link_b, pcie_b / hw.pcie_bytes_per_s, nvme_b])
+
+    times = {
+        "compute": ga * m.compute,
+        "link": ga * (m.link + m.fill) + reduce_once + link_b,
+        "pcie": ((ga - 1) * m.pcie_bytes + pcie_last + pcie_b) / hw.pcie_bytes_per_s,
+        "nvme": ga * m.nvme + nvme_b,
+        "optimizer": opt,
+    }
+    return times, (ga - 1) * micro + last + boundary
+
+
+def _wire_bytes(req: PlanRequest, ledger: Ledger) -> float:
+    """Bytes per element a gradient collective moves: the engine reduces its fp32 staging as
+    is, or cast to the compute dtype (precision.reduce_dtype). The fp32 accumulator (``g``) is
+    what sits in memory and crosses PCIe; parameter gathers move ``p``."""
+    return ledger.terms.param_bytes if req.reduce_dtype == "compute" else DTYPE_BYTES["fp32"]
+
+
+@dataclass(frozen=True)
+class _MicroStep:
+    """One micro-step's cost per lane: seconds, but bytes for PCIe (priced by the caller)."""
+
+    compute: float
+    link: float
+    pcie_bytes: float
+    nvme: float
+    fill: float
+    """The first unit of forward and of backward, gathered before any compute can hide it."""
+    reduce_per_micro: bool
+    """Stages 0-1 with an offloaded optimizer all-reduce every unit every micro-step."""
+
+
+def _micro_step(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, micro_batch: int,
+                checkpointing: bool, acts: Activations) -> _MicroStep:
+    """Compute, collectives, PCIe and NVMe traffic of one micro-step (forward and backward)."""
+    n, psi, p, g = hw.gpus, req.numel, ledger.terms.param_bytes, ledger.terms.grad_bytes
+    gw = _wire_bytes(req, ledger)
     shard = psi / n
     ring = (n - 1) / n
     link = hw.link_bytes_per_s
@@ -270,7 +312,6 @@ def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, mi
     reduce_per_micro = oo != "none" and stage < 2
     if reduce_per_micro:
         link_micro += (2 * psi * gw * ring / link + units * latency)
-    # The first unit of forward and of backward is gathered before any compute can hide it.
     fill = 2 * req.shape.largest_unit_numel() * p * ring / link if stage == 3 else 0.0
     stepped = psi if stage == 0 else shard
     pcie_micro = (2 * shard * p if op != "none" else 0.0)
@@ -283,23 +324,43 @@ def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, mi
     pcie_micro += 2 * acts.moved_bytes
     if acts.nvme_bytes:
         nvme_micro += acts.nvme_bytes / nvme_w + acts.nvme_bytes / nvme_r
-    micro = fill + _overlap([compute, link_micro, pcie_micro / hw.pcie_bytes_per_s, nvme_micro])
-    # Stages 0-1 reduce gradients once per step in buckets, overlapping the last backward.
-    reduce_once = {0: 2 * psi * gw * ring, 1: psi * gw * ring}.get(stage, 0.0) / link
+    return _MicroStep(compute=compute, link=link_micro, pcie_bytes=pcie_micro, nvme=nvme_micro,
+                      fill=fill, reduce_per_micro=reduce_per_micro)
+
+
+def _reduce_once(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int,
+                 per_micro: bool) -> float:
+    """Stages 0-1 reduce gradients once per step in buckets, overlapping the last backward
+    (nothing left to reduce there when ``per_micro``: every micro-step reduced its own)."""
+    n, psi = hw.gpus, req.numel
+    gw = _wire_bytes(req, ledger)
+    ring = (n - 1) / n
+    latency = COLLECTIVE_LATENCY_S if n > 1 else 0.0
+    reduce_once = {0: 2 * psi * gw * ring, 1: psi * gw * ring}.get(stage, 0.0) / hw.link_bytes_per_s
     if stage < 2 and n > 1:
         reduce_once += math.ceil(psi * gw / BUCKET_BYTES) * latency
-    if reduce_per_micro:
+    if per_micro:
         reduce_once = 0.0
-    pcie_last = pcie_micro
-    last = fill + _overlap([compute, link_micro + reduce_once, pcie_last / hw.pcie_bytes_per_s,
-                            nvme_micro])
+    return reduce_once
 
-    # Boundary: the optimizer pass, its I/O, and the parameter all-gather of stages 1-2.
+
+def _boundary(req: PlanRequest, hw: Hardware, ledger: Ledger, *,
+              stage: int) -> tuple[float, float, float, float]:
+    """The step's boundary: the optimizer pass (seconds), and its traffic: link seconds (the
+    parameter all-gather of stages 1-2), PCIe bytes, NVMe seconds."""
+    n, psi, t = hw.gpus, req.numel, ledger.terms
+    p, g, k, og = t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.optimizer_grad_bytes
+    shard = psi / n
+    ring = (n - 1) / n
+    nvme_r = hw.nvme_read_bytes_per_s / hw.ranks_per_node
+    nvme_w = hw.nvme_write_bytes_per_s / hw.ranks_per_node
+    op, oo = ledger.offload_param, ledger.offload_optimizer
+    stepped = psi if stage == 0 else shard
     if oo == "none":
         opt = stepped * (2 * k + g + p) / hw.device_memory_bytes_per_s
     else:
         opt = stepped * (2 * k + og + p) / (hw.host_memory_bytes_per_s / hw.ranks_per_node)
-    link_b = psi * p * ring / link if stage in (1, 2) else 0.0
+    link_b = psi * p * ring / hw.link_bytes_per_s if stage in (1, 2) else 0.0
     param_home = op if stage == 3 else "none"
     pcie_b = shard * p if oo != "none" and param_home == "none" else 0.0
     nvme_b = 0.0
@@ -307,16 +368,7 @@ def _step_time(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, mi
         nvme_b += stepped * k / nvme_r + stepped * k / nvme_w
     if param_home == "nvme":
         nvme_b += shard * p / nvme_w
-    boundary = _overlap([opt, link_b, pcie_b / hw.pcie_bytes_per_s, nvme_b])
-
-    times = {
-        "compute": ga * compute,
-        "link": ga * (link_micro + fill) + reduce_once + link_b,
-        "pcie": ((ga - 1) * pcie_micro + pcie_last + pcie_b) / hw.pcie_bytes_per_s,
-        "nvme": ga * nvme_micro + nvme_b,
-        "optimizer": opt,
-    }
-    return times, (ga - 1) * micro + last + boundary
+    return opt, link_b, pcie_b, nvme_b
 
 
 def candidates(req: PlanRequest, hw: Hardware) -> list[Candidate]:

@@ -44,7 +44,6 @@ NVMe traffic against the optimizer's 24), paid only where the host cannot hold t
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable, Iterable
 
 import torch
@@ -53,13 +52,15 @@ from infinity._async_copy import SideStream, StagingRing
 from infinity._modeled_link import ModeledLink
 from infinity.io import advise_huge_pages, engine_buffers, pinned_staging_ring
 from infinity.optim import StoredGrad
-from infinity.tiers import CopyLane, Tier, TieredStore, TierHandle
-from infinity.zero._collectives import DONE, CommHandle, Collectives, Phase
-from infinity.zero._embedding_rows import RowsPayload
+from infinity.tiers import Tier, TieredStore, TierHandle
+from infinity.zero._collectives import DONE, Collectives, Phase
 from infinity.zero._flat_group import FlatGroup, ParamSlot
+from infinity.zero._grad_landing import LinkLanding
 from infinity.zero._grad_norm import sum_of_squares
 from infinity.zero._quantize import QuantSpec
 from infinity.zero._quantized_collectives import reduce_scatter_sum_quantized
+from infinity.zero._reduction import Reduction, _GroupReduction, _PiecewiseReduction
+from infinity.zero._rows_exchange import add_rows_into, gather_rows, route_rows, unpack_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,11 +115,8 @@ class GradientReducer:
         self._writebacks: list[TierHandle] = []
         """Write-backs of stored gradient slices issued in this accumulation window (their
         errors are raised by :meth:`partitions`)."""
-        self._down_link: ModeledLink | None = None
+        self._landing: LinkLanding | None = None
         """[Note: gradients down a modeled link]; None: copies take the time they take."""
-        self._landing: CopyLane | None = None
-        self._landing_errors: list[BaseException] = []
-        self._on_wait: Callable[[float], None] = lambda seconds: None
         self._early: dict[int, _PiecewiseReduction] = {}
         """id(group) -> its reduction begun before its unit's turn (:meth:`begin_pieces`)."""
 
@@ -126,8 +124,7 @@ class GradientReducer:
         """[Note: gradients down a modeled link]: the copies down to host accumulators go on
         ``link`` (a CPU engine's device->host direction); ``on_wait`` gets the seconds the
         training thread waited for them."""
-        self._down_link, self._on_wait = link, on_wait
-        self._landing = CopyLane("infinity-link-grads-down")
+        self._landing = LinkLanding(link, on_wait)
 
     @property
     def offloaded(self) -> bool:
@@ -204,7 +201,7 @@ class GradientReducer:
         the accumulator itself, so the reduce and the host copy are no-ops (two full fp32 copies
         of the gradients a step saved)."""
         return (self.data_parallel_size == 1 and g.grad_host is not None and g.grad_acc is None
-                and self._down_link is None  # modeled: staged "on the device", then copied
+                and self._landing is None  # modeled: staged "on the device", then copied
                 and g.grad_host.device == self.config.device
                 and g.grad_host.numel() == g.padded_numel)
 
@@ -238,7 +235,6 @@ class GradientReducer:
 
     def _issue_group(self, g: FlatGroup, context: str, pieces: int = 1
                      ) -> "_GroupReduction | _PiecewiseReduction":
-        stage, device = self.config.stage, self.config.device
         early = self._early.pop(id(g), None)
         if early is not None:  # begun in the head's backward: its turn issues one more piece
             if early.staging is not None:  # pieces left: what no gradient wrote is zeroed
@@ -249,7 +245,8 @@ class GradientReducer:
         staging = self._completed_staging(g)
         g.grad_staging = None  # the next stage() makes a buffer and its staged set anew
         if self._in_pieces(g, pieces):
-            part = torch.empty(g.shard_numel, dtype=self._wire_dtype(staging), device=device)
+            part = torch.empty(g.shard_numel, dtype=self._wire_dtype(staging),
+                               device=self.config.device)
             return _PiecewiseReduction(self, g, staging, part, pieces, context)
         if self.data_parallel_size > 1:
             staging.div_(self.data_parallel_size)
@@ -258,32 +255,53 @@ class GradientReducer:
         # [Note: staging in the accumulator's dtype]) for the accumulator.
         wire = staging if self._wire_dtype(staging) == staging.dtype \
             else staging.to(self.config.reduce_dtype)
-        if stage >= 2 and self.world_size == 1:
-            part = wire  # the shard is the whole buffer: no reduce-scatter, no copy
-            self.coll.all_reduce_replicas(part, context=context)
-            if part is not staging:  # the replicas' wire dtype: back to the staging's
-                part = part.to(staging.dtype)
-            # else the staging's dtype already, or the host accumulator itself
-            # (_stages_in_host: in place; converting it to fp32 and back cost 0.14 s of the
-            # 135M GPT's bf16 step)
-            return _GroupReduction(self, g, DONE, lambda: part, (staging, wire))
-        if stage >= 2 and self.config.grad_quant is not None:
-            # qgZ inside the shard group; the replicas then sum the fp32 shard exactly.
-            # Synchronous: the quantizer's all-to-all and its sum are one call.
-            part = torch.empty(g.shard_numel, dtype=torch.float32, device=device)
-            reduce_scatter_sum_quantized(self.coll, part, staging, spec=self.config.grad_quant,
-                                         context=context, phase=Phase.REDUCE_GRAD)
-            self.coll.all_reduce_replicas(part, context=context)
-            return _GroupReduction(self, g, DONE, lambda: part, (staging, part))
-        if stage >= 2:
-            part = torch.empty(g.shard_numel, dtype=wire.dtype, device=device)
-            handle = self.coll.reduce_scatter_sum_async(part, wire, context=context,
-                                                        phase=Phase.REDUCE_GRAD)
+        if self.config.stage < 2:
+            return self._issue_all_reduce(g, staging, wire, context)
+        if self.world_size == 1:
+            return self._issue_one_shard(g, staging, wire, context)
+        if self.config.grad_quant is not None:
+            return self._issue_quantized(g, staging, context)
+        return self._issue_reduce_scatter(g, staging, wire, context)
 
-            def scattered() -> torch.Tensor:
-                self.coll.all_reduce_replicas(part, context=context)
-                return part.to(staging.dtype)  # no copy when the wire is that already
-            return _GroupReduction(self, g, handle, scattered, (staging, wire, part))
+    def _issue_one_shard(self, g: FlatGroup, staging: torch.Tensor, wire: torch.Tensor,
+                         context: str) -> _GroupReduction:
+        """Stages 2-3 with one shard rank: the shard is the whole buffer, so no reduce-scatter
+        and no copy; only the replicas (if any) sum it."""
+        part = wire
+        self.coll.all_reduce_replicas(part, context=context)
+        if part is not staging:  # the replicas' wire dtype: back to the staging's
+            part = part.to(staging.dtype)
+        # else the staging's dtype already, or the host accumulator itself
+        # (_stages_in_host: in place; converting it to fp32 and back cost 0.14 s of the
+        # 135M GPT's bf16 step)
+        return _GroupReduction(self, g, DONE, lambda: part, (staging, wire))
+
+    def _issue_quantized(self, g: FlatGroup, staging: torch.Tensor, context: str
+                         ) -> _GroupReduction:
+        """qgZ inside the shard group; the replicas then sum the fp32 shard exactly.
+        Synchronous: the quantizer's all-to-all and its sum are one call."""
+        part = torch.empty(g.shard_numel, dtype=torch.float32, device=self.config.device)
+        reduce_scatter_sum_quantized(self.coll, part, staging, spec=self.config.grad_quant,
+                                     context=context, phase=Phase.REDUCE_GRAD)
+        self.coll.all_reduce_replicas(part, context=context)
+        return _GroupReduction(self, g, DONE, lambda: part, (staging, part))
+
+    def _issue_reduce_scatter(self, g: FlatGroup, staging: torch.Tensor, wire: torch.Tensor,
+                              context: str) -> _GroupReduction:
+        """Stages 2-3: this rank's shard of the sum, the replicas summed at the wait."""
+        part = torch.empty(g.shard_numel, dtype=wire.dtype, device=self.config.device)
+        handle = self.coll.reduce_scatter_sum_async(part, wire, context=context,
+                                                    phase=Phase.REDUCE_GRAD)
+
+        def scattered() -> torch.Tensor:
+            self.coll.all_reduce_replicas(part, context=context)
+            return part.to(staging.dtype)  # no copy when the wire is that already
+        return _GroupReduction(self, g, handle, scattered, (staging, wire, part))
+
+    def _issue_all_reduce(self, g: FlatGroup, staging: torch.Tensor, wire: torch.Tensor,
+                          context: str) -> _GroupReduction:
+        """Stages 0-1: the whole sum on every rank (stage 1 keeps only its shard of it)."""
+        stage = self.config.stage
         handle = self.coll.all_reduce_sum_async(wire, context=context, phase=Phase.REDUCE_GRAD)
 
         def reduced() -> torch.Tensor:
@@ -308,9 +326,28 @@ class GradientReducer:
         return self.config.reduce_dtype
 
     def _in_pieces(self, g: FlatGroup, pieces: int) -> bool:
-        """``g``'s reduction is a reduce-scatter cut into ``pieces`` ([Note: a large reduction
-        spread over the backward]): stages 2-3 over several shards, not qgZ (whose quantizer
-        reduces a whole buffer), a shard of at least that many elements."""
+        """``g``'s reduction is a reduce-scatter cut into ``pieces``: stages 2-3 over several
+        shards, not qgZ (whose quantizer reduces a whole buffer), a shard of at least that many
+        elements (:class:`~infinity.zero._reduction._PiecewiseReduction` issues it).
+
+        [Note: a large reduction spread over the backward]
+        A collective runs over the link whole, and the link serves its transfers in the order they
+        were issued (one NCCL communicator; the modeled link): so a unit reduced in the hooks much
+        larger than the others holds every transfer issued after it. When a tied or untied LM head
+        completes the root early in the backward ([Note: embedding rows cross ranks as rows] in
+        infinity/zero/_embedding_rows.py), that is a 50k-vocabulary table's reduce-scatter (0.69 s
+        of link on the 135M GPT at L = T0, 5x a block's) ahead of the next blocks' backward
+        gathers: the blocks then wait for their parameters. So such a unit's reduce-scatter is cut
+        into pieces along its shard (piece i: every rank's slice [lo_i, hi_i) of its shard, copied
+        out contiguously and divided by the ranks, reduce-scattered into this rank's
+        ``part[lo_i:hi_i]``), the first issued at its turn and one more with each later unit's
+        reduction (the same sequence on every rank: the reduction order is), the rest at the end
+        of backward: the table's bytes ride in the slack each block leaves on the link; a tapped
+        LM head issues most of them before the unit's turn, as its backward makes them
+        ([Note: the head's gradient reduced as it is made] in infinity/zero/_head_grad.py). Each
+        piece's copy is the only extra memory (the staging is dropped once the last piece is
+        copied out); the manager chooses the pieces (``ParameterManager._pieces``); the sum is the
+        same sum."""
         return (self.config.stage >= 2 and self.world_size > 1 and pieces > 1
                 and g.shard_numel >= pieces and self.config.grad_quant is None)
 
@@ -357,13 +394,7 @@ class GradientReducer:
         ``max_bytes``, the largest rank's, a multiple of 8) and add those in this rank's
         partition of each of ``groups`` (numbered as packed) into its accumulator. Synchronous:
         it runs at the end of backward, where nothing is left to overlap."""
-        world = self.coll.world
-        size = world.world_size
-        out = torch.empty(size * max_bytes, dtype=torch.uint8, device=payload.device)
-        mine = torch.zeros(max_bytes, dtype=torch.uint8, device=payload.device)
-        mine[:payload.numel()] = payload
-        world.all_gather(out, mine, context=context, phase=Phase.REDUCE_ROWS)
-        self._add_rows([out[r * max_bytes:(r + 1) * max_bytes] for r in range(size)], groups)
+        self._add_rows(gather_rows(self.coll, payload, max_bytes, context=context), groups)
 
     def route_rows(self, payload: torch.Tensor, sizes: list[int], groups: list[FlatGroup], *,
                    context: str) -> None:
@@ -371,25 +402,11 @@ class GradientReducer:
         rank (``sizes`` bytes each, :meth:`RowsPayload.pack`); an all-to-all of the sizes,
         then one of the chunks, so each rank receives only the rows of its shard: the bytes of
         one rank's rows, whatever the number of ranks."""
-        device = payload.device
-        send = torch.tensor(sizes, dtype=torch.int64, device=device)
-        recv = torch.empty_like(send)
-        self.coll.all_to_all(recv, send, context=f"{context}: sizes", phase=Phase.REDUCE_ROWS)
-        recv_sizes = recv.tolist()
-        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-        self.coll.all_to_all_uneven(out, payload, out_splits=recv_sizes, in_splits=sizes,
-                                    context=context, phase=Phase.REDUCE_ROWS)
-        bounds = [0]
-        for n in recv_sizes:
-            bounds.append(bounds[-1] + n)
-        self._add_rows([out[lo:hi] for lo, hi in zip(bounds, bounds[1:])], groups)
+        self._add_rows(route_rows(self.coll, payload, sizes, context=context), groups)
 
     def _add_rows(self, chunks: list[torch.Tensor], groups: list[FlatGroup]) -> None:
         """Add the rows of packed ``chunks`` that fall in this rank's partition of each group."""
-        parts = [RowsPayload.unpack(c) for c in chunks]
-        number = torch.cat([p[0] for p in parts])
-        index = torch.cat([p[1] for p in parts])
-        values = torch.cat([p[2] for p in parts])
+        number, index, values = unpack_rows(chunks)
         for i, g in enumerate(groups):
             mask = number == i
             if not bool(mask.any()):
@@ -399,16 +416,9 @@ class GradientReducer:
             inside = (at >= lo) & (at < hi)
             at, vals = at[inside] - lo, vals[inside]
             acc = g.grad_acc
-            if (acc is not None and g.grad_stored is None and self._down_link is None
+            if (acc is not None and g.grad_stored is None and self._landing is None
                     and acc.device == at.device and acc.numel() == hi - lo):
-                # Into the accumulator where it is a tensor here: each element gets its rows'
-                # fp32 sum once, rounded once to its dtype, as the dense partition below would
-                # give it, without making and adding a partition-sized buffer at the end of
-                # every backward (56 MB on the 135M GPT at 2 ranks: 0.05-0.35 s of the step).
-                unique, inverse = torch.unique(at, return_inverse=True)
-                sums = torch.zeros(unique.numel(), dtype=torch.float32, device=acc.device)
-                sums.index_add_(0, inverse, vals.to(acc.device))
-                acc.index_add_(0, unique, sums.to(acc.dtype))
+                add_rows_into(acc, at, vals)  # where it is a tensor here: as the dense part
                 if self.on_ready is not None:
                     self.on_ready(g.key)
                 continue
@@ -435,7 +445,7 @@ class GradientReducer:
         """Add one micro-batch's reduced gradient into the accumulator: on the device, or, with an
         offloaded optimizer, into the host buffer, dropping the device copy
         ([Note: gradient placement] in infinity/ledger/_estimate.py), or into its stored slices."""
-        if self._down_link is not None and (g.grad_stored is not None or g.grad_host is not None):
+        if self._landing is not None and (g.grad_stored is not None or g.grad_host is not None):
             self._accumulate_over_link(g, part)
             return
         if g.grad_stored is not None:
@@ -475,38 +485,24 @@ class GradientReducer:
         that wait as exposed. With ``poison_until_wait`` an accumulator a copy overwrites holds
         NaN from the issue until the landing, so a read that skips the wait is a wrong number.
         ``part`` is a fresh buffer per reduction, kept alive by the landing until it has run."""
-        link = self._down_link
-        done_at = link.reserve(part.numel() * part.element_size(), "grad DEVICE->HOST", g.key)
+        done_at = self._landing.reserve(part, g.key)
         if g.grad_stored is not None:
             stored = g.grad_stored
             land: Callable[[], None] = lambda: self._accumulate_stored(stored, part)
         elif g.grad_acc is None:
             host = g.grad_acc = g.grad_host
-            if link.model.poison_until_wait and host.is_floating_point():
+            if self._landing.link.model.poison_until_wait and host.is_floating_point():
                 host.fill_(float("nan"))
             land = lambda: host.copy_(part)
         else:
             acc = g.grad_acc
             land = lambda: acc.add_(part)
-
-        def landed() -> None:
-            try:
-                land()
-            except BaseException as e:  # noqa: BLE001 - raised by partitions()
-                self._landing_errors.append(e)
-        self._landing.submit(lambda: link.wait_until(done_at), landed)
+        self._landing.submit(done_at, land)
 
     def _wait_landings(self) -> None:
         """The modeled copies down have landed; raises the first that failed."""
-        if self._landing is None:
-            return
-        if self._landing.pending:  # a wait only where there was something to wait for
-            start = time.perf_counter()
-            self._landing.drain()
-            self._on_wait(time.perf_counter() - start)
-        if self._landing_errors:
-            errors, self._landing_errors = self._landing_errors, []
-            raise errors[0]
+        if self._landing is not None:
+            self._landing.wait()
 
     def close(self) -> None:
         """Stop the landing thread of a modeled link (after its last landing)."""
@@ -597,150 +593,3 @@ class GradientReducer:
             g.grad_acc = None
             if g.grad_stored is not None:
                 g.grad_stored.live = False
-
-
-class _GroupReduction:
-    """One group's issued reduction: its collective's handle, what turns the collective's
-    output into the group's reduced partition (the replicas' sum, a dtype change), and the
-    buffers the collective reads and writes (kept alive, and counted, until the wait)."""
-
-    __slots__ = ("reducer", "group", "handle", "result", "buffers")
-
-    def __init__(self, reducer: GradientReducer, group: FlatGroup, handle: CommHandle,
-                 result: Callable[[], torch.Tensor], buffers: tuple[torch.Tensor, ...]):
-        self.reducer = reducer
-        self.group = group
-        self.handle = handle
-        self.result = result
-        self.buffers = buffers
-
-    def wait(self) -> None:
-        self.handle.wait()
-        self.reducer._finish(self.group, self.result())
-        self.buffers = ()
-
-    def issue_next(self) -> bool:
-        """Nothing left to issue: one collective, issued whole."""
-        return False
-
-
-class _PiecewiseReduction:
-    """[Note: a large reduction spread over the backward]
-    A collective runs over the link whole, and the link serves its transfers in the order they
-    were issued (one NCCL communicator; the modeled link): so a unit reduced in the hooks much
-    larger than the others holds every transfer issued after it. When a tied or untied LM head
-    completes the root early in the backward ([Note: embedding rows cross ranks as rows] in
-    infinity/zero/_embedding_rows.py), that is a 50k-vocabulary table's reduce-scatter (0.69 s
-    of link on the 135M GPT at L = T0, 5x a block's) ahead of the next blocks' backward
-    gathers: the blocks then wait for their parameters. So such a unit's reduce-scatter is cut
-    into pieces along its shard (piece i: every rank's slice [lo_i, hi_i) of its shard, copied
-    out contiguously and divided by the ranks, reduce-scattered into this rank's
-    ``part[lo_i:hi_i]``), the first issued at its turn and one more with each later unit's
-    reduction (the same sequence on every rank: the reduction order is), the rest at the end
-    of backward: the table's bytes ride in the slack each block leaves on the link; a tapped
-    LM head issues most of them before the unit's turn, as its backward makes them ([Note: the
-    head's gradient reduced as it is made] in infinity/zero/_head_grad.py). Each piece's copy
-    is the only extra memory (the staging is dropped once the last piece is copied out); the
-    manager chooses the pieces (``ParameterManager._pieces``); the sum is the same sum."""
-
-    def __init__(self, reducer: GradientReducer, group: FlatGroup, staging: torch.Tensor,
-                 part: torch.Tensor, pieces: int, context: str, *, issue_first: bool = True):
-        """``staging``: the unit's gradient, not yet divided by the ranks (each piece is, as it
-        is copied out); ``part``: this rank's shard of the sum, in the wire's dtype.
-        ``issue_first``: issue the first piece now (its turn); False: the caller issues pieces
-        by number first ([Note: the head's gradient reduced as it is made] in
-        infinity/zero/_head_grad.py)."""
-        self.reducer = reducer
-        self.group = group
-        self.staging_dtype = staging.dtype
-        self.staging: torch.Tensor | None = staging
-        self.part = part
-        self.buffers: tuple[torch.Tensor, ...] = (staging, part)
-        self.context = context
-        self.bounds = piece_bounds(group.shard_numel, pieces)
-        self.handles: list[CommHandle | None] = [None] * len(self.bounds)
-        self._left = len(self.bounds)
-        if issue_first:
-            self.issue_next()
-
-    def issue_piece(self, i: int) -> None:
-        """Issue piece ``i`` (its elements in the staging buffer are final on every rank)."""
-        if self.handles[i] is not None:
-            raise RuntimeError(f"{self.context}: piece {i + 1} issued twice")
-        lo, hi = self.bounds[i]
-        coll, ranks = self.reducer.coll, self.reducer.data_parallel_size
-        piece = torch.empty((coll.world_size, hi - lo), dtype=self.staging_dtype,
-                            device=self.part.device)
-        piece.copy_(self.staging.view(coll.world_size, -1)[:, lo:hi])
-        piece = piece.view(-1).div_(ranks)
-        if piece.dtype != self.part.dtype:
-            piece = piece.to(self.part.dtype)
-        self.handles[i] = coll.reduce_scatter_sum_async(
-            self.part[lo:hi], piece, context=f"{self.context} (piece {i + 1}/{len(self.bounds)})",
-            phase=Phase.REDUCE_GRAD)
-        self.buffers += (piece,)
-        self._left -= 1
-        if not self._left:  # all copied out: the staging may go
-            self.staging = None
-            self.buffers = tuple(b for b in self.buffers[1:])
-
-    def issue_next(self) -> bool:
-        """Issue the first piece not issued yet; False when every piece was issued already."""
-        for i, handle in enumerate(self.handles):
-            if handle is None:
-                self.issue_piece(i)
-                return True
-        return False
-
-    def wait(self) -> None:
-        while self.issue_next():
-            pass
-        for handle in self.handles:
-            handle.wait()
-        part = self.part
-        self.reducer.coll.all_reduce_replicas(part, context=self.context)
-        self.reducer._finish(self.group, part.to(self.staging_dtype))
-        self.buffers = ()
-
-    def drop(self) -> None:
-        """Wait for the pieces in flight and keep nothing (:meth:`GradientReducer.drop_early`)."""
-        for handle in self.handles:
-            if handle is not None:
-                handle.wait()
-        self.buffers, self.staging = (), None
-
-
-def piece_bounds(shard_numel: int, pieces: int) -> list[tuple[int, int]]:
-    """The slices [lo, hi) of a shard that a reduction in ``pieces`` reduce-scatters one by one
-    (every rank's slice of its own shard, each)."""
-    size = -(-shard_numel // pieces)
-    return [(lo, min(shard_numel, lo + size)) for lo in range(0, shard_numel, size)]
-
-
-class Reduction:
-    """A unit's gradient reduction, issued by :meth:`GradientReducer.issue`: :meth:`wait`
-    completes every group's collective and accumulates it; a second wait does nothing."""
-
-    def __init__(self, groups: list[_GroupReduction | _PiecewiseReduction]):
-        self._groups = groups
-
-    def issue_piece(self) -> bool:
-        """Issue the next piece of each group reduced in pieces; False when none was left."""
-        return any([r.issue_next() for r in self._groups])  # a list: every group issues
-
-    def wait(self) -> None:
-        groups, self._groups = self._groups, []
-        for i, r in enumerate(groups):
-            try:
-                r.wait()
-            except BaseException:
-                self._groups = groups[i + 1:]
-                raise
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The device buffers in flight (staging, wire, output, pieces), for the device's byte
-        count: not a host accumulator staged in place (``_stages_in_host``), which the store
-        counts."""
-        return [t for r in self._groups for t in r.buffers
-                if r.group.grad_host is None or t.untyped_storage().data_ptr()
-                != r.group.grad_host.untyped_storage().data_ptr()]

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infinity.zero._embedding_rows import MIN_VOCABULARY_ROWS, ForwardTaps, holders_of
-from infinity.zero._grad_reducer import piece_bounds
+from infinity.zero._reduction import piece_bounds
 from infinity.zero._tensor_parallel import is_dtensor
 
 HeadSink = Callable[[nn.Linear, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -84,7 +84,7 @@ def plan_head(*, world: int, shard_numel: int, pieces: int, offset: int, rows: i
               late: list[tuple[int, int]]) -> HeadPlan:
     """The plan of a head whose weight (``rows`` x ``width``) starts at flat element ``offset``
     of a group sharded over ``world`` ranks (``shard_numel`` each) and reduced in ``pieces``
-    (:func:`~infinity.zero._grad_reducer.piece_bounds`); ``late``: the flat ranges of the
+    (:func:`~infinity.zero._reduction.piece_bounds`); ``late``: the flat ranges of the
     group's parameters whose gradient autograd accumulates (a piece holding any of them waits
     for the unit's turn)."""
     start, end = offset, offset + rows * width

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from infinity.zero._grad_reducer import piece_bounds
+from infinity.zero._reduction import piece_bounds
 from infinity.zero._head_grad import HeadTaps, head_candidates, plan_head, weight_rows_grad
 
 LAYOUTS = [  # (world, shard numel, pieces, head offset, rows, width, late flat ranges)
