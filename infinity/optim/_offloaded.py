@@ -54,8 +54,8 @@ class OffloadedShardOptimizer:
     store's budgets are enforced on every read all the same. A read ahead that must wait for room
     (a write-back of a stepped sub-group) waits on the store's room lane, not on the training
     thread ([Note: a read ahead never waits for room on its caller] in infinity/tiers/store.py); one
-    that finds no room at all is read again where its update needs it (:meth:`ReadWindow.wait <infinity.optim._read_window.ReadWindow.wait>`). The
-    update itself still waits for the
+    that finds no room at all is read again where its update needs it
+    (:meth:`~infinity.optim._read_window.ReadWindow.wait`). The update itself still waits for the
     step (exact global-norm clipping needs every gradient first). :meth:`cancel_prefetch` drops
     the reads when no step follows (an fp16 overflow). Stepped sub-groups stay cached in HOST once
     written back; the next step takes the keys still cached right after the ones read ahead, and
