@@ -10,10 +10,13 @@ save into one state dict, load Hugging Face safetensors straight into the shards
 - :mod:`._weights`: ``engine.load_weights``: safetensors (file, directory, sharded index) read by
   byte range into each rank's partition ([Note: each rank reads its partition]).
 
-Takes the engine as an object with public parts (``engine.manager``, ``engine.shard_optimizer``,
-``engine.between_steps``, ``engine.step_state_dict()``...): it imports nothing of ``zero``.
-Module DAG inside the package: ``_reader`` <- ``_layout``, ``_ranks``, ``_rng`` <- ``_save``,
-``_load``, ``_weights``; ``_reader`` <- ``_consolidate``.
+- :mod:`._target`: :class:`CheckpointTarget`, all that saves and loads read from and write to the
+  training state ([Note: what a checkpoint touches] in :mod:`._target`); the engine hands one out
+  (``engine.checkpoint_view()``). The public functions take the engine as before; it imports
+  nothing of ``zero`` and walks none of the engine's parts.
+
+Module DAG inside the package: ``_reader``, ``_target`` <- ``_layout``, ``_ranks``, ``_rng`` <-
+``_save``, ``_load``, ``_weights``; ``_reader`` <- ``_consolidate``.
 """
 
 from infinity.checkpoint._consolidate import (DEFAULT_MAX_SHARD_BYTES, OUT_DTYPES,
@@ -23,10 +26,11 @@ from infinity.checkpoint._load import load_checkpoint
 from infinity.checkpoint._reader import (CheckpointError, CheckpointReader, check_save_name,
                                          read_client_state, resolve_checkpoint, tensor_name)
 from infinity.checkpoint._save import save_checkpoint
+from infinity.checkpoint._target import CheckpointTarget, checkpoint_target
 from infinity.checkpoint._weights import WeightsError, load_weights, write_param_values
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "OUT_DTYPES", "CheckpointError", "CheckpointReader",
-           "ConsolidateResult", "WeightsError", "consolidate",
-           "check_save_name", "load_checkpoint", "load_weights", "param_ranges",
+           "CheckpointTarget", "ConsolidateResult", "WeightsError", "consolidate",
+           "check_save_name", "checkpoint_target", "load_checkpoint", "load_weights", "param_ranges",
            "read_client_state", "resolve_checkpoint", "save_checkpoint", "tensor_name",
            "write_param_values"]

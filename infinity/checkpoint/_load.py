@@ -15,6 +15,7 @@ from infinity.checkpoint._layout import TRAIN_KINDS, module_buffers, param_range
 from infinity.checkpoint._ranks import on_every_rank
 from infinity.checkpoint._reader import CheckpointError, CheckpointReader, resolve_checkpoint
 from infinity.checkpoint._rng import set_rng_state
+from infinity.checkpoint._target import CheckpointTarget, checkpoint_target
 
 logger = logging.getLogger(__name__)
 
@@ -23,11 +24,12 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike[str]) -> dict[str,
     """Restore ``engine`` from a save (the root given to save_checkpoint, or a step-* directory);
     call on every rank. Everything is validated on every rank first; any problem raises before
     any state changes. Returns the manifest's engine counters."""
-    reader = on_every_rank(engine, f"validating checkpoint {os.fspath(directory)}",
-                           lambda: _prepare_load(engine, directory),
+    target = checkpoint_target(engine)
+    reader = on_every_rank(target, f"validating checkpoint {os.fspath(directory)}",
+                           lambda: _prepare_load(target, directory),
                            cleanup=lambda r: r.close() if r is not None else None)
     try:
-        _apply(engine, reader)
+        _apply(target, reader)
     finally:
         reader.close()
     logger.info("checkpoint loaded: %s (saved at world size %d)", reader.step_dir,
@@ -35,22 +37,22 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike[str]) -> dict[str,
     return dict(reader.manifest["engine"])
 
 
-def _prepare_load(engine: Any, directory: str | os.PathLike[str]) -> CheckpointReader:
+def _prepare_load(target: CheckpointTarget, directory: str | os.PathLike[str]) -> CheckpointReader:
     reader = CheckpointReader(resolve_checkpoint(directory))
     try:
-        _check_matches_model(engine, reader)
+        _check_matches_model(target, reader)
         try:  # the parameter groups and step counts fit this engine
-            engine.check_step_state_dict(reader.manifest["engine"])
+            target.check_step_state_dict(reader.manifest["engine"])
         except ValueError as e:
             raise CheckpointError(f"{reader.manifest_path}: {e}", path=reader.manifest_path
                                   ) from None
         # Every data-parallel rank: the file checks and RNG states are per rank, the
         # partitions per shard rank ([Note: replica 0 writes the shards] in ._save).
-        rank, world = engine.collectives.world.rank, engine.collectives.world.world_size
+        rank, world = target.collectives.world.rank, target.collectives.world.world_size
         needed = {reader.manifest["buffers_file"]}
-        for unit in engine.manager.units:
+        for unit in target.units:
             for g in unit.groups:
-                lo, n = engine.manager.partition_of(g)
+                lo, n = target.partition_of(g)
                 for s, a, b in param_ranges(g.slots, lo, lo + n):
                     needed |= reader.files_for(s.name, a, b)
         listed = sorted({s["file"] for s in reader.manifest["shards"]})
@@ -70,11 +72,11 @@ def _prepare_load(engine: Any, directory: str | os.PathLike[str]) -> CheckpointR
     return reader
 
 
-def _check_matches_model(engine: Any, reader: CheckpointReader) -> None:
+def _check_matches_model(target: CheckpointTarget, reader: CheckpointReader) -> None:
     """Same parameter names, shapes and trainability; same buffer keys and shapes."""
     mine: dict[str, tuple[list[int], bool]] = {
         s.name: (list(s.shape), g.requires_grad)
-        for u in engine.manager.units for g in u.groups for s in g.slots}
+        for u in target.units for g in u.groups for s in g.slots}
     theirs = {name: (list(p["shape"]), bool(p["trainable"])) for name, p in reader.params.items()}
     where = reader.manifest_path
     missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
@@ -93,7 +95,7 @@ def _check_matches_model(engine: Any, reader: CheckpointReader) -> None:
                                   f"optimizer state) but is trainable now; freeze it as then",
                                   path=where)
     saved = {i["buffer"]: i["shape"] for i in reader.manifest["state_dict"] if "buffer" in i}
-    buffers = {k: list(v.shape) for k, v in module_buffers(engine.manager.module)}
+    buffers = {k: list(v.shape) for k, v in module_buffers(target.module)}
     if saved != buffers:
         diff = sorted(k for k in set(saved) | set(buffers) if saved.get(k) != buffers.get(k))
         raise CheckpointError(f"{where}: buffers differ from this model's (keys/shapes of "
@@ -111,32 +113,31 @@ def _assemble(reader: CheckpointReader, slots: list[Any], lo: int, n: int, kind:
     return out
 
 
-def _apply(engine: Any, reader: CheckpointReader) -> None:
-    m = engine.manager
-    for unit in m.units:
+def _apply(target: CheckpointTarget, reader: CheckpointReader) -> None:
+    for unit in target.units:
         for g in unit.groups:
-            lo, n = m.partition_of(g)
-            kinds = saved_kinds(g.requires_grad, engine.compute_dtype)  # what a save of it wrote
+            lo, n = target.partition_of(g)
+            kinds = saved_kinds(g.requires_grad, target.compute_dtype)  # what a save of it wrote
             parts = {k: _assemble(reader, g.slots, lo, n, k, torch.float32)
                      for k in TRAIN_KINDS if k in kinds}
             if parts:
-                engine.shard_optimizer.load_state(g.key, **parts)
+                target.load_optimizer_state(g.key, **parts)
             # "param" may be missing from a save in fp32: its master is the parameter
-            low = _assemble(reader, g.slots, lo, n, "param", engine.compute_dtype,
+            low = _assemble(reader, g.slots, lo, n, "param", target.compute_dtype,
                             fallback="master") if "param" in kinds else parts["master"]
-            with m.open_param_partition(g, overwrite=True) as out:
+            with target.open_param_partition(g, overwrite=True) as out:
                 out.copy_(low.to(out.device))
-    engine.flush_offload()
-    m.after_step()  # drops gradients; re-gathers always-gathered units from the new shards
+    target.flush_offload()
+    target.after_shards_written()  # drops gradients; re-gathers always-gathered units
     buffers = reader.open(reader.manifest["buffers_file"])
-    current = dict(module_buffers(m.module))
+    current = dict(module_buffers(target.module))
     with torch.no_grad():
         for key, tensor in current.items():
             tensor.copy_(buffers.get(key).to(tensor.device))
-    rank = engine.collectives.world.rank
+    rank = target.collectives.world.rank
     if rank < len(reader.manifest["rng_files"]):
         set_rng_state(reader.open(reader.manifest["rng_files"][rank]))
     else:
         warn_once("ckpt-rng", f"checkpoint {reader.step_dir} was saved by "
                               f"{reader.manifest['world_size']} ranks; rank {rank} keeps its RNG")
-    engine.load_step_state_dict(reader.manifest["engine"])
+    target.load_step_state_dict(reader.manifest["engine"])

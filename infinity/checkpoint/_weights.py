@@ -7,12 +7,12 @@ every rank, after ``infinity.initialize`` and before training (or between optimi
 
 [Note: each rank reads its partition]
 For each flat group of each unit, a rank reads from the file only the parameter-local element
-ranges its optimizer partition covers (``manager.partition_of``: the rank's 1/W shard at stages
-1-3, the whole buffer at stage 0), by byte range (``SafetensorsCheckpoint.read_into``), through
-one reusable staging buffer of at most ``_STAGING_BYTES``. The values go to the fp32 master
-(trainable groups) and to the compute-dtype parameter partition (every group, frozen ones too);
-``manager.after_step()`` then re-gathers the always-gathered units from the new shards, exactly as
-after an optimizer step. Buffers (``state_dict`` entries that are not parameters; non-persistent
+ranges its optimizer partition covers (``CheckpointTarget.partition_of``: the rank's 1/W shard at
+stages 1-3, the whole buffer at stage 0), by byte range (``SafetensorsCheckpoint.read_into``),
+through one reusable staging buffer of at most ``_STAGING_BYTES``. The values go to the fp32
+master (trainable groups) and to the compute-dtype parameter partition (every group, frozen ones
+too); ``after_shards_written()`` then re-gathers the always-gathered units from the new shards,
+exactly as after an optimizer step. Buffers (``state_dict`` entries that are not parameters; non-persistent
 buffers are not in it) are replicated: every rank reads them whole.
 
 What is *not* touched: the optimizer moments (``exp_avg``, ``exp_avg_sq``), the step count, the
@@ -45,6 +45,7 @@ from torch import nn
 from infinity._common import MiB, warn_once
 from infinity.checkpoint._layout import param_ranges
 from infinity.checkpoint._ranks import on_every_rank
+from infinity.checkpoint._target import CheckpointTarget, checkpoint_target
 from infinity.errors import InfinityError
 from infinity.io import SafetensorsCheckpoint
 
@@ -90,13 +91,14 @@ def load_weights(engine: Any, path: str | os.PathLike[str], *, strict: bool = Tr
     load does not require (still listed as missing). Returns ``{"missing_keys",
     "unexpected_keys"}`` (missing: model keys; unexpected: file names). Shape or dtype
     mismatches always raise. See the module docstring for what is written."""
+    target = checkpoint_target(engine)
     path = os.fspath(path)
     what = f"loading weights from {path}"
     names = _Names(dict(key_map or {}), frozenset(optional_keys))
-    ckpt, plan = on_every_rank(engine, what, lambda: _open_and_plan(engine, path, strict, names),
+    ckpt, plan = on_every_rank(target, what, lambda: _open_and_plan(target, path, strict, names),
                                 cleanup=lambda r: r[0].close() if r is not None else None)
     try:
-        _write(engine, ckpt, plan)  # collectives inside (after_step): not under on_every_rank
+        _write(target, ckpt, plan)  # collectives inside (after_step): not under on_every_rank
     finally:
         ckpt.close()
     logger.info("weights loaded from %s: %d parameters, %d buffers; missing %d, unexpected %d",
@@ -121,40 +123,40 @@ class _Names:
         return self.key_map.get(key, key)
 
 
-def _open_and_plan(engine: Any, path: str, strict: bool, names: _Names
+def _open_and_plan(target: CheckpointTarget, path: str, strict: bool, names: _Names
                    ) -> tuple[SafetensorsCheckpoint, _Plan]:
-    _check_between_steps(engine, f"load_weights({path!r})", path)
+    _check_between_steps(target, f"load_weights({path!r})", path)
     ckpt = SafetensorsCheckpoint(path)  # parses every header; a truncated file raises here
     try:
-        plan = _plan(engine, ckpt, strict, names)
+        plan = _plan(target, ckpt, strict, names)
     except BaseException:
         ckpt.close()
         raise
     return ckpt, plan
 
 
-def _check_between_steps(engine: Any, what: str, path: str) -> None:
-    if not engine.between_steps:
+def _check_between_steps(target: CheckpointTarget, what: str, path: str) -> None:
+    if not target.between_steps:
         raise WeightsError(
-            f"{what}: micro-step {engine.micro_steps} is inside a gradient "
+            f"{what}: micro-step {target.micro_steps} is inside a gradient "
             f"accumulation window; the partial gradients belong to the old weights. Load before "
             f"training or right after the engine.step() that ran the optimizer", path=path)
-    busy = [u.name for u in engine.manager.units if u.in_use]
+    busy = [u.name for u in target.units if u.in_use]
     if busy:
         raise WeightsError(f"{what}: units {busy[:5]} are in use by a forward or "
                            f"backward; load between steps", path=path)
 
 
-def _plan(engine: Any, ckpt: SafetensorsCheckpoint, strict: bool, names: _Names) -> _Plan:
-    m = engine.manager
-    slot_of = {id(s.param): s for u in m.units for g in u.groups for s in g.slots}
+def _plan(target: CheckpointTarget, ckpt: SafetensorsCheckpoint, strict: bool,
+          names: _Names) -> _Plan:
+    slot_of = {id(s.param): s for u in target.units for g in u.groups for s in g.slots}
     aliases: dict[int, list[str]] = {}
     """id(parameter) -> the file names of its state_dict keys."""
     model_keys: dict[str, str] = {}
     """File name -> the model key it stands for (error messages name model keys)."""
     buffers: dict[str, torch.Tensor] = {}
     """File name -> the module buffer."""
-    for key, value in m.module.state_dict(keep_vars=True).items():
+    for key, value in target.module.state_dict(keep_vars=True).items():
         name = names.file_name(key)
         model_keys[name] = key
         if isinstance(value, torch.Tensor) and id(value) in slot_of:
@@ -215,7 +217,7 @@ def _wrapped_hint(missing: list[str], unexpected: list[str]) -> str:
     """A base model's checkpoint loaded into its peft wrapping: name the loader that maps it."""
     if missing and unexpected and all(k.startswith("base_model.model.") for k in missing):
         return (" (a base model's checkpoint for a peft model? load it with "
-                "infinity.integrations.peft.load_base_weights(engine, path))")
+                "infinity.integrations.peft.load_base_weights(target, path))")
     return ""
 
 
@@ -249,33 +251,32 @@ class _Staging:
             yield off, view
 
 
-def _write(engine: Any, ckpt: SafetensorsCheckpoint, plan: _Plan) -> None:
-    m = engine.manager
-    staging = _Staging(min(_STAGING_BYTES, plan.max_range_bytes), engine.device)
-    for unit in m.units:
+def _write(target: CheckpointTarget, ckpt: SafetensorsCheckpoint, plan: _Plan) -> None:
+    staging = _Staging(min(_STAGING_BYTES, plan.max_range_bytes), target.device)
+    for unit in target.units:
         for g in unit.groups:
-            lo, n = m.partition_of(g)
+            lo, n = target.partition_of(g)
             ranges = [(s, a, b) for s, a, b in param_ranges(g.slots, lo, lo + n)
                       if id(s.param) in plan.sources]
             if ranges:
-                _write_group(engine, ckpt, g, lo, n, ranges, plan.sources, staging)
-    engine.flush_offload()  # every written shard is back in its home tier
-    m.after_step()  # re-gathers the always-gathered units from the new shards (no grads exist)
+                _write_group(target, ckpt, g, lo, n, ranges, plan.sources, staging)
+    target.flush_offload()  # every written shard is back in its home tier
+    target.after_shards_written()  # re-gathers the always-gathered units (no grads exist)
     with torch.no_grad():
         for key, buf in plan.buffers.items():
             buf.copy_(ckpt.get(key).to(buf.device))
 
 
-def _write_group(engine: Any, ckpt: SafetensorsCheckpoint, g: Any, lo: int, n: int,
+def _write_group(target: CheckpointTarget, ckpt: SafetensorsCheckpoint, g: Any, lo: int, n: int,
                  ranges: list[tuple[Any, int, int]], sources: dict[int, str],
                  staging: _Staging) -> None:
     """Partition ``[lo, lo + n)`` of group ``g``: file values into the compute-dtype parameter
     partition and, window by window (the offloaded optimizer's sub-groups), the fp32 master."""
-    masters = engine.shard_optimizer.open_master(g.key) if g.requires_grad else \
+    masters = target.open_master(g.key) if g.requires_grad else \
         contextlib.nullcontext([(0, n, contextlib.nullcontext(None))])
     # The parameter shard closes first (marked dirty, written back), then the masters' write-backs
     # are waited for.
-    with masters as windows, engine.manager.open_param_partition(g) as param_out:
+    with masters as windows, target.open_param_partition(g) as param_out:
         for w_lo, w_hi, master_ctx in windows:
             with master_ctx as master:
                 same = master is not None and master.data_ptr() == param_out.data_ptr() and \
@@ -309,8 +310,8 @@ def write_param_values(engine: Any, values: Mapping[nn.Parameter, torch.Tensor])
     the fp32 masters, the compute-dtype parameter shards wherever they live (NVMe too), then the
     always-gathered units are gathered again, as :func:`load_weights` does with a file's. A
     collective; between steps only."""
-    m = engine.manager
-    slot_of = {id(s.param): s for u in m.units for g in u.groups for s in g.slots}
+    target = checkpoint_target(engine)
+    slot_of = {id(s.param): s for u in target.units for g in u.groups for s in g.slots}
     sources, named = {}, {}
     for i, (param, value) in enumerate(values.items()):
         slot = slot_of.get(id(param))
@@ -322,11 +323,11 @@ def write_param_values(engine: Any, values: Mapping[nn.Parameter, torch.Tensor])
                              f"got {list(value.shape)} (a parameter's shape cannot change after "
                              f"initialize)")
         sources[id(param)], named[f"v{i}"] = f"v{i}", value.to("cpu")
-    _check_between_steps(engine, "write_param_values", "")
+    _check_between_steps(target, "write_param_values", "")
     plan = _Plan(sources=sources, buffers={}, missing_keys=[], unexpected_keys=[],
                  max_range_bytes=max((v.numel() * v.element_size() for v in named.values()),
                                      default=8))
-    _write(engine, _InMemory(named), plan)
+    _write(target, _InMemory(named), plan)
 
 
 __all__ = ["WeightsError", "load_weights", "write_param_values"]

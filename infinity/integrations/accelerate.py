@@ -100,8 +100,12 @@ class _SyncStep:
     of a dataloader), which ``engine.step(boundary=True)`` follows. ``zero_grad`` has nothing to
     do: the engine clears its gradients after each update."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, *, gradient_clipping: float):
         self.engine = engine
+        self.gradient_clipping = float(gradient_clipping)
+        """The config's clip norm (0: none), handed here with the config the engine was built
+        from: ``clip_grad_norm_`` checks its ``max_norm`` against it, without reaching into the
+        engine's config."""
         self.pending = False
         """A sync step's backward ran and its update has not (see the note)."""
         self.skipped = False
@@ -307,7 +311,7 @@ class Accelerator(_accelerate.Accelerator):
                                 deepspeed_only=self.engine_deepspeed_values)
         groups = _groups_of(optimizer) if optimizer is not None else None
         self.engine = initialize(model, config, model_parameters=groups)
-        self._sync_step = _SyncStep(self.engine)
+        self._sync_step = _SyncStep(self.engine, gradient_clipping=config.gradient_clipping)
         prepared_optimizer = PreparedOptimizer(self._sync_step) if optimizer is not None else None
         self._prepared = (PreparedModel(self.engine), prepared_optimizer)
         logger.info("engine built: %d parameter group(s), gradient_accumulation_steps %d",
@@ -386,7 +390,7 @@ class Accelerator(_accelerate.Accelerator):
             raise ValueError("clip_grad_norm_: the engine clips all of its model's gradients "
                              "together; pass model.parameters()")
         clip = 0.0 if math.isinf(max_norm) else float(max_norm)
-        configured = self.engine.config.gradient_clipping
+        configured = self._sync_step.gradient_clipping
         if configured > 0 and clip != configured:
             raise ValueError(f"clip_grad_norm_(max_norm={max_norm}) disagrees with the config's "
                              f"gradient_clipping={configured}; remove one of them")

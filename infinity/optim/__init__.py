@@ -18,7 +18,9 @@ Interface (every implementation)::
   (the compute device).
 - :class:`OffloadedShardOptimizer` (:mod:`._offloaded`): masters and moments in the tiered store
   (HOST or NVME home), stepped by sub-group (:mod:`._sub_group`, the records and their state
-  machine) in a pipeline whose reads and writes overlap the update, and, deferred, the next forward.
+  machine) in a pipeline whose reads and writes overlap the update, and, deferred, the next forward;
+  its keys in :mod:`._key_table`, its read-ahead window in :mod:`._read_window`, the parameter
+  shard it writes in :mod:`._param_out`, a key's state outside the step in :mod:`._key_state`.
 - The math: :func:`~infinity.optim.cpu_adam.adam_step_flat` (one fused streaming pass, compiled
   from ``csrc/cpu_adam.cpp``) on CPU tensors, :func:`adam_step_flat_reference` (the readable
   ``torch.optim.AdamW`` order) elsewhere; :class:`~infinity.optim.cpu_adam.CPUAdam` is a drop-in

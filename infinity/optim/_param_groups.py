@@ -61,35 +61,38 @@ def _group_params(raw: Any, where: str) -> list[Any]:
                          f"{type(raw).__name__}") from None
 
 
+def _raw_groups(model: nn.Module, model_parameters: Any) -> list[Any]:
+    """``model_parameters`` as a list of group mappings, each with its ``params`` as given (None:
+    one group of every parameter with ``requires_grad``; bare parameters: one group of them)."""
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if isinstance(model_parameters, (torch.Tensor, Mapping)):
+        model_parameters = [model_parameters]
+    try:
+        items = list(model_parameters)
+    except TypeError:
+        raise ValueError(f"model_parameters: expected parameters or a list of parameter "
+                         f"groups, got {type(model_parameters).__name__}") from None
+    if not items:
+        raise ValueError("model_parameters: empty; pass the parameters to train, or None "
+                         "for every parameter with requires_grad")
+    if all(isinstance(i, Mapping) for i in items):
+        return items
+    if any(isinstance(i, Mapping) for i in items):
+        raise ValueError("model_parameters: mixes parameter groups (dicts) with bare "
+                         "parameters; put every parameter into a group")
+    return [{"params": items}]
+
+
 def resolve_param_groups(model: nn.Module, model_parameters: Any,
                          defaults: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Torch-style group dicts over ``model``'s parameters (see the module docstring); each group
     has every key of ``defaults`` (its own value where given). Raises ValueError before anything
     is changed."""
     names = names_of(model)
-    if model_parameters is None:
-        raw_groups: list[Any] = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    else:
-        if isinstance(model_parameters, (torch.Tensor, Mapping)):
-            model_parameters = [model_parameters]
-        try:
-            items = list(model_parameters)
-        except TypeError:
-            raise ValueError(f"model_parameters: expected parameters or a list of parameter "
-                             f"groups, got {type(model_parameters).__name__}") from None
-        if not items:
-            raise ValueError("model_parameters: empty; pass the parameters to train, or None "
-                             "for every parameter with requires_grad")
-        if all(isinstance(i, Mapping) for i in items):
-            raw_groups = items
-        elif any(isinstance(i, Mapping) for i in items):
-            raise ValueError("model_parameters: mixes parameter groups (dicts) with bare "
-                             "parameters; put every parameter into a group")
-        else:
-            raw_groups = [{"params": items}]
     groups: list[dict[str, Any]] = []
     owner: dict[int, int] = {}
-    for i, raw in enumerate(raw_groups):
+    for i, raw in enumerate(_raw_groups(model, model_parameters)):
         where = f"model_parameters[{i}]"
         if "params" not in raw:
             raise ValueError(f"{where}: a parameter group needs a 'params' key")

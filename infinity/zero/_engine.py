@@ -60,6 +60,7 @@ from infinity.optim.schedulers import build_scheduler
 from infinity.tiers import Tier
 from infinity.zero._activations import HostActivations, apply_activation_checkpointing
 from infinity.zero._buffers import broadcast_buffers, move_buffers
+from infinity.zero._checkpoint_view import EngineCheckpointView
 from infinity.zero._collectives import init_from_env_if_launched
 from infinity.zero._device import resolve_device
 from infinity.zero._grad_norm import global_norm_sq
@@ -570,6 +571,11 @@ class InfinityEngine:
             self.stored_activations.drain()  # graphs dropped without a backward
         self.shard_optimizer.drain()
         self.manager.settle_params()
+
+    def checkpoint_view(self) -> EngineCheckpointView:
+        """What checkpointing reads and writes of this engine ([Note: what a checkpoint touches]
+        in infinity/checkpoint/_target.py)."""
+        return EngineCheckpointView(self)
 
     def flush_offload(self) -> None:
         """Every shard the store holds is current in its home tier (a no-op without offload)."""

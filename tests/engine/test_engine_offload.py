@@ -245,7 +245,7 @@ def test_optimizer_step_does_not_read_the_parameter_shards_it_replaces(tmp_path,
     read each shard before replacing it, and trains to the same bits."""
     import dataclasses
 
-    import infinity.optim._offloaded as so
+    import infinity.optim._param_out as so
     from tests._support.engine import TINY
 
     six = dataclasses.replace(TINY, n_layer=6)
