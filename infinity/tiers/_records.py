@@ -77,7 +77,7 @@ class _Copy:
         """Store clock at the last fetch/get: the LRU order."""
         self.ready_event = None
         """DEVICE on CUDA: the event after the copy that filled it; readers' streams wait on it
-        ([Note: device copies complete on the stream] in store.py). None: nothing pending."""
+        ([Note: device copies complete on the stream] in _mover.py). None: nothing pending."""
 
 
 class _Shard:
@@ -121,6 +121,28 @@ class _Shard:
             for c in self.copies.values())
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CopyInfo:
+    """A read-only snapshot of one copy of a shard (:meth:`TieredStore.copy_info`)."""
+
+    state: Residency
+    pins: int
+    """``acquire`` count: a pinned copy is never evicted."""
+    busy: int
+    """Moves reading the copy when the snapshot was taken."""
+    tensor: torch.Tensor | None
+    """The copy's memory (DEVICE/HOST; valid bytes only when RESIDENT or WRITING); None: no bytes
+    or NVME."""
+    zeros: bool
+    """NVME: the copy is all zeros and no file holds it (registered without data, never written)."""
+
+    @classmethod
+    def of(cls, shard: "_Shard", tier: Tier) -> "CopyInfo":
+        copy = shard.copies[tier]
+        return cls(state=copy.state, pins=copy.pins, busy=copy.busy, tensor=copy.tensor,
+                   zeros=tier is Tier.NVME and shard.nvme_zeros)
+
+
 class TierHandle:
     """Completion of one fetch/acquire (``wait()`` -> the tensor) or write-back (``wait()`` -> None).
 
@@ -152,7 +174,7 @@ class TierHandle:
         """Wait for the move to finish (re-raising its error) without making the caller's stream
         wait for a device copy: for a caller that only tracks the move (the prefetch executor);
         whoever reads the copy gets that wait from its own ``acquire`` or ``get``, where it reads
-        ([Note: device copies complete on the stream] in infinity/tiers/store.py)."""
+        ([Note: device copies complete on the stream] in infinity/tiers/_mover.py)."""
         if self._future.done():
             self._future.result()
             return
