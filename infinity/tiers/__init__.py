@@ -49,10 +49,11 @@ Rules the store keeps:
 
 - Shards: a 1-D tensor of ``numel`` x ``dtype``, registered under a string key with a home tier. The
   home copy always exists: DEVICE/HOST homes hold an allocation for the shard's whole life; an
-  NVME home is a swap file (``initial=None``: zeros, no file until the first write-back). Tensors the
+  NVME home is a swap file (``initial=None``: ZEROS, no file until the first write-back). Tensors the
   store hands out are 1-D views of its own memory: reshape them, do not keep them past an eviction.
-- Residency: each copy has a :class:`Residency` (ABSENT, INFLIGHT, RESIDENT, WRITING) changed only
-  through ``residency.TRANSITIONS``; an illegal change raises ``IllegalTransitionError`` (a bug).
+- Residency: each copy has a :class:`Residency` (ABSENT, INFLIGHT, RESIDENT, WRITING; ZEROS for an
+  NVME home never written) changed only through ``residency.TRANSITIONS``; an illegal change raises
+  ``IllegalTransitionError`` (a bug).
 - Fetch: a hit returns a completed handle; a copy already in flight is joined (one I/O for any number
   of concurrent fetches, counted 'late'); otherwise (a 'miss') memory is reserved in the caller's
   thread and the move runs on the swapper's / store's threads. NVME -> DEVICE stages through a HOST

@@ -28,7 +28,8 @@ from infinity.tiers.residency import Residency, Tier
 
 logger = logging.getLogger(__name__)
 
-_A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING
+_A, _I, _R, _W, _Z = (Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING,
+                      Residency.ZEROS)
 
 
 # [Note: device copies complete on the stream] A copy into a DEVICE copy is RESIDENT as soon as it
@@ -80,7 +81,7 @@ class Mover:
         """Issue the move of ``shard`` from ``src`` into ``dst`` (its copy is INFLIGHT, allocated)."""
         dst_copy = shard.copies[dst]
         if src is Tier.NVME:
-            if shard.nvme_zeros:
+            if shard.copies[Tier.NVME].state is _Z:  # never written: no file to read
                 dst_copy.tensor.zero_()
                 self._finish_move(shard, src, dst, None, lock=False)
                 return
@@ -189,7 +190,7 @@ class Mover:
         copy.ready_event = ready_event
         if error is None:
             shard.set_state(dst, _R)
-            if not (src is Tier.NVME and shard.nvme_zeros):
+            if not (src is Tier.NVME and shard.copies[Tier.NVME].state is _Z):
                 self.counters.add_moved(src, dst, shard.nbytes, shard.key)
             future.set_result(copy.tensor)
         else:

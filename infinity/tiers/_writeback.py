@@ -49,6 +49,10 @@ class WriteBacks:
         self._setup_writes_bytes = 0
         """Bytes of ``keep_host_copy=False`` registrations being written ([Note: set-up copies
         are dropped once written] in infinity/tiers/store.py)."""
+        self._drop_host_when_written: set[_Shard] = set()
+        """Those registrations: the HOST copy their first write-back writes from is dropped once
+        that write completes. A property of that write-back, so the write-backs hold it, not the
+        shard record."""
 
     def reserve(self, tier: Tier, shard: _Shard, **options) -> "_Alloc | None":
         """:meth:`TierBudgets.reserve` (same ``options``), writing back and waiting for each dirty
@@ -71,8 +75,9 @@ class WriteBacks:
         """Write a just-registered NVME shard's HOST copy to its file; dropped once written
         where asked ([Note: set-up copies are dropped once written] in infinity/tiers/store.py)."""
         shard.dirty = Tier.HOST
-        shard.drop_host_when_written = drop_host_when_written
-        self._setup_writes_bytes += shard.nbytes if drop_host_when_written else 0
+        if drop_host_when_written:
+            self._drop_host_when_written.add(shard)
+            self._setup_writes_bytes += shard.nbytes
         self.start(shard)
 
     def start(self, shard: _Shard) -> Future:
@@ -164,14 +169,11 @@ class WriteBacks:
             if error is None:
                 shard.set_state(home, _R)
                 shard.dirty = None
-                if home is Tier.NVME:
-                    shard.nvme_zeros = False
                 self._end_setup_write(shard, written=True)
                 future.set_result(None)
             else:
                 # The dirty copy is kept; an NVMe home that failed mid-write has no valid file.
                 shard.set_state(home, _A if home is Tier.NVME else _R)
-                shard.writeback_error = error
                 self._end_setup_write(shard, written=False)
                 logger.warning("write-back of %r to %s failed: %s", shard.key, home.name, error)
                 future.set_exception(error)
@@ -180,9 +182,9 @@ class WriteBacks:
     def _end_setup_write(self, shard: _Shard, *, written: bool) -> None:
         """[Note: set-up copies are dropped once written] in infinity/tiers/store.py (lock held).
         A failed write keeps the copy: it is the only one with the bytes."""
-        if not shard.drop_host_when_written:
+        if shard not in self._drop_host_when_written:
             return
-        shard.drop_host_when_written = False
+        self._drop_host_when_written.discard(shard)
         self._setup_writes_bytes -= shard.nbytes
         host = shard.copies[Tier.HOST]
         if written and host.state is _R and not host.pins and not host.busy:  # else in use: keep

@@ -33,7 +33,8 @@ from infinity.tiers.residency import Residency, Tier
 
 logger = logging.getLogger(__name__)
 
-_A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING
+_A, _I, _R, _W, _Z = (Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING,
+                      Residency.ZEROS)
 
 
 # [Note: a read ahead never waits for room on its caller]
@@ -165,8 +166,7 @@ class TieredStore:
             self._check_unregistered(key)
             shard = _Shard(key, numel, dtype, home)
             if home is Tier.NVME and initial is None and fill is None:
-                shard.set_state(Tier.NVME, _R)
-                shard.nvme_zeros = True
+                shard.set_state(Tier.NVME, _Z)  # read as zeros, no file until written
                 self._table.add(shard)
                 return
             tier = Tier.HOST if home is Tier.NVME else home
@@ -230,7 +230,7 @@ class TieredStore:
                 if shard.copies[tier].state is _R:
                     self.budgets.drop(shard, tier)
             had_file = shard.has_swap_file
-            if shard.copies[Tier.NVME].state is _R:
+            if shard.copies[Tier.NVME].state in (_R, _Z):
                 shard.set_state(Tier.NVME, _A)
             self._table.remove(key)
             self._table.notify()
@@ -405,7 +405,7 @@ class TieredStore:
         stale = shard.dirty is not None and other is shard.home
         if shard.copies[other].state is not _A and not stale:
             return other
-        if tier is Tier.HOST and shard.copies[Tier.NVME].state is _R:
+        if tier is Tier.HOST and shard.copies[Tier.NVME].state in (_R, _Z):
             return Tier.NVME
         if tier is Tier.DEVICE and shard.home is Tier.NVME:
             return None
@@ -434,7 +434,6 @@ class TieredStore:
             for t in others:
                 self.budgets.drop(shard, t)
             shard.dirty = None if tier is shard.home else tier
-            shard.writeback_error = None
 
     def write_back(self, key: str) -> TierHandle:
         """Copy the dirty copy's bytes to the home tier (async; ``wait()`` returns None)."""

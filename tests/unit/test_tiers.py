@@ -464,6 +464,26 @@ def test_transition_table_rejects_illegal_transitions():
     assert (Residency.RESIDENT, Residency.RESIDENT) not in TRANSITIONS
 
 
+def test_zeros_is_a_state_of_an_unwritten_nvme_home_only(tmp_path):
+    shard = _Shard("s", 10, torch.float32, Tier.NVME)
+    with pytest.raises(IllegalTransitionError, match="HOST"):
+        shard.set_state(Tier.HOST, Residency.ZEROS)
+    shard.set_state(Tier.NVME, Residency.ZEROS)
+    assert shard.settled() and not Residency.ZEROS.holds_bytes and Residency.ZEROS.valid
+    with make_store(tmp_path) as (store, swapper):
+        store.register("z", 1024, torch.float32, Tier.NVME)
+        assert store.state("z", Tier.NVME) is Residency.ZEROS
+        assert store.fetch("z", Tier.HOST).wait().eq(0).all()
+        assert store.stats()["bytes_nvme_to_host"] == 0  # nothing read: there is no file
+        store.get("z", Tier.HOST).fill_(3.0)
+        store.mark_dirty("z", Tier.HOST)
+        store.write_back("z").wait()
+        assert store.state("z", Tier.NVME) is Residency.RESIDENT
+        store.evict("z", Tier.HOST)
+        assert store.fetch("z", Tier.HOST).wait().eq(3.0).all()
+        assert store.stats()["bytes_nvme_to_host"] == 4096
+
+
 # -- I/O failures and missing waits ------------------------------------------------------------------------
 
 
@@ -705,7 +725,7 @@ def test_a_store_has_one_read_gate(tmp_path):
 def test_copy_info_is_a_snapshot_of_one_copy(tmp_path):
     with make_store(tmp_path) as (store, _):
         store.register("z", 64, torch.float32, Tier.NVME)
-        assert store.copy_info("z", Tier.NVME).zeros
+        assert store.copy_info("z", Tier.NVME).state is Residency.ZEROS
         tensor = store.acquire("z", Tier.HOST).wait()
         info = store.copy_info("z", Tier.HOST)
         assert (info.state, info.pins, info.busy) == (Residency.RESIDENT, 1, 0)
@@ -714,6 +734,6 @@ def test_copy_info_is_a_snapshot_of_one_copy(tmp_path):
         assert info.pins == 1 and store.copy_info("z", Tier.HOST).pins == 0  # a snapshot
         store.mark_dirty("z", Tier.HOST)
         store.write_back("z").wait()
-        assert not store.copy_info("z", Tier.NVME).zeros  # written: the file holds it now
+        assert store.state("z", Tier.NVME) is Residency.RESIDENT  # written: the file holds it
         with pytest.raises(KeyError):
             store.copy_info("nope", Tier.HOST)
