@@ -73,7 +73,7 @@ class OffloadedShardOptimizer:
     whose parameter shard the store holds: it records the step (step number, lr, the gradient
     scale with the exact clip coefficient, the gradients) and starts the reads of the first
     sub-groups in the next forward's order. The store calls :meth:`apply_before_read` before it
-    reads any shard (``TieredStore.before_read``); for the shard of a key still pending, the
+    reads any shard (its read gate, ``TieredStore.set_read_gate``); for the shard of a key still pending, the
     update of that key (and of the keys before it in that order) runs right then, on the
     caller's thread, while the reads for the next keys are issued, so the reads and the
     write-backs of the step overlap the forward's compute. Keys without a stored shard (always

@@ -1,10 +1,15 @@
 """The tiered store: keyed shards over DEVICE / HOST / NVME with byte budgets; and the offload
 budgets that size it for one model.
 
-- :mod:`.store`: :class:`TieredStore` (moves, write-back, locking); :mod:`.residency`: the state
-  of one copy and its transition table; :mod:`._records`: per-shard records, handles, counters;
-  :mod:`._arena`: the one host arena; :mod:`._budgets`: :class:`~._budgets.TierBudgets`, the byte
-  counts per tier and eviction ([Note: eviction policy]), owned by the store.
+- :mod:`.store`: :class:`TieredStore`, the face (what happens to a shard, and when); the
+  components it owns: :mod:`._shard_table` (the records and the one lock, [Note: store locking]),
+  :mod:`._budgets`: :class:`~._budgets.TierBudgets`, the byte counts per tier and eviction
+  ([Note: eviction policy]), :mod:`._mover` (copies and swap-ins on the store's threads),
+  :mod:`._writeback` (dirty copies to their home), :mod:`._room_lane` (reads ahead that wait
+  for room); :mod:`._read_gate`: :class:`ReadGate`, how a writer that owes bytes is asked before
+  a read ([Note: the read gate]); :mod:`.residency`: the state of one copy and its transition
+  table; :mod:`._records`: per-shard records, handles, counters; :mod:`._arena`: the one host
+  arena.
 - :mod:`._offload_budgets`: pure arithmetic: :class:`StateSizes` (what the store will hold) and
   :class:`OffloadRequest` (where state lives, the budgets asked for) in,
   :class:`OffloadBudgets` out (:func:`resolve_offload_budgets`), or a ``ValueError`` naming the
@@ -33,7 +38,9 @@ Public API of the store (everything else is private)::
     store.evict(key, tier)                       # drop a non-home copy (dirty: written back first)
     store.unregister(key); store.close()         # (also a context manager)
     store.state(key, tier) -> Residency; store.is_dirty(key) -> Tier | None; store.home(key) -> Tier;
-    store.keys()
+    store.keys(); store.copy_info(key, tier) -> CopyInfo   # a read-only snapshot of one copy
+    store.set_read_gate(gate)   # once: gate.apply_before_read(key) before every read
+                                # ([Note: the read gate] in infinity/tiers/_read_gate.py)
     store.set_next_use(key, distance); store.stats() -> dict; store.reset_peaks()
     store.budget_bytes(tier); store.used_bytes(tier); store.moved_bytes(src, dst)  # cheap queries
     store.arena  # the HostArena (extents(), holes(), alignment_bytes, extent_bytes(n))
@@ -42,10 +49,11 @@ Rules the store keeps:
 
 - Shards: a 1-D tensor of ``numel`` x ``dtype``, registered under a string key with a home tier. The
   home copy always exists: DEVICE/HOST homes hold an allocation for the shard's whole life; an
-  NVME home is a swap file (``initial=None``: zeros, no file until the first write-back). Tensors the
+  NVME home is a swap file (``initial=None``: ZEROS, no file until the first write-back). Tensors the
   store hands out are 1-D views of its own memory: reshape them, do not keep them past an eviction.
-- Residency: each copy has a :class:`Residency` (ABSENT, INFLIGHT, RESIDENT, WRITING) changed only
-  through ``residency.TRANSITIONS``; an illegal change raises ``IllegalTransitionError`` (a bug).
+- Residency: each copy has a :class:`Residency` (ABSENT, INFLIGHT, RESIDENT, WRITING; ZEROS for an
+  NVME home never written) changed only through ``residency.TRANSITIONS``; an illegal change raises
+  ``IllegalTransitionError`` (a bug).
 - Fetch: a hit returns a completed handle; a copy already in flight is joined (one I/O for any number
   of concurrent fetches, counted 'late'); otherwise (a 'miss') memory is reserved in the caller's
   thread and the move runs on the swapper's / store's threads. NVME -> DEVICE stages through a HOST
@@ -100,14 +108,15 @@ from infinity.tiers._offload_budgets import (AUTO_HOST_RAM_FRACTION, AUTO_SUB_GR
                                              OffloadRequest, StateSizes, extent_bytes, host_needs,
                                              least_host_bytes, resolve_offload_budgets)
 from infinity.tiers._nvme_space import NvmeBytes, NvmeDemand, check_nvme_space, nvme_bytes
-from infinity.tiers._records import STATS_KEYS, StoreConfig, TierHandle
+from infinity.tiers._read_gate import ReadGate
+from infinity.tiers._records import STATS_KEYS, CopyInfo, StoreConfig, TierHandle
 from infinity.tiers.residency import TRANSITIONS, Residency, Tier
 from infinity.tiers.store import TieredStore
 
-__all__ = ["AUTO_HOST_RAM_FRACTION", "AUTO_SUB_GROUP_NUMEL", "CUDA_FREE_FRACTION",
+__all__ = ["AUTO_HOST_RAM_FRACTION", "AUTO_SUB_GROUP_NUMEL", "CUDA_FREE_FRACTION", "CopyInfo",
            "DeviceWorkingSet", "OPTIMIZER_WINDOW_SLOTS", "STATS_KEYS", "auto_device_budget_bytes",
            "SUB_GROUP_BYTES_PER_NUMEL", "TRANSITIONS", "CopyLane", "Extent", "HostArena", "HostNeeds",
-           "NvmeBytes", "NvmeDemand", "OffloadBudgets", "OffloadRequest", "Residency",
+           "NvmeBytes", "NvmeDemand", "OffloadBudgets", "OffloadRequest", "ReadGate", "Residency",
            "StateSizes", "StoreConfig", "Tier", "TierHandle", "TieredStore", "check_nvme_space",
            "extent_bytes", "host_needs", "least_host_bytes", "nvme_bytes",
            "resolve_offload_budgets"]

@@ -1,7 +1,11 @@
 """Budgets and eviction of the tiered store: reserve bytes in a tier, evicting by policy.
 
 :class:`TierBudgets` is owned by the :class:`~infinity.tiers.TieredStore`; it holds the byte
-counts per tier and shares the store's records and lock, which it is handed explicitly.
+counts per tier and reads the records through the store's :class:`~._shard_table.ShardTable`, whose
+lock guards both ([Note: store locking] in infinity/tiers/_shard_table.py). It never writes a shard
+back itself: where a dirty victim must be written first, :meth:`TierBudgets.reserve` returns it
+(:class:`DirtyVictim`) to the caller, who owns the write-backs
+(:meth:`~._writeback.WriteBacks.reserve` writes it back and asks again).
 
 [Note: eviction policy] A copy may be evicted only when it is RESIDENT, unpinned, not busy (no move
 reads it), not the home copy, and its shard has no write-back in flight. Among those: furthest next
@@ -15,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from typing import Callable
 
 import torch
@@ -25,6 +28,7 @@ from infinity.errors import TierCapacityError
 from infinity.io import advise_huge_pages, engine_buffers
 from infinity.tiers._arena import HostArena
 from infinity.tiers._records import Counters, _Shard
+from infinity.tiers._shard_table import ShardTable
 from infinity.tiers.residency import Residency, Tier
 
 NextUse = Callable[[str], "float | None"]
@@ -51,17 +55,25 @@ class _Alloc:
         self.tier, self.tensor, self.extent, self.charged_bytes = tier, tensor, extent, charged_bytes
 
 
+class DirtyVictim:
+    """What :meth:`TierBudgets.reserve` returns where the next victim is dirty: write ``shard``
+    back, then reserve again (nothing was allocated)."""
+
+    __slots__ = ("shard",)
+
+    def __init__(self, shard: _Shard):
+        self.shard = shard
+
+
 class TierBudgets:
     """Byte budgets of the DEVICE and HOST tiers and the eviction that keeps allocations in them.
 
-    Shares the store's shard records (``shards``), its condition (``cond``, whose lock guards the
-    records: every method runs with it held, [Note: store locking] in ``store.py``), its
-    ``counters`` and its arena; ``wait_writeback(shard)`` is the store's: write a dirty victim
-    back and wait (the lock released meanwhile)."""
+    Reads the store's shard table (``table``, whose lock guards the records and these counts:
+    every method runs with it held, [Note: store locking] in infinity/tiers/_shard_table.py), and
+    shares the store's ``counters`` and arena."""
 
     def __init__(self, *, device: torch.device, device_budget_bytes: int, arena: HostArena,
-                 shards: dict[str, _Shard], cond: threading.Condition, counters: Counters,
-                 next_use: NextUse | None, wait_writeback: Callable[[_Shard], None]):
+                 table: ShardTable, counters: Counters, next_use: NextUse | None):
         self.device = device
         self.arena = arena
         self.budget = {Tier.DEVICE: device_budget_bytes, Tier.HOST: arena.capacity_bytes}
@@ -70,11 +82,9 @@ class TierBudgets:
         """Bytes charged now per tier."""
         self.peak = {Tier.DEVICE: 0, Tier.HOST: 0}
         """High-water mark of ``used`` per tier since start or the last reset."""
-        self._shards = shards
-        self._cond = cond
+        self._table = table
         self._counters = counters
         self._next_use_fn = next_use
-        self._wait_writeback = wait_writeback
 
     def _distance(self, shard: _Shard) -> float | None:
         """The shard's next use as the store knows it (None: unknown)."""
@@ -92,7 +102,7 @@ class TierBudgets:
         return sorted(self._evictable(tier), key=rank)
 
     def _evictable(self, tier: Tier) -> list[_Shard]:
-        return [s for s in self._shards.values()
+        return [s for s in self._table
                 if s.home is not tier and s.copies[tier].state is _R and not s.copies[tier].pins
                 and not s.copies[tier].busy and s.writeback is None]
 
@@ -102,9 +112,11 @@ class TierBudgets:
         return self.budget[tier] - self.used[tier] + evictable
 
     def reserve(self, tier: Tier, shard: _Shard, *, for_key: str,
-                displace_sooner: bool = True, may_wait: bool = True) -> "_Alloc | None":
+                displace_sooner: bool = True, may_wait: bool = True
+                ) -> "_Alloc | DirtyVictim | None":
         """Allocate bytes for ``shard`` in ``tier``, evicting by policy; TierCapacityError when
-        nothing (more) can go. Lock held; released while a dirty victim is written back.
+        nothing (more) can go. Lock held; released while waiting for moves under way. Where the
+        next victim is dirty: a :class:`DirtyVictim` (write it back, then call again).
 
         ``displace_sooner`` False (a prefetch): [Note: a prefetch never evicts a sooner use].
         ``may_wait`` False: None where room needs a write-back or a move to finish first (clean
@@ -123,7 +135,7 @@ class TierBudgets:
                 if self._moves_pending(tier):
                     if not may_wait:
                         return None
-                    self._cond.wait()
+                    self._table.wait()
                     continue
                 self.capacity_error(tier, for_key, charge, self._why_full(tier, charge))
             victim = victims[0]
@@ -132,8 +144,7 @@ class TierBudgets:
             if victim.dirty is tier:
                 if not may_wait:
                     return None
-                self._wait_writeback(victim)
-                continue
+                return DirtyVictim(victim)
             self.drop(victim, tier)
             self._counters.evictions[tier] += 1
             logger.debug("evicted %r from %s for %r", victim.key, tier.name, for_key)
@@ -179,7 +190,7 @@ class TierBudgets:
         threads, which never allocate, so waiting for it cannot deadlock -- and the caller's own move
         is never among them: it is issued only after ``reserve`` returns. Refusing instead made
         write-backs under a tight HOST budget raise while staging copies were about to be freed."""
-        for s in self._shards.values():
+        for s in self._table:
             copy = s.copies[tier]
             if s.home is tier or copy.pins:
                 continue
@@ -216,7 +227,7 @@ class TierBudgets:
         self.used[alloc.tier] -= alloc.charged_bytes
         alloc.tensor = alloc.extent = None  # really free it now, not when the caller's frame ends
         alloc.charged_bytes = 0
-        self._cond.notify_all()
+        self._table.notify()
 
     def release_bytes(self, shard: _Shard, tier: Tier) -> None:
         copy = shard.copies[tier]

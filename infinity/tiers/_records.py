@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from infinity.errors import IllegalTransitionError
 from infinity.tiers._arena import Extent
 from infinity.tiers.residency import TRANSITIONS, Residency, Tier
 
@@ -77,7 +78,7 @@ class _Copy:
         """Store clock at the last fetch/get: the LRU order."""
         self.ready_event = None
         """DEVICE on CUDA: the event after the copy that filled it; readers' streams wait on it
-        ([Note: device copies complete on the stream] in store.py). None: nothing pending."""
+        ([Note: device copies complete on the stream] in _mover.py). None: nothing pending."""
 
 
 class _Shard:
@@ -94,31 +95,48 @@ class _Shard:
         """[Note: dirty copy] The tier whose copy is newer than the home copy (None: home is current).
         Every other existing non-home copy then holds the same newest bytes; the home copy is stale
         until a write-back completes. Evicting the dirty copy writes it back first."""
-        self.nvme_zeros = False
-        """NVME home registered without data: the home copy is all zeros and has no file yet."""
         self.has_swap_file = False
-        """A swap-out was issued for this key (the swapper holds a record to remove)."""
+        """A swap-out was issued for this key (the swapper holds a record to remove). A fact about
+        the swapper, not a state of a copy: it stays true after a failed write (the NVME copy
+        ABSENT), so that unregister and close remove what the swapper holds."""
         self.writeback: Future | None = None
-        """The write-back in flight (one at a time per shard)."""
-        self.writeback_error: BaseException | None = None
-        """Why the last write-back failed (the dirty copy is kept; eviction re-raises this)."""
+        """The write-back in flight (one at a time per shard): its handle; the copies it moves
+        say so in their residency (the source WRITING, the home INFLIGHT)."""
         self.next_use: float | None = None
         """Caller's next-use distance for Belady eviction (None: unknown, LRU decides)."""
-        self.drop_host_when_written = False
-        """Registered with ``keep_host_copy=False``: the HOST copy the first write-back wrote from
-        is dropped once that write completes ([Note: set-up copies are dropped once written] in
-        store.py)."""
 
     def set_state(self, tier: Tier, new: Residency) -> None:
         copy = self.copies[tier]
         TRANSITIONS.check(self.key, copy.state, new, tier=tier)
+        if new is Residency.ZEROS and tier is not Tier.NVME:  # only a file can be "zeros, unwritten"
+            raise IllegalTransitionError(kind=TRANSITIONS.kind, key=self.key, old=copy.state,
+                                         new=new, allowed=[], tier=tier)
         copy.state = new
 
     def settled(self) -> bool:
         """No move in or out of any copy (the only time a caller may change which copies exist)."""
         return self.writeback is None and all(
-            c.state in (Residency.ABSENT, Residency.RESIDENT) and c.busy == 0
+            c.state in (Residency.ABSENT, Residency.RESIDENT, Residency.ZEROS) and c.busy == 0
             for c in self.copies.values())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CopyInfo:
+    """A read-only snapshot of one copy of a shard (:meth:`TieredStore.copy_info`)."""
+
+    state: Residency
+    pins: int
+    """``acquire`` count: a pinned copy is never evicted."""
+    busy: int
+    """Moves reading the copy when the snapshot was taken."""
+    tensor: torch.Tensor | None
+    """The copy's memory (DEVICE/HOST; valid bytes only when RESIDENT or WRITING); None: no bytes
+    or NVME."""
+
+    @classmethod
+    def of(cls, shard: "_Shard", tier: Tier) -> "CopyInfo":
+        copy = shard.copies[tier]
+        return cls(state=copy.state, pins=copy.pins, busy=copy.busy, tensor=copy.tensor)
 
 
 class TierHandle:
@@ -152,7 +170,7 @@ class TierHandle:
         """Wait for the move to finish (re-raising its error) without making the caller's stream
         wait for a device copy: for a caller that only tracks the move (the prefetch executor);
         whoever reads the copy gets that wait from its own ``acquire`` or ``get``, where it reads
-        ([Note: device copies complete on the stream] in infinity/tiers/store.py)."""
+        ([Note: device copies complete on the stream] in infinity/tiers/_mover.py)."""
         if self._future.done():
             self._future.result()
             return

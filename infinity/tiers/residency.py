@@ -24,24 +24,30 @@ class Residency(enum.Enum):
     RESIDENT: this tier holds valid bytes, counted against its budget (for NVME: the file is valid).
     WRITING: valid bytes are being copied OUT of this tier to a slower one (write-back). They stay
         allocated and counted here, and must not change or be freed until the copy completes.
+    ZEROS (NVME only): an NVME home registered without data and never written: its bytes are all
+        zeros and no file holds them (nothing on disk, nothing counted); a read fills the
+        destination with zeros instead of reading the disk. The first write-back makes it RESIDENT.
     """
 
     ABSENT = "absent"
     INFLIGHT = "inflight"
     RESIDENT = "resident"
     WRITING = "writing"
+    ZEROS = "zeros"
 
     @property
     def holds_bytes(self) -> bool:
-        return self is not Residency.ABSENT
+        """Bytes allocated for the copy in its tier (ZEROS: none, not even a file)."""
+        return self not in (Residency.ABSENT, Residency.ZEROS)
 
     @property
     def valid(self) -> bool:
         """Readable bytes (a source for a copy to another tier)."""
-        return self in (Residency.RESIDENT, Residency.WRITING)
+        return self in (Residency.RESIDENT, Residency.WRITING, Residency.ZEROS)
 
 
-_A, _I, _R, _W = Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING
+_A, _I, _R, _W, _Z = (Residency.ABSENT, Residency.INFLIGHT, Residency.RESIDENT, Residency.WRITING,
+                      Residency.ZEROS)
 
 TRANSITIONS = TransitionTable("shard copy", {
     (_A, _I): "allocate and start moving bytes in (fetch, first write-back to NVMe)",
@@ -53,6 +59,9 @@ TRANSITIONS = TransitionTable("shard copy", {
     (_R, _W): "start copying the bytes out to a slower tier (write-back)",
     (_W, _R): "the copy out completed (or failed: the bytes here are still valid)",
     (_R, _A): "evict: free the bytes",
+    (_A, _Z): "register an NVME home without data: zeros, no file (NVME only)",
+    (_Z, _I): "the first write-back into the NVME home starts writing its file",
+    (_Z, _A): "unregister a never-written NVME home",
 })
 """The only allowed (from, to) pairs of a copy's residency, each with why it happens."""
 

@@ -259,7 +259,7 @@ class InfinityEngine:
             host_resident_bytes=self.offload.optimizer_host_resident_bytes)
         # [Note: deferred optimizer step] in infinity/optim/_offloaded.py (a no-op while no step
         # is deferred)
-        self.store.before_read = optimizer.apply_before_read
+        self.store.set_read_gate(optimizer)
         return optimizer
 
     def _build_optimizer(self, streaming: OffloadedShardOptimizer | None

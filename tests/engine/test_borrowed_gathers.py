@@ -52,7 +52,7 @@ def _within(address, buffer):
 def _assert_all_given_back(engine, tier):
     """Between steps every unit is released: no ``tier`` copy stays pinned, every unit is empty."""
     assert engine.manager.storage.borrowed == {}
-    assert all(not s.copies[tier].pins for s in engine.store._shards.values())
+    assert all(not engine.store.copy_info(k, tier).pins for k in engine.store.keys())
     for u in engine.manager.units:
         if not u.always_gathered:
             assert all(g.full.untyped_storage().nbytes() == 0 for g in u.groups)
@@ -146,8 +146,8 @@ def test_gathers_borrow_the_device_copy_of_a_device_that_holds_every_shard(tmp_p
         for h in handles:
             h.remove()
         assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
-        copies = {s.key: s.copies[Tier.DEVICE].tensor for s in engine.store._shards.values()
-                  if s.copies[Tier.DEVICE].tensor is not None}
+        copies = {k: engine.store.copy_info(k, Tier.DEVICE).tensor for k in engine.store.keys()
+                  if engine.store.copy_info(k, Tier.DEVICE).tensor is not None}
         borrowed = [addr for addr, _ in seen if any(_within(addr, t) for t in copies.values())]
         assert len(borrowed) == len(seen) > 0  # every block's gather is its DEVICE copy
         assert engine.stats()["num_borrowed_gathers"] >= len(seen)

@@ -90,7 +90,8 @@ def test_a_read_before_the_copy_lands_gives_a_wrong_number(tmp_path, monkeypatch
     the reads see the poisoned bytes."""
     import math
 
-    from infinity.tiers import Tier, TieredStore
+    from infinity.tiers import Tier
+    from infinity.tiers._mover import Mover  # where the store's moves are made
 
     def early(self, shard, src, dst):
         link = self.copy_link.toward(device=dst is Tier.DEVICE)
@@ -101,7 +102,7 @@ def test_a_read_before_the_copy_lands_gives_a_wrong_number(tmp_path, monkeypatch
         self._modeled_lanes[dst].submit(lambda: link.wait_until(done_at),
                                         lambda: dst_t.copy_(src_t))
 
-    monkeypatch.setattr(TieredStore, "_modeled_copy", early)
+    monkeypatch.setattr(Mover, "_modeled_copy", early)
     engine = _engine(tmp_path)
     losses = engine_train(engine, batches(3, 1, config=FOUR))
     engine.close()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.tiers import TieredStore
+from infinity.tiers._mover import Mover
 from tests._support.engine import (assert_close_run, batches, engine_train, offload_config,
                                    reference_train)
 from tests._support.models import FOUR, four_gpt, unit_numels
@@ -40,7 +40,7 @@ def _tolerance(monkeypatch):
 @pytest.mark.parametrize("home", ["cpu", "nvme"])
 def test_late_copies_on_the_copy_stream_train_as_plain_pytorch(home, tmp_path, monkeypatch):
     exact_fp32()
-    issue = TieredStore._issue_copy
+    issue = Mover._issue_copy
 
     def late(self, dst, src, ready):
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
@@ -48,7 +48,7 @@ def test_late_copies_on_the_copy_stream_train_as_plain_pytorch(home, tmp_path, m
             torch.cuda._sleep(SLEEP_CYCLES)  # the copy below runs this much later
         return issue(self, dst, src, ready)
 
-    monkeypatch.setattr(TieredStore, "_issue_copy", late)
+    monkeypatch.setattr(Mover, "_issue_copy", late)
     steps = 4
     data = batches(steps, 1, config=FOUR)
     ref_losses, ref_state = reference_train(four_gpt(), data, device=CUDA)

@@ -93,4 +93,4 @@ def test_store_arena_pinned_only_for_a_cuda_device(fake_cuda, monkeypatch):
         assert dev == torch.device("cuda", 1)
     finally:
         store._closed = True  # noqa: SLF001 - the fake stream cannot be synchronised by close()
-        store._pool.shutdown()  # noqa: SLF001
+        store._mover._pool.shutdown()  # noqa: SLF001

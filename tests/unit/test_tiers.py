@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 
 import pytest
 import torch
@@ -463,6 +464,26 @@ def test_transition_table_rejects_illegal_transitions():
     assert (Residency.RESIDENT, Residency.RESIDENT) not in TRANSITIONS
 
 
+def test_zeros_is_a_state_of_an_unwritten_nvme_home_only(tmp_path):
+    shard = _Shard("s", 10, torch.float32, Tier.NVME)
+    with pytest.raises(IllegalTransitionError, match="HOST"):
+        shard.set_state(Tier.HOST, Residency.ZEROS)
+    shard.set_state(Tier.NVME, Residency.ZEROS)
+    assert shard.settled() and not Residency.ZEROS.holds_bytes and Residency.ZEROS.valid
+    with make_store(tmp_path) as (store, swapper):
+        store.register("z", 1024, torch.float32, Tier.NVME)
+        assert store.state("z", Tier.NVME) is Residency.ZEROS
+        assert store.fetch("z", Tier.HOST).wait().eq(0).all()
+        assert store.stats()["bytes_nvme_to_host"] == 0  # nothing read: there is no file
+        store.get("z", Tier.HOST).fill_(3.0)
+        store.mark_dirty("z", Tier.HOST)
+        store.write_back("z").wait()
+        assert store.state("z", Tier.NVME) is Residency.RESIDENT
+        store.evict("z", Tier.HOST)
+        assert store.fetch("z", Tier.HOST).wait().eq(3.0).all()
+        assert store.stats()["bytes_nvme_to_host"] == 4096
+
+
 # -- I/O failures and missing waits ------------------------------------------------------------------------
 
 
@@ -495,7 +516,7 @@ def test_a_missing_wait_would_show_stale_data(tmp_path, monkeypatch):
         handle = store.fetch("slow", Tier.DEVICE)
         # Control: the HOST extent is still stale while the read sleeps, so the slow-down is real and
         # a store that copied HOST -> DEVICE without waiting for the read would fail below.
-        staging = store._shards["slow"].copies[Tier.HOST].tensor
+        staging = store.copy_info("slow", Tier.HOST).tensor
         assert not same_bytes(staging, data)
         assert same_bytes(handle.wait(), data)
         assert store.stats()["wait_s"] > 0
@@ -649,3 +670,70 @@ def test_store_moves_on_cpu_start_no_openmp_team(tmp_path):
             store.write_back("big").wait()
             store.evict("big", Tier.DEVICE)
         assert len(os.listdir("/proc/self/task")) == before
+
+
+# -- the read gate ([Note: the read gate] in infinity/tiers/_read_gate.py) -------------------------
+
+class _OwedWriter:
+    """A writer that owes shard 'owed' new bytes and writes them when the store asks."""
+
+    def __init__(self, store, value: float):
+        self.store, self.value, self.calls, self.threads = store, value, [], []
+
+    def apply_before_read(self, key: str) -> None:
+        self.calls.append(key)
+        self.threads.append(threading.get_ident())
+        if key == "owed" and self.calls.count(key) == 1:  # uses the store: no lock is held
+            self.store.acquire(key, Tier.HOST, overwrite=True).wait().fill_(self.value)
+            self.store.mark_dirty(key, Tier.HOST)
+            self.store.release(key, Tier.HOST)
+
+
+def test_the_read_gate_runs_before_every_read_in_the_callers_thread(tmp_path):
+    with make_store(tmp_path) as (store, _):
+        store.register("owed", 256, torch.float32, Tier.NVME)
+        store.register("other", 256, torch.float32, Tier.HOST)
+        gate = _OwedWriter(store, 7.0)
+        store.set_read_gate(gate)
+        # The first read gets the bytes the gate wrote (the overwrite acquire inside the gate
+        # does not call it again).
+        assert store.fetch("owed", Tier.DEVICE).wait().eq(7.0).all()
+        assert gate.calls == ["owed"]
+        store.acquire("other", Tier.DEVICE).wait()
+        store.release("other", Tier.DEVICE)
+        store.evict("owed", Tier.HOST)
+        handle = store.acquire("owed", Tier.HOST, ahead=True)  # a read ahead asks first too
+        assert handle.wait(timeout=60).eq(7.0).all()
+        store.release("owed", Tier.HOST)
+        store.acquire("other", Tier.DEVICE, overwrite=True).wait()  # not a read: no call
+        store.release("other", Tier.DEVICE)
+        assert gate.calls == ["owed", "other", "owed"]
+        assert set(gate.threads) == {threading.get_ident()}
+
+
+def test_a_store_has_one_read_gate(tmp_path):
+    with make_store(tmp_path) as (store, _):
+        gate = _OwedWriter(store, 1.0)
+        with pytest.raises(ValueError, match="apply_before_read"):
+            store.set_read_gate(object())
+        store.set_read_gate(gate)
+        store.set_read_gate(gate)  # the same gate again: no change
+        with pytest.raises(ValueError, match="already has a read gate"):
+            store.set_read_gate(_OwedWriter(store, 2.0))
+
+
+def test_copy_info_is_a_snapshot_of_one_copy(tmp_path):
+    with make_store(tmp_path) as (store, _):
+        store.register("z", 64, torch.float32, Tier.NVME)
+        assert store.copy_info("z", Tier.NVME).state is Residency.ZEROS
+        tensor = store.acquire("z", Tier.HOST).wait()
+        info = store.copy_info("z", Tier.HOST)
+        assert (info.state, info.pins, info.busy) == (Residency.RESIDENT, 1, 0)
+        assert info.tensor.data_ptr() == tensor.data_ptr()
+        store.release("z", Tier.HOST)
+        assert info.pins == 1 and store.copy_info("z", Tier.HOST).pins == 0  # a snapshot
+        store.mark_dirty("z", Tier.HOST)
+        store.write_back("z").wait()
+        assert store.state("z", Tier.NVME) is Residency.RESIDENT  # written: the file holds it
+        with pytest.raises(KeyError):
+            store.copy_info("nope", Tier.HOST)

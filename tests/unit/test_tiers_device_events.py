@@ -1,4 +1,4 @@
-"""[Note: device copies complete on the stream] (infinity/tiers/store.py), with CUDA faked.
+"""[Note: device copies complete on the stream] (infinity/tiers/_mover.py), with CUDA faked.
 
 The store runs on a CPU device with its CUDA switch forced on and the copy's event replaced by a
 fake that completes only when the test says so, standing in for a GPU still busy with the copy.
@@ -46,15 +46,16 @@ def cuda_store(tmp_path, monkeypatch):
     stream = FakeStream()
     issued: list[FakeEvent] = []
     with make_store(tmp_path) as (store, _):
-        store._cuda = True  # noqa: SLF001 - the switch the store takes from its device
+        mover = store._mover  # noqa: SLF001 - the store's copies, faked below
+        mover._cuda = True  # noqa: SLF001 - the switch the mover takes from its device
 
         def issue(dst, src, ready):
             host_copy(dst, src)  # the bytes (a CPU stand-in for the GPU's copy)
             issued.append(FakeEvent(gpu_done))
             return issued[-1]
 
-        monkeypatch.setattr(store, "_issue_copy", issue)
-        monkeypatch.setattr(store, "_stream_event", lambda: "compute-event")
+        monkeypatch.setattr(mover, "_issue_copy", issue)
+        monkeypatch.setattr(mover, "stream_event", lambda: "compute-event")
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
         try:
             yield store, gpu_done, stream, issued
@@ -72,18 +73,18 @@ def test_fetch_resolves_before_the_gpu_drains_and_readers_wait_on_the_stream(cud
     (event,) = issued
     assert not event.synchronized  # the 'GPU' is still copying
     assert stream.waited == [event]  # ... so the reader's stream waits for it, not the host
-    host = store._shards["k"].copies[Tier.HOST]  # noqa: SLF001
-    assert host.busy == 1  # the source may not be evicted or changed while the copy runs
+    assert store.copy_info("k", Tier.HOST).busy == 1  # the source may not be evicted or
+    # changed while the copy runs
     store.get("k", Tier.DEVICE)
     assert stream.waited == [event, event]  # get() waits on the stream too
     gpu_done.set()
     store.flush()
     for _ in range(100):
-        if host.busy == 0:
+        if store.copy_info("k", Tier.HOST).busy == 0:
             break
         threading.Event().wait(0.05)
-    assert host.busy == 0 and event.synchronized
-    assert store._shards["k"].copies[Tier.DEVICE].state is Residency.RESIDENT  # noqa: SLF001
+    assert store.copy_info("k", Tier.HOST).busy == 0 and event.synchronized
+    assert store.state("k", Tier.DEVICE) is Residency.RESIDENT
 
 
 def test_host_destination_completes_before_the_fetch_does(cuda_store):
@@ -98,11 +99,17 @@ def test_host_destination_completes_before_the_fetch_does(cuda_store):
     assert issued[0].synchronized and stream.waited == []  # no stream wait for a HOST reader
 
 
-def test_cpu_store_has_no_device_reader(tmp_path):
+def test_cpu_store_has_no_device_reader(tmp_path, monkeypatch):
+    def no_stream(device=None):
+        raise AssertionError("a CPU store asked for a CUDA stream")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", no_stream)
     with make_store(tmp_path) as (store, _):
         store.register("c", 10, torch.float32, Tier.HOST)
-        assert store._device_reader(store._shards["c"], Tier.DEVICE) is None  # noqa: SLF001
-        assert store._stream_event() is None  # noqa: SLF001
+        assert store.acquire("c", Tier.DEVICE).wait().numel() == 10  # no stream to wait on
+        store.get("c", Tier.DEVICE)
+        store.release("c", Tier.DEVICE)
+        assert store._mover.stream_event() is None  # noqa: SLF001 - no event to record either
 
 
 def test_events_the_host_waits_on_are_blocking(monkeypatch):

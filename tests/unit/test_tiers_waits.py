@@ -35,13 +35,13 @@ def test_writebacks_wait_for_host_staging_in_flight(tmp_path, monkeypatch):
             store.get(key, Tier.DEVICE).copy_(expected[key])
             store.mark_dirty(key, Tier.DEVICE)
         slow_io(monkeypatch, swapper, "out")
-        real_copy = store._copy
+        real_copy = store._mover._copy  # noqa: SLF001 - the write-back's copy, slowed
 
         def slow_copy(dst, src, ready):  # keeps each staging copy INFLIGHT for a while
             time.sleep(0.05)
             real_copy(dst, src, ready)
 
-        monkeypatch.setattr(store, "_copy", slow_copy)
+        monkeypatch.setattr(store._mover, "_copy", slow_copy)  # noqa: SLF001
         handles = [store.write_back(key) for key in keys]
         for handle in handles:
             assert handle.wait(timeout=60) is None
@@ -148,13 +148,15 @@ def test_fetch_waits_for_a_host_copy_being_read(tmp_path, monkeypatch):
         store.evict("b", Tier.HOST)
         store.register("a", KB4, torch.uint8, Tier.NVME, initial=data["a"])
         store.flush()
-        real_copy = store._copy
+        # The fetch's copy is issued by _issue_copy (patching _copy, the write-backs' copy, as
+        # this test once did, left the fetch fast and the wait untested).
+        real_issue = store._mover._issue_copy  # noqa: SLF001
 
-        def slow_copy(dst, src, ready):
+        def slow_issue(dst, src, ready):
             time.sleep(0.2)
-            real_copy(dst, src, ready)
+            return real_issue(dst, src, ready)
 
-        monkeypatch.setattr(store, "_copy", slow_copy)
+        monkeypatch.setattr(store._mover, "_issue_copy", slow_issue)  # noqa: SLF001
         to_device = store.fetch("a", Tier.DEVICE)  # reads the HOST copy of 'a' for 0.2 s
         assert same_bytes(store.fetch("b", Tier.HOST).wait(timeout=60), data["b"])
         assert same_bytes(to_device.wait(timeout=60), data["a"])
@@ -217,7 +219,7 @@ def test_a_read_ahead_without_any_room_fails_through_its_handle(tmp_path, monkey
 
 
 def test_write_backs_hold_no_copy_thread(tmp_path, monkeypatch):
-    """[Note: a write-back holds no copy thread] in infinity/tiers/store.py: six NVMe write-backs
+    """[Note: a write-back holds no copy thread] in infinity/tiers/_writeback.py: six NVMe write-backs
     are issued through a store with two copy threads; all six are on the disk at once, and a read
     issued after them completes while they are still being written (its completion used to queue
     behind them on the copy threads). Every byte lands where it belongs."""
