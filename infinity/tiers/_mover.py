@@ -51,7 +51,7 @@ class Mover:
 
     def __init__(self, *, device: torch.device, num_copy_threads: int, table: ShardTable,
                  budgets: TierBudgets, counters: Counters, arena: HostArena,
-                 swapper: Swapper | None):
+                 swapper: Swapper | None, copy_link: DuplexLink | None = None):
         self.device = device
         self._cuda = device.type == "cuda"
         """Copies run on a CUDA copy stream (else: plain host copies on the copy threads)."""
@@ -67,7 +67,7 @@ class Mover:
         self._lane = CopyLane()
         """Completes host<->device copies in issue order ([Note: device copies complete on the
         copy lane] in ``_copy_lane.py``)."""
-        self.copy_link: DuplexLink | None = None
+        self.copy_link = copy_link
         """A modeled link under the host<->device copies of a CPU engine ([Note: the modeled
         link] in infinity/_modeled_link.py): moves and write-backs between HOST and DEVICE;
         None: copies take the time they take."""

@@ -82,7 +82,8 @@ class TieredStore:
     """Keyed shards over DEVICE / HOST / NVME with byte budgets. Thread-safe. See :mod:`infinity.tiers`."""
 
     def __init__(self, device: torch.device | str, config: StoreConfig, *,
-                 swapper: Swapper | None = None, next_use: NextUse | None = None):
+                 swapper: Swapper | None = None, next_use: NextUse | None = None,
+                 copy_link: DuplexLink | None = None):
         self.device = torch.device(device)
         self.config = config
         self.swapper = swapper
@@ -108,7 +109,7 @@ class TieredStore:
         """Bytes per tier and eviction ([Note: eviction policy] in ``_budgets.py``)."""
         self._mover = Mover(device=self.device, num_copy_threads=config.num_copy_threads,
                             table=self._table, budgets=self.budgets, counters=self.counters,
-                            arena=self.arena, swapper=swapper)
+                            arena=self.arena, swapper=swapper, copy_link=copy_link)
         """Issues and completes the moves between tiers."""
         self._writebacks = WriteBacks(table=self._table, budgets=self.budgets, mover=self._mover,
                                       counters=self.counters, arena=self.arena, swapper=swapper)
@@ -124,12 +125,18 @@ class TieredStore:
     def copy_link(self) -> DuplexLink | None:
         """A modeled link under the host<->device copies of a CPU engine ([Note: the modeled
         link] in infinity/_modeled_link.py): moves and write-backs between HOST and DEVICE;
-        None: copies take the time they take. Set it before the first move."""
+        None: copies take the time they take. Given at construction."""
         return self._mover.copy_link
 
-    @copy_link.setter
-    def copy_link(self, link: DuplexLink | None) -> None:
-        self._mover.copy_link = link
+    def begin_setup(self) -> None:
+        """An engine's set-up begins: its writes go through a small window at the arena's bottom,
+        not on huge pages ([Note: huge pages where the disk moves the arena] in _arena.py)."""
+        self.arena.pause_direct_io_advice()
+
+    def end_setup(self) -> None:
+        """Set-up is over: the arena's holes are made ready for the steps' reads (see
+        :meth:`begin_setup`)."""
+        self.arena.resume_direct_io_advice()
 
     def set_read_gate(self, gate: ReadGate) -> None:
         """Register the store's one read gate ([Note: the read gate] in

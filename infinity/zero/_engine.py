@@ -131,7 +131,7 @@ class InfinityEngine:
             place=self.stored_activations)
         self._build_training_state(model, groups, defaults, streaming)
         if self.store is not None:
-            self.store.arena.resume_direct_io_advice()  # set-up is over: the steps' reads next
+            self.store.end_setup()  # set-up is over: the steps' reads next
         logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
                     config.precision.dtype, self.device, self.collectives.world_size)
 
@@ -145,6 +145,8 @@ class InfinityEngine:
         self.offload = None
         # The units as the parameters are now: the sizes the budgets and the space check read
         # (the manager's own choice comes after materialisation, which replaces parameters).
+        if copy_link is not None:
+            check_copy_link(config, self.device)
         choice = units_of(model, config.zero)
         inputs = offload_inputs(config, world_size=world, device=self.device,
                                 data_parallel_size=data_parallel)
@@ -157,7 +159,9 @@ class InfinityEngine:
             self.store, self._swapper = build_store(self.device, self.offload,
                                                     swapper_config=config.swapper,
                                                     rank=self.collectives.rank,
-                                                    nvme_path=activation_nvme_path(config))
+                                                    nvme_path=activation_nvme_path(config),
+                                                    copy_link=(None if copy_link is None
+                                                               else DuplexLink(copy_link)))
         elif activations_need_store(config):
             # [Note: saved activations are shards of the store] in
             # infinity/zero/_stored_activations.py: a store of their own
@@ -165,13 +169,8 @@ class InfinityEngine:
             self.store, self._swapper = build_activation_store(self.device, config,
                                                                rank=self.collectives.rank)
         if self.store is not None:
-            # Set-up's writes go through a small window at the arena's bottom: not on huge pages
-            # ([Note: huge pages where the disk moves the arena] in infinity/tiers/_arena.py).
-            self.store.arena.pause_direct_io_advice()
+            self.store.begin_setup()  # its writes: not on huge pages
         self._finalizer = weakref.finalize(self, close_offload, self.store, self._swapper)
-        if copy_link is not None:
-            check_copy_link(config, self.store, self.device)
-            self.store.copy_link = DuplexLink(copy_link)
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None and self.offload is not None:
             check_nvme_space_for(choice, inputs, self.offload, store=self.store)

@@ -71,10 +71,11 @@ def parallelism(model: nn.Module, config: InfinityConfig, mesh: Any,
     return tensor_parallel, Collectives(group)
 
 
-def check_copy_link(config: InfinityConfig, store: Any, device: torch.device) -> None:
+def check_copy_link(config: InfinityConfig, device: torch.device) -> None:
     """A modeled host<->device link ([Note: the modeled link] in infinity/_modeled_link.py) is
-    under the store's copies between HOST and DEVICE: there must be such copies."""
-    if store is None or config.offload_param.device == "none":
+    under the store's copies between HOST and DEVICE: there must be such copies (parameters
+    offloaded: the store that holds them is built)."""
+    if config.offload_param.device == "none":
         raise ValueError("initialize(copy_link=...): a modeled host<->device link needs "
                          "parameters offloaded (offload_param.device 'cpu' or 'nvme'): without "
                          "them nothing is copied between host and device")
@@ -83,7 +84,7 @@ def check_copy_link(config: InfinityConfig, store: Any, device: torch.device) ->
                          "memory.device_budget_bytes (the modeled device's memory): with 'auto' "
                          "gathers read the HOST copies and nothing crosses the link "
                          "([Note: a CPU engine reads parameter shards from HOST] in "
-                         "infinity/zero/manager_config.py)")
+                         "infinity/zero/_manager_config.py)")
 
 
 def manager_config(config: InfinityConfig, device: torch.device, world_size: int,

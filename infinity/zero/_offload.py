@@ -15,6 +15,7 @@ import psutil
 import torch
 from torch import nn
 
+from infinity._modeled_link import DuplexLink
 from infinity.config import AUTO, DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
 from infinity.ledger import (ACTIVATION_STAGING_BYTES, DEFAULT_PREFETCH_UNITS, flat_layout,
@@ -202,14 +203,17 @@ def param_reads_of(config: InfinityConfig, device: torch.device, *, shard_world_
 
 
 def build_store(device: torch.device, budgets: OffloadBudgets, *, swapper_config: SwapperConfig,
-                rank: int, nvme_path: str | None = None) -> tuple[TieredStore, Swapper | None]:
+                rank: int, nvme_path: str | None = None, copy_link: DuplexLink | None = None
+                ) -> tuple[TieredStore, Swapper | None]:
     """The tiered store (and its swapper when some home is NVME) the engine's offload uses;
-    ``nvme_path``: a swap directory for other shards (activations) when no state is on NVMe."""
+    ``nvme_path``: a swap directory for other shards (activations) when no state is on NVMe;
+    ``copy_link``: a modeled link under its host<->device copies ([Note: the modeled link] in
+    infinity/_modeled_link.py)."""
     path = budgets.nvme_path or nvme_path
     swapper = Swapper(path, swapper_config, rank=rank) if path else None
     store = TieredStore(device, StoreConfig(device_budget_bytes=budgets.device_budget_bytes,
                                             host_budget_bytes=budgets.host_budget_bytes),
-                        swapper=swapper)
+                        swapper=swapper, copy_link=copy_link)
     return store, swapper
 
 
