@@ -13,15 +13,29 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from infinity.zero._collectives import Collectives, Phase
 from infinity.zero._flat_group import FlatGroup, Unit
 from infinity.zero._tensor_parallel import full_value
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["full_state_dict"]
+__all__ = ["full_flat", "full_state_dict"]
 
 FullFlat = Callable[[FlatGroup, "torch.Tensor | None"], torch.Tensor]
 """(group, this rank's fp32 master or None) -> the group's values over all ranks."""
+
+
+def full_flat(group: FlatGroup, src: torch.Tensor, coll: Collectives, *, stage: int,
+              device: torch.device) -> torch.Tensor:
+    """``group``'s values over all ranks, in fp32, from ``src`` (this rank's partition: its fp32
+    master, or its parameter shard); a collective unless ``src`` is the whole buffer."""
+    src = src.to(device)
+    if stage == 0 or src.numel() == group.padded_numel:
+        return src.float().clone()
+    out = torch.empty(group.padded_numel, dtype=src.dtype, device=device)
+    coll.all_gather(out, src, context=f"state-dict gather of {group.key}",
+                    phase=Phase.STATE_DICT)
+    return out.float()
 
 
 def full_state_dict(module: nn.Module, units: list[Unit], full_flat: FullFlat,

@@ -5,8 +5,9 @@ head's and the embeddings' taps, and the end of backward's flush, on which every
 Split out of :class:`~infinity.zero._param_manager.ParameterManager` (#35), which owns the
 training loop's state and the units' gathers: the hand-off asks it, through
 :class:`BackwardCalls`, to note that a backward began and to let a unit go once its gradients
-are all in. The reductions themselves are the units' (:class:`~infinity.zero._unit_storage.UnitStorage`)
-and the reducer's ([Note: gradient ledger] in infinity/zero/_grad_reducer.py); this decides when.
+are all in. The reductions themselves are the units'
+(:class:`~infinity.zero._unit_storage.UnitStorage`) and the reducer's
+([Note: gradient ledger] in infinity/zero/_grad_reducer.py); this decides when.
 """
 
 from __future__ import annotations

@@ -1,28 +1,71 @@
 """How a parameter manager's parts are built from its settings: the set-up helpers
 :class:`~infinity.zero._param_manager.ParameterManager` calls once (as
-:mod:`._engine_setup` does for the engine), each deciding once whether its part exists.
+:mod:`._engine_setup` does for the engine), each deciding once whether its part exists; and
+:class:`ManagerCalls`, what the manager calls back in the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from infinity.ledger import REDUCE_INFLIGHT_UNITS
 from infinity.prefetch import Level
 from infinity.tiers import Tier, TieredStore
 from infinity.zero._collectives import Collectives
-from infinity.zero._flat_group import Unit, UnitState
+from infinity.zero._collectives import Phase
+from infinity.zero._flat_group import FlatGroup, Unit, UnitState
+from infinity.zero._gather_lead import GatherLead
 from infinity.zero._gather_ahead import GatherAhead
 from infinity.zero._grad_reducer import GradientReducer, ReducerConfig
 from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._manager_config import DEFAULT_LIVE_UNITS, ManagerConfig
 from infinity.zero._prefetcher import ParamPrefetcher, PrefetchUnit, prefetch_config
+from infinity.zero._step_gathers import StepGathers
+from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
+                                         UnitBuilder)
+from infinity.zero._unit_choice import UnitChoice
 from infinity.zero._unit_storage import UnitStorage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_fetcher", "build_gather_ahead", "build_reducer", "build_storage"]
+__all__ = ["ManagerCalls", "build_fetcher", "build_gather_ahead", "build_lead", "build_reducer",
+           "build_step_gathers", "build_storage", "build_units"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManagerCalls:
+    """What the manager calls back in the engine that owns it (each None: nothing to call)."""
+
+    on_grad_ready: Callable[[str], None] | None = None
+    """Called once a trainable group's gradient of a backward is reduced and accumulated
+    ([Note: optimizer read-ahead] in infinity/optim/_offloaded.py)."""
+    master_sink: MasterSink | None = None
+    """Takes each trainable group's master as the group is built, with
+    :meth:`ParameterManager.param_partition` known ([Note: masters stream into the optimizer]
+    in infinity/zero/_engine_setup.py)."""
+    on_build_progress: Callable[[BuildProgress], None] | None = None
+    """Called after each unit is built."""
+    on_backward_begin: Callable[[], None] | None = None
+    """Called when a backward the engine did not start (``loss.backward()``) begins, at its
+    first hook ([Note: the end of backward] in infinity/zero/_param_manager.py)."""
+    on_backward_end: Callable[[], None] | None = None
+    """Called when that backward has ended, from the callback queued on autograd's engine."""
+
+
+def build_units(config: ManagerConfig, choice: UnitChoice, *, collectives: Collectives,
+                store: TieredStore | None, initial_values: InitialValues | None,
+                master_sink: MasterSink | None, partition_of: Callable[[FlatGroup], Any],
+                on_build_progress: Callable[[BuildProgress], None] | None) -> list[Unit]:
+    """The units of ``choice``, built and sharded (:class:`UnitBuilder`); ``partition_of``:
+    what the optimizer writes for a group (``ParameterManager.param_partition``)."""
+    settings = BuildSettings(stage=config.stage, device=config.device,
+                             compute_dtype=config.compute_dtype, param_home=config.param_home,
+                             optimizer_offloaded=config.optimizer_offloaded)
+    return UnitBuilder(settings, collectives=collectives, store=store,
+                       initial_values=initial_values, master_sink=master_sink,
+                       partition_of=partition_of).build(choice, on_build_progress)
 
 
 def build_reducer(config: ManagerConfig, collectives: Collectives, store: TieredStore | None,
@@ -99,3 +142,29 @@ def build_gather_ahead(config: ManagerConfig, units: list[Unit], *, world_size: 
         return None
     return GatherAhead({u.index: sum(g.padded_numel * g.full.element_size() for g in u.groups)
                         for u in units if not u.always_gathered})
+
+
+def build_step_gathers(config: ManagerConfig, units: list[Unit], choice: UnitChoice,
+                       collectives: Collectives, *, issue: Callable[[Unit], None],
+                       wait: Callable[[Unit], None], settle: Callable[[], None]
+                       ) -> StepGathers | None:
+    """[Note: the after-step gather overlaps the next forward] in
+    infinity/zero/_step_gathers.py, where asked for (stages 1-2, several data-parallel ranks);
+    None: ``after_step`` waits for the gathers."""
+    if not (config.overlap_param_gather and config.stage in (1, 2)
+            and collectives.data_parallel_size > 1):
+        return None
+    return StepGathers(units, {i for _, _, indices in choice.hooked for i in indices},
+                       issue=issue, wait=wait, settle=settle)
+
+
+def build_lead(config: ManagerConfig, units: list[Unit], store: TieredStore | None, *,
+               world_size: int, issue_gather: Callable[[Unit, Phase], None],
+               gather_phase: Callable[[], Phase]) -> GatherLead:
+    """Who gathers ahead of use: the prefetcher (offloaded shards), the gather-ahead order
+    (shards on the device, several ranks), or neither. ``gather_phase()``: the phase of a
+    gather the prefetcher issues now."""
+    fetcher = build_fetcher(config, units, store, world_size=world_size,
+                            gather=lambda i: issue_gather(units[i], gather_phase()))
+    ahead = build_gather_ahead(config, units, world_size=world_size, fetcher=fetcher)
+    return GatherLead(units, fetcher=fetcher, gather_ahead=ahead, issue_gather=issue_gather)

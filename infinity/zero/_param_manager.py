@@ -54,7 +54,6 @@ called twice gathers again on its second call.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from typing import Any, Callable, Iterator
 
@@ -66,48 +65,26 @@ from infinity.optim import StoredGrad
 from infinity.tiers import TieredStore
 from infinity.zero._collectives import Collectives, Phase
 from infinity.zero._flat_group import FlatGroup, ParamSlot, Unit, UnitState
-from infinity.zero._full_state import full_state_dict
+from infinity.zero._full_state import full_flat, full_state_dict
 from infinity.zero._grad_handoff import BackwardCalls, GradHandoff
 from infinity.zero._grad_presence import GradPresence
 from infinity.zero._held_bytes import HeldBytes
 from infinity.zero._hpz import SecondaryPartition
 from infinity.zero._managed import check_not_wrapped, mark_managed
 from infinity.zero._manager_config import ManagerConfig
-from infinity.zero._manager_setup import (build_fetcher, build_gather_ahead, build_reducer,
-                                          build_storage)
+from infinity.zero._manager_setup import (ManagerCalls, build_lead, build_reducer,
+                                          build_step_gathers, build_storage, build_units)
 from infinity.zero._outside_use import OutsideUseDetector
 from infinity.zero._param_partitions import ParamPartitions
-from infinity.zero._prefetcher import ParamPrefetcher, disabled_stats
-from infinity.zero._step_gathers import StepGathers
+from infinity.zero._prefetcher import ParamPrefetcher
 from infinity.zero._training_state import TRAINING_TRANSITIONS, ParamWriteback, TrainingState
-from infinity.zero._unit_builder import (BuildProgress, BuildSettings, InitialValues, MasterSink,
-                                         UnitBuilder)
+from infinity.zero._unit_builder import InitialValues
 from infinity.zero._unit_choice import UnitChoice
 from infinity.zero._unit_hooks import HookCalls, UnitHooks
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ManagerCalls", "ParameterManager"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ManagerCalls:
-    """What the manager calls back in the engine that owns it (each None: nothing to call)."""
-
-    on_grad_ready: Callable[[str], None] | None = None
-    """Called once a trainable group's gradient of a backward is reduced and accumulated
-    ([Note: optimizer read-ahead] in infinity/optim/_offloaded.py)."""
-    master_sink: MasterSink | None = None
-    """Takes each trainable group's master as the group is built, with
-    :meth:`ParameterManager.param_partition` known ([Note: masters stream into the optimizer]
-    in infinity/zero/_engine_setup.py)."""
-    on_build_progress: Callable[[BuildProgress], None] | None = None
-    """Called after each unit is built."""
-    on_backward_begin: Callable[[], None] | None = None
-    """Called when a backward the engine did not start (``loss.backward()``) begins, at its
-    first hook ([Note: the end of backward])."""
-    on_backward_end: Callable[[], None] | None = None
-    """Called when that backward has ended, from the callback queued on autograd's engine."""
 
 
 class ParameterManager:
@@ -137,49 +114,23 @@ class ParameterManager:
         self.param_names = choice.param_names
         self._calls = calls
         self._init_loop_state()
-        self.hpz = (SecondaryPartition(collectives, config.hpz_partition_size)
-                    if config.hpz_partition_size > 1 else None)
-        """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
-        infinity/zero/_hpz.py); None: off."""
-        self.reducer = build_reducer(config, collectives, store, calls.on_grad_ready)
-        self.storage = build_storage(config, collectives, store, self.reducer, self.hpz,
-                                     on_bytes_changed=self._note_peak)
-        """Gathers, releases and reductions of the units: how (this manager decides when)."""
-        self.partitions = ParamPartitions(config, rank=self.rank, store=store,
-                                          storage=self.storage)
-        """This rank's parameter partitions, and where stored shards are read and written."""
-        self.units = self._build_units(choice, initial_values)
+        self._init_storage(calls.on_grad_ready)
+        self.units = build_units(config, choice, collectives=collectives, store=store,
+                                 initial_values=initial_values, master_sink=calls.master_sink,
+                                 partition_of=self.param_partition,
+                                 on_build_progress=calls.on_build_progress)
         self._slot_of: dict[int, tuple[Unit, FlatGroup, ParamSlot]] = {
             id(s.param): (u, g, s) for u in self.units for g in u.groups for s in g.slots}
+        """id(parameter) -> (its unit, its flat group, its slot)."""
         self._unit_of_storage: dict[int, Unit] = {
             g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups}
+        """A unit's flat buffers' storages -> the unit (the outside-use detector's lookup)."""
         self._bytes = HeldBytes(self.units, self.storage, hpz=self.hpz,
                                 optimizer_offloaded=config.optimizer_offloaded)
         """The device bytes held, and their peak (``device_bytes()``, ``peak_device_bytes``)."""
         if config.optimizer_offloaded:
             self.reducer.register_accumulators(self.trainable_groups())
-        self.grads = GradHandoff(module, self.units, self._slot_of, config,
-                                 collectives=collectives, reducer=self.reducer,
-                                 storage=self.storage, calls=self._backward_calls())
-        """A backward's gradients, from the hooks to the reducer (:mod:`._grad_handoff`)."""
-        self._step_gathers = self._build_step_gathers(choice)
-        """[Note: the after-step gather overlaps the next forward] in
-        infinity/zero/_step_gathers.py; None: ``after_step`` waits for the gathers."""
-        self._hooks = UnitHooks(module, self.units, self._slot_of, stage=self.stage,
-                                calls=self._hook_calls())
-        """The hooks on the model, removed by remove_hooks()."""
-        self.grads.install()
-        self._hooks.install(choice.hooked, self._step_gathers)
-        self._fetcher = build_fetcher(
-            config, self.units, store, world_size=self.world_size,
-            gather=lambda i: self._issue_gather(self.units[i], self._gather_phase()))
-        """Trace-driven prefetch of offloaded parameter shards; None: demand fetches only."""
-        self._gather_ahead = build_gather_ahead(config, self.units, world_size=self.world_size,
-                                                fetcher=self._fetcher)
-        """[Note: gathers issued ahead] for units on the device; None: the prefetcher
-        leads the gathers (offloaded shards), or they are local copies (one rank)."""
-        self._ahead_on = False
-        """A training step is being recorded and predicted by ``_gather_ahead``."""
+        self._init_hooks(choice)
         mark_managed(module, [s.param for u in self.units for g in u.groups for s in g.slots])
         self._note_peak()
         logger.info("stage %d: %d units over %d ranks: %s", self.stage, len(self.units),
@@ -199,25 +150,43 @@ class ParameterManager:
         """Unit indices in the order the latest training forward first used them (the order in
         which a deferred optimizer step updates them, see forward_keys)."""
 
-    def _build_units(self, choice: UnitChoice, initial_values: InitialValues | None
-                     ) -> list[Unit]:
-        config = self.config
-        settings = BuildSettings(stage=config.stage, device=config.device,
-                                 compute_dtype=config.compute_dtype, param_home=config.param_home,
-                                 optimizer_offloaded=config.optimizer_offloaded)
-        return UnitBuilder(settings, collectives=self.coll, store=self.store,
-                           initial_values=initial_values, master_sink=self._calls.master_sink,
-                           partition_of=self.param_partition
-                           ).build(choice, self._calls.on_build_progress)
+    def _init_storage(self, on_grad_ready: Callable[[str], None] | None) -> None:
+        """The parts that hold and move the units' bytes, before the units are built."""
+        config, collectives, store = self.config, self.coll, self.store
+        self.hpz = (SecondaryPartition(collectives, config.hpz_partition_size)
+                    if config.hpz_partition_size > 1 else None)
+        """hpZ's secondary shards and group ([Note: hpZ secondary shards] in
+        infinity/zero/_hpz.py); None: off."""
+        self.reducer = build_reducer(config, collectives, store, on_grad_ready)
+        self.storage = build_storage(config, collectives, store, self.reducer, self.hpz,
+                                     on_bytes_changed=self._note_peak)
+        """Gathers, releases and reductions of the units: how (this manager decides when)."""
+        self.partitions = ParamPartitions(config, rank=self.rank, store=store,
+                                          storage=self.storage)
+        """This rank's parameter partitions, and where stored shards are read and written."""
 
-    def _build_step_gathers(self, choice: UnitChoice) -> StepGathers | None:
-        if not (self.config.overlap_param_gather and self.stage in (1, 2)
-                and self.coll.data_parallel_size > 1):
-            return None
-        return StepGathers(
-            self.units, {i for _, _, indices in choice.hooked for i in indices},
+    def _init_hooks(self, choice: UnitChoice) -> None:
+        """The parts the hooks drive, and the hooks on the model."""
+        self.grads = GradHandoff(self.module, self.units, self._slot_of, self.config,
+                                 collectives=self.coll, reducer=self.reducer,
+                                 storage=self.storage, calls=self._backward_calls())
+        """A backward's gradients, from the hooks to the reducer (:mod:`._grad_handoff`)."""
+        self._step_gathers = build_step_gathers(
+            self.config, self.units, choice, self.coll,
             issue=lambda unit: self._issue_gather(unit, Phase.STEP_GATHER, refresh=True),
             wait=self._wait_gather, settle=self.settle_params)
+        """[Note: the after-step gather overlaps the next forward] in
+        infinity/zero/_step_gathers.py; None: ``after_step`` waits for the gathers."""
+        self._hooks = UnitHooks(self.module, self.units, self._slot_of, stage=self.stage,
+                                calls=self._hook_calls())
+        """The hooks on the model, removed by remove_hooks()."""
+        self.grads.install()
+        self._hooks.install(choice.hooked, self._step_gathers)
+        self._lead = build_lead(
+            self.config, self.units, self.store, world_size=self.world_size,
+            issue_gather=lambda unit, phase: self._issue_gather(unit, phase),
+            gather_phase=self._gather_phase)
+        """Which units are gathered ahead of use and kept after it (:mod:`._gather_lead`)."""
 
     def _backward_calls(self) -> BackwardCalls:
         return BackwardCalls(enter_backward=self._enter_backward,
@@ -248,7 +217,8 @@ class ParameterManager:
         return {g.key for g in self.trainable_groups() if g.tensor_sharded}
 
     def partition_of(self, group: FlatGroup) -> tuple[int, int]:
-        """(first flat element, numel) of this rank's partition (:meth:`ParamPartitions.partition_of`)."""
+        """(first flat element, numel) of this rank's partition
+        (:meth:`ParamPartitions.partition_of`)."""
         return self.partitions.partition_of(group)
 
     def param_partition(self, group: FlatGroup) -> Any:
@@ -257,7 +227,8 @@ class ParameterManager:
 
     def open_param_partition(self, group: FlatGroup, *, overwrite: bool = False
                              ) -> contextlib.AbstractContextManager[torch.Tensor]:
-        """This rank's parameter partition of ``group`` for writing (:meth:`ParamPartitions.open`)."""
+        """This rank's parameter partition of ``group`` for writing
+        (:meth:`ParamPartitions.open`)."""
         return self.partitions.open(group, overwrite=overwrite)
 
     @property
@@ -379,41 +350,24 @@ class ParameterManager:
 
     def _release(self, unit: Unit) -> None:
         self.storage.release(unit)
-        if self._fetcher is not None:
-            self._fetcher.on_release(unit.index)
+        self._lead.on_release(unit)
 
     def _fetch_before_compute(self, unit: Unit) -> None:
         """Gather ``unit`` before its compute: through the prefetcher for offloaded parameters
         (a prefetched unit is ready), else on demand."""
-        if self._fetcher is not None and not unit.always_gathered:
-            self._fetcher.before_compute(unit.index)
+        self._lead.before_gather(unit)
         if unit.state is UnitState.RELEASED:
             self._issue_gather(unit, self._gather_phase())
         self._wait_gather(unit)
-        ahead = self._gather_ahead
-        if ahead is not None and self._ahead_on and not unit.always_gathered:
-            backward = self.state is TrainingState.BACKWARD
-            ahead.use(unit.index, backward)  # [Note: gathers issued ahead]
-            for index, later in ahead.ahead(unit.index, backward, self._in_use()):
-                if self.units[index].state is UnitState.RELEASED:
-                    self._issue_gather(self.units[index], Phase.BACKWARD_GATHER if later
-                                       else Phase.FORWARD_GATHER)
+        self._lead.after_gather(unit, backward=self.state is TrainingState.BACKWARD)
 
     def _after_compute(self, unit: Unit) -> None:
-        if self._fetcher is not None and not unit.always_gathered:
-            self._fetcher.after_compute(unit.index)
+        self._lead.after_compute(unit)
 
     def _maybe_release(self, unit: Unit) -> None:
-        if unit.state is not UnitState.RELEASED and unit.releasable:
-            if self._fetcher is not None and self._fetcher.should_keep(unit.index):
-                return  # the trace says it is used again soon (released at the step's end at last)
-            if self._ahead_on and self._gather_ahead.used_next(unit.index, self._in_use()):
-                return  # used again next: [Note: gathers issued ahead]
+        if unit.state is not UnitState.RELEASED and unit.releasable \
+                and not self._lead.keeps(unit):
             self._release(unit)
-
-    def _in_use(self) -> set[int]:
-        """The units computing now (forward, or held for their backward)."""
-        return {u.index for u in self.units if u.in_use}
 
     def _maybe_drop_hold(self, unit: Unit) -> None:
         """Release after backward once nothing of the unit's backward can still read it
@@ -441,23 +395,8 @@ class ParameterManager:
         try:
             if mode:
                 self._forward_order = {}
-            if self._fetcher is not None:
-                # Separate traces per phase: an evaluation forward must not replace the training
-                # trace.
-                self.end_prefetch_step()
-                phase = ("train" if self.module.training else "eval-grad") if mode else "eval"
-                # A forward without grad leaves the parameters as they are, and most likely runs
-                # between training steps: the prefetcher moves the training step's first shards
-                # up during its last units ([Note: predicting past an evaluation step] in
-                # infinity/prefetch/_trace.py).
-                then = None if mode else ("train" if self._fetcher.has_trace("train") else phase)
-                self._fetcher.begin_step(phase, then=then)
-            self._ahead_on = mode and self._gather_ahead is not None
-            if self._ahead_on:  # a training step: predict its gathers from the last one's
-                self._gather_ahead.begin_step()
-                first = self._gather_ahead.first()
-                if first is not None:
-                    self._issue_gather(self.units[first], Phase.FORWARD_GATHER)
+            self.end_prefetch_step()  # the last step's, if still open
+            self._lead.begin_forward(mode, self.module.training)
             if trace:
                 with OutsideUseDetector(self._check_outside_use):
                     yield
@@ -466,7 +405,7 @@ class ParameterManager:
                 yield
             finished = True
         except BaseException:
-            self._ahead_on = False
+            self._lead.stop()
             for unit in self.units:
                 unit.end_step()
                 self._maybe_release(unit)
@@ -477,8 +416,7 @@ class ParameterManager:
             self._to(TrainingState.AWAITING_BACKWARD if finished and mode else TrainingState.IDLE)
             if not mode:
                 self.end_prefetch_step()  # no backward follows: the step ends with the forward
-                if self._fetcher is not None:
-                    self._fetcher.warm_next_step()  # the next step's (begin_step's ``then``)
+                self._lead.warm_next_step()  # the next step's (begin_step's ``then``)
 
     def begin_backward(self) -> None:
         """``engine.backward(loss)`` is about to run autograd: gathers now are backward gathers."""
@@ -488,7 +426,7 @@ class ParameterManager:
         """End of one backward: its gradients reduced, on every rank alike
         (:meth:`GradHandoff.finish`); drop backward holds; release."""
         self.grads.finish()
-        self._ahead_on = False  # nothing is kept past the step
+        self._lead.stop()  # nothing is kept past the step
         self._drop_holds()
         if self.hpz is not None:
             self.hpz.drop()  # every backward gather is done (see self.hpz)
@@ -516,7 +454,7 @@ class ParameterManager:
             self.hpz.drop()  # stale: the parameters change (see self.hpz)
         if self.stage == 0:
             return
-        if self._gather_ahead is not None:  # gathered for a backward that never came: stale
+        if self._lead.gathers_ahead:  # gathered for a backward that never came: stale
             for unit in self.units:
                 if not unit.always_gathered and unit.releasable \
                         and unit.state is not UnitState.RELEASED:
@@ -527,8 +465,7 @@ class ParameterManager:
             for unit in self.units:
                 if unit.always_gathered:
                     self._gather(unit, Phase.STEP_GATHER)
-        if self._fetcher is not None:
-            self._fetcher.warm_next_step()  # the shards are final: the next step's first units
+        self._lead.warm_next_step()  # the shards are final: the next step's first units
 
     def on_stepped(self) -> Callable[[str], None] | None:
         """What the optimizer calls with each key as it updates the key's parameter partition
@@ -572,20 +509,19 @@ class ParameterManager:
         """End of a step (after finish_backward, after a no-grad forward, before a new forward):
         commit the prefetcher's trace and release every unit still gathered on demand
         ([Note: stale gathered units] in infinity/zero/_prefetcher.py)."""
-        if self._fetcher is None or not self._fetcher.in_step:
+        if not self._lead.end_step():
             return
-        self._fetcher.end_step()
         for unit in self.units:
             self._maybe_release(unit)  # between steps should_keep() is False
 
     @property
     def prefetcher(self) -> ParamPrefetcher | None:
         """The trace-driven prefetcher of offloaded parameter shards; None: demand fetches only."""
-        return self._fetcher
+        return self._lead.fetcher
 
     def prefetch_stats(self) -> dict[str, Any]:
         """Counters of the trace-driven prefetcher (keys in ParamPrefetcher.stats)."""
-        return self._fetcher.stats() if self._fetcher is not None else disabled_stats()
+        return self._lead.stats()
 
     # ------------------------------------------------------------------ outside uses
 
@@ -621,13 +557,7 @@ class ParameterManager:
         """The group's values over all ranks: ``master`` (this rank's fp32 partition) where given,
         else the parameters (collective)."""
         src = master if master is not None else self.read_shard(group)
-        src = src.to(self.device)
-        if self.stage == 0 or src.numel() == group.padded_numel:
-            return src.float().clone()
-        out = torch.empty(group.padded_numel, dtype=src.dtype, device=self.device)
-        self.coll.all_gather(out, src, context=f"state-dict gather of {group.key}",
-                             phase=Phase.STATE_DICT)
-        return out.float()
+        return full_flat(group, src, self.coll, stage=self.stage, device=self.device)
 
     def full_state_dict(self, master_of: Any = None, keys: Any = None) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` keys; parameters from ``master_of(group key)`` (fp32 masters)
@@ -647,7 +577,8 @@ class ParameterManager:
 
     @property
     def peak_device_parts(self) -> dict[str, int]:
-        """device_bytes() by kind at the moment of ``peak_device_bytes`` (what the peak is made of)."""
+        """device_bytes() by kind at the moment of ``peak_device_bytes`` (what the peak is
+        made of)."""
         return self._bytes.peak_parts
 
     def _note_peak(self) -> None:
