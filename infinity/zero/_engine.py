@@ -75,7 +75,7 @@ from infinity.zero._engine_stats import engine_stats
 from infinity.zero._offload import (activation_nvme_path, activations_need_store,
                                     build_activation_store, build_store, check_nvme_space_for,
                                     offload_inputs, resolve_offload)
-from infinity.zero._param_manager import ParameterManager
+from infinity.zero._param_manager import ManagerCalls, ParameterManager
 from infinity.zero._step_plan import StepPlan
 from infinity.zero._step_window import StepWindow
 from infinity.zero._stored_activations import StoredActivations, cuda_activation_room
@@ -187,11 +187,12 @@ class InfinityEngine:
             manager_config(config, self.device, self.collectives.data_parallel_size,
                            self.offload, shard_world_size=self.collectives.world_size),
             collectives=self.collectives, store=self.store, initial_values=initial_values,
-            on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
-            master_sink=None if streaming is None else MasterStream(streaming),
-            on_build_progress=progress,
-            # [Note: the end of backward] in infinity/zero/_param_manager.py
-            on_backward_begin=self._before_backward, on_backward_end=self._after_backward)
+            calls=ManagerCalls(
+                on_grad_ready=self._on_grad_ready if nvme_optimizer else None,  # [Note: optimizer read-ahead]
+                master_sink=None if streaming is None else MasterStream(streaming),
+                on_build_progress=progress,
+                # [Note: the end of backward] in infinity/zero/_param_manager.py
+                on_backward_begin=self._before_backward, on_backward_end=self._after_backward))
         register_engine(self, [s.param for u in manager.units for g in u.groups
                                for s in g.slots])  # infinity.deepspeed.zero.GatheredParameters
         if copy_link is not None and self.device.type == "cpu":  # a GPU's copies are real
@@ -293,7 +294,7 @@ class InfinityEngine:
         With parameters offloaded and read through the DEVICE tier (a GPU; a CPU engine with a
         device budget) that cannot keep every shard, each updated shard is copied up between its
         update and the forward's read of it ([Note: updated shards are written where the optimizer
-        runs] in infinity/zero/_param_manager.py). Run in ``step()``, every update comes first and
+        runs] in infinity/zero/_param_partitions.py). Run in ``step()``, every update comes first and
         the copies only after: the forward then waits for the link, whose work the step could
         have started. Deferred into the next forward, each shard's update runs as its read is
         issued, so the copy of unit k runs while the updates of the units after it compute, and the

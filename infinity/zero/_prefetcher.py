@@ -24,8 +24,9 @@ clock=time.perf_counter)``
     ``should_keep(U)``, releases U unless kept and then calls ``on_release(U)``, then
     ``after_compute(U)``; ``end_step()`` after the step's last unit and before the optimizer step.
     ``warm_next_step()`` once the parameters are final between steps (see the method);
-    ``has_trace(phase)``. Properties ``in_step``, ``phase``; ``stats() -> dict`` (see
-    :meth:`ParamPrefetcher.stats`).
+    ``has_trace(phase)``. Properties ``in_step``, ``phase``, ``unit_ids``;
+    ``next_use_given(U)`` (the next-use position given the store for U's shards);
+    ``stats() -> dict`` (see :meth:`ParamPrefetcher.stats`).
 
 [Note: synchronous all-gathers] The executor's DEVICE -> GATHERED hop runs the manager's gather on
 the calling (training) thread and completes before ``issue`` returns. A prefetched gather therefore
@@ -262,6 +263,17 @@ class ParamPrefetcher:
             self._warm_bytes += u.shard_bytes
             if room is not None:
                 room -= u.shard_bytes
+
+    @property
+    def unit_ids(self) -> tuple[Hashable, ...]:
+        """The units whose shards this prefetcher moves (those in ``units`` at construction)."""
+        return tuple(self._units)
+
+    def next_use_given(self, unit: Hashable) -> float | None:
+        """The next-use position this prefetcher last gave the store for ``unit``'s shards (the
+        store's Belady order: a position in the followed trace, ``math.inf`` for 'not used again',
+        None while nothing predicts the step). Read-only; for tests and diagnostics."""
+        return self._next_pos.get(unit)
 
     def has_trace(self, phase: str) -> bool:
         """A step of ``phase`` was recorded."""

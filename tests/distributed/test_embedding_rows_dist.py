@@ -133,7 +133,7 @@ def worker_branch(rank: int, world_size: int, out_dir: str) -> dict:
         model.head_twice = twice
         engine = infinity.initialize(model, engine_config(stage=stage, gas=2, clip=0.05,
                                                           unit_class_names=("Layer",)))
-        tapped = engine.manager._heads is not None
+        tapped = engine.manager.grads.heads_tapped
         losses = []
         for t in range(STEPS):
             for m in range(2):
@@ -146,7 +146,7 @@ def worker_branch(rank: int, world_size: int, out_dir: str) -> dict:
                 losses.append(loss.item())
         record = out[stage, twice, autocast] = run_record(engine, model, losses)
         record.update(sent=engine.stats()["collective_bytes_sent"], tapped=tapped,
-                      tapped_after=engine.manager._heads is not None)
+                      tapped_after=engine.manager.grads.heads_tapped)
         engine.close()
     return out
 
@@ -206,11 +206,11 @@ def worker_fallback(rank: int, world_size: int, out_dir: str) -> dict:
     from tests._support.engine import engine_config, engine_train, tiny_gpt
 
     engine = infinity.initialize(tiny_gpt(config=_fallback_config()), engine_config(stage=3))
-    tapped_at_start = engine.manager._rows is not None
+    tapped_at_start = engine.manager.grads.rows_tapped
     losses = engine_train(engine, _fallback_data(), rank=rank, world_size=world_size)
     units = engine.manager.units
     out = {"losses": losses, "state": engine.full_state_dict(), "tapped": tapped_at_start,
-           "tapped_after": engine.manager._rows is not None,
+           "tapped_after": engine.manager.grads.rows_tapped,
            "sent": engine.stats()["collective_bytes_sent"],
            "trainable": sum(g.padded_numel for u in units for g in u.groups if g.requires_grad),
            "root": sum(g.padded_numel for u in units if u.name == "<root>" for g in u.groups)}

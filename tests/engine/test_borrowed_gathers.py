@@ -80,7 +80,7 @@ def test_gathers_borrow_the_host_copy_and_train_like_pytorch(tmp_path, monkeypat
     model = _model(frozen)
     engine = _engine(tmp_path, model, host_budget)
     try:
-        assert engine.manager._read_tier is Tier.HOST
+        assert engine.manager.partitions.read_tier is Tier.HOST
         seen, handles = _block_param_addresses(engine, model)
         losses = engine_train(engine, data)
         for h in handles:
@@ -140,7 +140,7 @@ def test_gathers_borrow_the_device_copy_of_a_device_that_holds_every_shard(tmp_p
         offload_param={"device": "nvme", "nvme_path": str(tmp_path / "swap")},
         memory={"host_budget_bytes": 60000, "device_budget_bytes": 2**22}))
     try:
-        assert engine.offload.device_holds_params and engine.manager._read_tier is Tier.DEVICE
+        assert engine.offload.device_holds_params and engine.manager.partitions.read_tier is Tier.DEVICE
         seen, handles = _block_param_addresses(engine, model)
         losses = engine_train(engine, data)
         for h in handles:

@@ -50,7 +50,7 @@ def test_gathers_read_host_copies_with_an_auto_device_budget(tmp_path, monkeypat
             gathered = [sum(g.padded_numel * g.full.element_size() for g in u.groups)
                         for u in units]
             always = sum(b for u, b in zip(units, gathered) if u.always_gathered)
-            runs[name] = {"read_tier": engine.manager._read_tier,
+            runs[name] = {"read_tier": engine.manager.partitions.read_tier,
                           "device_to_host": s["bytes_moved"]["DEVICE->HOST"],
                           "peak_parts": s["bytes"]["DEVICE"]["peak_parts"],
                           "live_bound": always + 3 * max(gathered),

@@ -282,7 +282,7 @@ def test_optimizer_step_does_not_read_the_parameter_shards_it_replaces(tmp_path,
 @pytest.mark.parametrize("param", ["cpu", "nvme"])
 def test_an_offloaded_optimizer_writes_updated_shards_on_the_host(tmp_path, param):
     """[Note: updated shards are written where the optimizer runs] in
-    infinity/zero/_param_manager.py (#31 item 5): with the DEVICE tier in the read path (a
+    infinity/zero/_param_partitions.py (#31 item 5): with the DEVICE tier in the read path (a
     bounded device budget, as on a GPU) and the optimizer on the host, the new values go to the
     HOST copy once; no shard comes back from the device (no write-back of values the host had
     just made), and each step reads the shards up again. Training matches plain PyTorch."""

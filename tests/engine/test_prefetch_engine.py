@@ -257,13 +257,13 @@ def test_a_step_begins_with_the_store_evicting_by_its_own_trace(tmp_path):
         memory={"host_budget_bytes": 60000}))
     try:
         engine_train(engine, batches(2, 1))
-        fetcher = engine.manager._fetcher
+        fetcher = engine.manager.prefetcher
         fetcher.begin_step("train")
         trace = fetcher.executor.store.latest("train")
-        expected = {u: trace.next_use_distance(u, 0) for u in fetcher._units}
+        expected = {u: trace.next_use_distance(u, 0) for u in fetcher.unit_ids}
         assert any(d == 0 for d in expected.values())  # the step's first unit is a stored one
         assert all(d < float("inf") for d in expected.values())
-        assert fetcher._next_pos == expected
+        assert {u: fetcher.next_use_given(u) for u in fetcher.unit_ids} == expected
         fetcher.end_step()
     finally:
         engine.close()

@@ -162,7 +162,7 @@ def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path, ti
     writes them), so the next read sees the shard's previous bytes, never the half-written ones."""
     from types import SimpleNamespace
 
-    from infinity.zero._param_manager import ParameterManager
+    from infinity.zero._param_partitions import ParamPartitions
 
     numel = 2500
     old = random_values(numel, torch.float32, 0)
@@ -170,12 +170,12 @@ def test_stage3_optimizer_write_failing_midway_leaves_the_old_shard(tmp_path, ti
         store.register("w", numel, torch.float32, Tier.NVME, initial=old)
         store.flush()
         store.evict("w", Tier.HOST)
-        manager = SimpleNamespace(store=store, _write_tier=tier,
-                                  storage=SimpleNamespace(borrowed={}),  # no unit gathered
-                                  config=SimpleNamespace(param_home=Tier.NVME))
+        partitions = SimpleNamespace(store=store, write_tier=tier,
+                                     storage=SimpleNamespace(borrowed={}),  # no unit gathered
+                                     param_home=Tier.NVME)
         group = SimpleNamespace(store_key="w")
         with pytest.raises(RuntimeError, match="boom"):
-            with ParameterManager._open_stored_shard(manager, group, overwrite=True) as dev:
+            with ParamPartitions._open_stored_shard(partitions, group, overwrite=True) as dev:
                 dev[:100].fill_(7.0)
                 raise RuntimeError("boom")
         assert store.state("w", tier) is Residency.ABSENT
