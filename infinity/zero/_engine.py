@@ -82,7 +82,7 @@ from infinity.zero._stored_activations import StoredActivations, cuda_activation
 from infinity.zero._tensor_parallel import tensor_rank_dir
 from infinity.zero._training_state import ParamWriteback
 from infinity.zero._unit_builder import BuildProgress
-from infinity.zero._unit_choice import units_of
+from infinity.zero._unit_choice import UnitChoice, units_of
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +111,17 @@ class InfinityEngine:
         self.optimizer_home: Tier = config.offload_optimizer.home_tier
         """Where the optimizer's state lives: DEVICE (in memory beside the parameters), HOST or
         NVME (``offload_optimizer.device``); the engine asks this, not the config."""
-        self._build_store(model, copy_link)
+        choice = self._build_store(model, copy_link)
         groups, initial_values = materialise(model, groups)
+        if initial_values is not None:  # new parameters: the units are chosen again over them
+            choice = units_of(model, config.zero)
         move_buffers(model, self.device, self.compute_dtype)
         # [Note: masters stream into the optimizer] in infinity/zero/_engine_setup.py
         streaming = self._new_shard_optimizer() if self.optimizer_home is Tier.NVME else None
         if streaming is not None:
             streaming.hold_host_resident()
-        self.manager = self._build_manager(model, initial_values, streaming, progress, copy_link)
+        self.manager = self._build_manager(model, choice, initial_values, streaming, progress,
+                                           copy_link)
         # After the manager: its hooks stay outside the checkpointed regions
         # ([Note: checkpoint inside the module's hooks] in infinity/zero/_activations.py).
         if self.collectives.data_parallel_size > 1:
@@ -135,18 +138,18 @@ class InfinityEngine:
         logger.info("engine: stage %d, %s on %s, world size %d", config.zero.stage,
                     config.precision.dtype, self.device, self.collectives.world_size)
 
-    def _build_store(self, model: nn.Module, copy_link: LinkModel | None) -> None:
+    def _build_store(self, model: nn.Module, copy_link: LinkModel | None) -> UnitChoice:
         """The offload plan (budgets checked on the parameters as they are: a budget error
         leaves a recorded model untouched), the tiered store and its swapper, the NVMe space
-        check: before any state is written."""
+        check: before any state is written. Returns the units the sizes were read from."""
         config = self.config
         world = self.collectives.world_size  # the shard degree: what sizes divide by
         data_parallel = self.collectives.data_parallel_size
         self.offload = None
-        # The units as the parameters are now: the sizes the budgets and the space check read
-        # (the manager's own choice comes after materialisation, which replaces parameters).
         if copy_link is not None:
             check_copy_link(config, self.device)
+        # The units as the parameters are now: the sizes the budgets and the space check read
+        # (a recorded model's materialisation replaces its parameters: chosen again then).
         choice = units_of(model, config.zero)
         inputs = offload_inputs(config, world_size=world, device=self.device,
                                 data_parallel_size=data_parallel)
@@ -174,8 +177,9 @@ class InfinityEngine:
         # Before any state is written ([Note: NVMe space check] in infinity/tiers/_nvme_space.py).
         if self._swapper is not None and self.offload is not None:
             check_nvme_space_for(choice, inputs, self.offload, store=self.store)
+        return choice
 
-    def _build_manager(self, model: nn.Module, initial_values: Any,
+    def _build_manager(self, model: nn.Module, choice: UnitChoice, initial_values: Any,
                        streaming: OffloadedShardOptimizer | None,
                        progress: Callable[[BuildProgress], None] | None,
                        copy_link: LinkModel | None) -> ParameterManager:
@@ -183,7 +187,7 @@ class InfinityEngine:
         ``GatheredParameters``, its gradients down the modeled copy link where one is given."""
         config, nvme_optimizer = self.config, self.optimizer_home is Tier.NVME
         manager = ParameterManager(
-            model, units_of(model, config.zero),
+            model, choice,
             manager_config(config, self.device, self.collectives.data_parallel_size,
                            self.offload, shard_world_size=self.collectives.world_size),
             collectives=self.collectives, store=self.store, initial_values=initial_values,
