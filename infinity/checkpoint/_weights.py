@@ -217,7 +217,7 @@ def _wrapped_hint(missing: list[str], unexpected: list[str]) -> str:
     """A base model's checkpoint loaded into its peft wrapping: name the loader that maps it."""
     if missing and unexpected and all(k.startswith("base_model.model.") for k in missing):
         return (" (a base model's checkpoint for a peft model? load it with "
-                "infinity.integrations.peft.load_base_weights(target, path))")
+                "infinity.integrations.peft.load_base_weights(engine, path))")
     return ""
 
 

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from infinity._common import warn_once
+from infinity.config import load_config
 from infinity.integrations._config import device_name, resolve_config
 from infinity.integrations._require import require
 from infinity.zero import initialize
@@ -307,8 +308,11 @@ class Accelerator(_accelerate.Accelerator):
         if isinstance(model, PreparedModel):
             raise ValueError("accelerator.prepare: this model was prepared by another "
                              "Accelerator")
-        config = resolve_config(self.infinity_config, self._config_values(optimizer, batch_size),
-                                deepspeed_only=self.engine_deepspeed_values)
+        # Resolved here (its 'auto' values a trainer would fill take their defaults), so that the
+        # engine and the sync step below see the same gradient_clipping.
+        config = load_config(resolve_config(self.infinity_config,
+                                            self._config_values(optimizer, batch_size),
+                                            deepspeed_only=self.engine_deepspeed_values))
         groups = _groups_of(optimizer) if optimizer is not None else None
         self.engine = initialize(model, config, model_parameters=groups)
         self._sync_step = _SyncStep(self.engine, gradient_clipping=config.gradient_clipping)

@@ -126,6 +126,30 @@ def test_script_matches_accelerate_on_two_ranks():
     assert results[0]["ours"]["loss"] == results[1]["ours"]["loss"]
 
 
+def test_an_auto_clip_in_a_config_object_means_the_same_to_the_engine_and_clip_grad_norm():
+    """An ``InfinityConfig`` object whose ``gradient_clipping`` is 'auto' (a plain Accelerator
+    fills nothing) takes the trainer default, 1.0, for the engine and for ``clip_grad_norm_``'s
+    check alike: clipping to 1.0 runs, another max_norm is refused naming 1.0."""
+    from infinity.config import config_from_native
+
+    config = config_from_native({**CONFIG, "gradient_clipping": "auto"})
+    assert config.gradient_clipping == "auto"
+    model = tiny("llama")
+    accelerator = infinity_accelerate.Accelerator(cpu=True, infinity_config=config)
+    try:
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+        assert accelerator.engine.config.gradient_clipping == 1.0
+        ids = torch.randint(0, 50, (1, 8), generator=torch.Generator().manual_seed(0))
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        with pytest.raises(ValueError, match="gradient_clipping=1.0"):
+            accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        assert norm is not None and float(norm) > 0
+    finally:
+        accelerator.engine.close()
+        AcceleratorState._reset_state(reset_partial_state=False)
+
+
 def test_errors_name_the_fix():
     model = tiny("llama")
     accelerator = infinity_accelerate.Accelerator(cpu=True, infinity_config=CONFIG)
