@@ -34,7 +34,8 @@ from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP
                                        ENGINE_GRAD_DTYPE, GB, OPTIMIZER_STAGING_SUBGROUPS,
                                        OPTIMIZERS, REDUCE_INFLIGHT_UNITS, TERMS, Ledger,
                                        StateTerms, ceil_bytes,
-                                       estimate_from_config, estimate_model_states, host_grad_dtype,
+                                       estimate_from_config, estimate_model_states, grad_staging_dtype,
+                                       host_grad_dtype,
                                        host_grad_dtype_of, paper_bytes_per_device,
                                        stages_in_accumulator_dtype)
 from infinity.ledger._flat_layout import (FLAT_ALIGN_BYTES, FlatLayout, flat_layout,
@@ -63,7 +64,8 @@ __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "Cluster", "DEFAULT_MFU", "DE
            "Hardware", "Ledger", "ModelShape", "Plan", "PlanRequest", "StateTerms", "Tier",
            "activation_bytes", "ACTIVATION_CHUNK_BYTES", "ACTIVATION_STAGING_BYTES", "candidates",
            "ceil_bytes", "estimate_from_config",
-           "estimate_model_states", "flat_layout", "flat_padding_numel", "host_grad_dtype",
+           "estimate_model_states", "flat_layout", "flat_padding_numel", "grad_staging_dtype",
+           "host_grad_dtype",
            "host_grad_dtype_of", "make_plan", "stages_in_accumulator_dtype",
            "paper_bytes_per_device", "price",
            # ZeRO++ quantized collectives (the quantization part of issue #17)

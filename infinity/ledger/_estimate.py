@@ -124,6 +124,17 @@ def host_grad_dtype(config: InfinityConfig, world_size: int = 1) -> str:
                               world_size, config.precision.reduce_dtype)
 
 
+def grad_staging_dtype(config: InfinityConfig, world_size: int = 1) -> str:
+    """The dtype a unit's gradient is staged in for an engine config at ``world_size`` (the
+    ranks gradients are summed over): the host accumulators' (:func:`host_grad_dtype`) where
+    :func:`stages_in_accumulator_dtype` says so, else fp32."""
+    if stages_in_accumulator_dtype(
+            optimizer_offloaded=config.offload_optimizer.home_tier is not Tier.DEVICE,
+            quantized_gradients=config.zero.quantized_gradients):
+        return host_grad_dtype(config, world_size)
+    return "fp32"
+
+
 def host_grad_dtype_of(dtype: str, grad_accum: Any, world_size: int, reduce_dtype: str) -> str:
     """[Note: gradient placement], last point: the compute dtype when each element is written
     once per step with a value that already is in that dtype, so holding it in fp32 would keep

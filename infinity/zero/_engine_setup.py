@@ -13,7 +13,7 @@ from torch import nn
 
 from infinity._dtypes import torch_dtype
 from infinity.config import AUTO, InfinityConfig, MeshConfig
-from infinity.ledger import host_grad_dtype, stages_in_accumulator_dtype
+from infinity.ledger import grad_staging_dtype, host_grad_dtype
 from infinity.optim import OffloadedShardOptimizer, rebind_param_groups, resolve_param_groups
 from infinity.tiers import OffloadBudgets, Tier
 from infinity.zero._activations import select_modules
@@ -114,9 +114,7 @@ def manager_config(config: InfinityConfig, device: torch.device, world_size: int
         max_reuse_distance_bytes=None if reuse is None else reuse * compute.itemsize,
         reduce_dtype=compute if precision.reduce_dtype == "compute" else torch.float32,
         grad_host_dtype=host_grads,
-        grad_staging_dtype=host_grads if stages_in_accumulator_dtype(
-            optimizer_offloaded=optimizer_offloaded,
-            quantized_gradients=zero.quantized_gradients) else torch.float32,
+        grad_staging_dtype=torch_dtype(grad_staging_dtype(config, world_size)),
         stored_grad_slice_numel=(offload.sub_group_numel
                                  if offload is not None and offload.grads_on_nvme else None),
         hpz_partition_size=zero.hpz_partition_size,

@@ -19,7 +19,7 @@ from infinity._modeled_link import DuplexLink
 from infinity.config import AUTO, DTYPE_BYTES, InfinityConfig, SwapperConfig
 from infinity.io import Swapper
 from infinity.ledger import (ACTIVATION_STAGING_BYTES, DEFAULT_PREFETCH_UNITS, flat_layout,
-                             host_grad_dtype, stages_in_accumulator_dtype)
+                             grad_staging_dtype, host_grad_dtype)
 from infinity.tiers import (AUTO_HOST_RAM_FRACTION, SUB_GROUP_BYTES_PER_NUMEL, DeviceWorkingSet,
                             HostNeeds, NvmeBytes, NvmeDemand, OffloadBudgets, OffloadRequest,
                             StateSizes, StoreConfig, Tier, TieredStore, check_nvme_space,
@@ -107,11 +107,8 @@ def offload_inputs(config: InfinityConfig, *, world_size: int, device: torch.dev
     accumulators' dtype (None: ``world_size``; [Note: collectives over a mesh] in
     infinity/zero/_collectives.py). The one place this module reads a config."""
     data_parallel = data_parallel_size or world_size
-    staged = DTYPE_BYTES["fp32"]  # [Note: staging in the accumulator's dtype] (ledger)
-    if stages_in_accumulator_dtype(
-            optimizer_offloaded=config.offload_optimizer.home_tier is not Tier.DEVICE,
-            quantized_gradients=config.zero.quantized_gradients):
-        staged = DTYPE_BYTES[host_grad_dtype(config, data_parallel)]
+    # [Note: staging in the accumulator's dtype] in infinity/ledger/_estimate.py
+    staged = DTYPE_BYTES[grad_staging_dtype(config, data_parallel)]
     reads = param_reads_of(config, device, shard_world_size=world_size, device_holds_params=False)
     return OffloadInputs(
         request=offload_request(config, data_parallel), stage=config.zero.stage,
