@@ -7,7 +7,8 @@ package's tree shows its architecture; each subpackage's docstring says its one 
 ``config`` (typed configuration, the DeepSpeed mapping), ``io`` (bytes between memory and files),
 ``tiers`` (the tiered store and its budgets), ``prefetch`` (trace-driven prefetch, knows no tiers),
 ``optim`` (Adam over flat shards, in memory and offloaded), ``zero`` (the engine, units, the
-parameter manager, gradient reduction), ``checkpoint`` (save, load, consolidate, weights),
+parameter manager, gradient reduction), ``pipeline`` (pipeline stages, each an engine),
+``checkpoint`` (save, load, consolidate, weights),
 ``ledger`` (the memory ledger and pricing: pure arithmetic), ``cli`` and ``bench``.
 """
 

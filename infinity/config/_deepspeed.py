@@ -31,7 +31,7 @@ a DeepSpeed config without the key clips the same here (a native config's defaul
 _NATIVE_TOP_KEYS = frozenset({"zero", "offload_param", "offload_optimizer", "memory", "swapper",
                                "precision", "optimizer", "activation_checkpointing", "scheduler",
                                "gradient_clipping", "gradient_accumulation_steps",
-                               "train_micro_batch_size_per_gpu", "device"})
+                               "train_micro_batch_size_per_gpu", "device", "pipeline"})
 DS_ONLY_TOP_KEYS = frozenset(TOP_KEYS) - _NATIVE_TOP_KEYS
 """Top-level keys that only a DeepSpeed config has: one of them makes ``load_config`` map the dict."""
 
@@ -292,6 +292,18 @@ def _batch(raw: Mapping[str, Any]) -> tuple[Any, Any]:
     return gas, micro
 
 
+def _pipeline_stages(raw: Mapping[str, Any]) -> int:
+    """``pipeline.stages``: mesh.pipeline ('auto', DeepSpeed's default: the model's
+    PipelineModule decides there; here no pipeline unless the number is given)."""
+    section = _section(raw, "pipeline", "pipeline")
+    stages = _as_int(section.get("stages", AUTO))
+    if stages == AUTO:
+        return 1
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline.stages: expected 'auto' or an integer >= 1, got {stages!r}")
+    return stages
+
+
 def config_from_deepspeed(raw: Mapping[str, Any]) -> InfinityConfig:
     """Map a DeepSpeed config dict onto :class:`InfinityConfig` (see the module docstring)."""
     if not isinstance(raw, Mapping):
@@ -303,8 +315,10 @@ def config_from_deepspeed(raw: Mapping[str, Any]) -> InfinityConfig:
     zero, offload_param, offload_optimizer, memory = _zero(zero_raw, DTYPE_BYTES[precision.dtype])
     gas, micro = _batch(raw)
     mics = _as_int(zero_raw.get("mics_shard_size", -1))
+    stages = _pipeline_stages(raw)
     return InfinityConfig(
-        mesh=MeshConfig() if mics == -1 else MeshConfig(shard=mics),
+        mesh=MeshConfig(pipeline=stages) if mics == -1 else MeshConfig(shard=mics,
+                                                                        pipeline=stages),
         zero=zero,
         offload_param=offload_param,
         offload_optimizer=offload_optimizer,

@@ -344,6 +344,25 @@ def _activation_off(section: Any) -> bool:
             k in ACTIVATION_CHECKPOINTING_DEFAULTS and v is False) for k, v in section.items())
 
 
+PIPELINE_KEYS: dict[str, Fate] = {
+    "stages": mapped("mesh.pipeline ('auto': 1; a pipeline is built by infinity.pipeline."
+                     "initialize)"),
+    "partition": replaced("the balanced split of infinity.pipeline (parameters and FLOPs per "
+                          "stage; split_points to choose the cuts)"),
+    "seed_layers": ignored("per-layer seeds (the model's parameters are built before the split)",
+                           False),
+    "activation_checkpoint_interval": rejected(
+        "checkpointing every k-th layer of a PipelineModule is not implemented; use the native "
+        "activation_checkpointing.units ('all' or class names)", 0),
+    "pipe_partitioned": ignored("activations between stages are sent whole (no tensor-parallel "
+                                "partitioning of them)", ANY),
+    "grad_partitioned": ignored("activation gradients between stages are sent whole", ANY),
+}
+"""DeepSpeed's ``pipeline`` section (``runtime/config.py``'s ``get_pipeline_config``: stages
+'auto', partition 'best', seed_layers False, activation_checkpoint_interval 0, pipe_partitioned
+and grad_partitioned True)."""
+
+
 def _no_parallelism(section: Any) -> bool:
     return not section or (isinstance(section, Mapping) and all(
         v in (0, 1, None, False, {}) for v in section.values()))
@@ -413,7 +432,8 @@ TOP_KEYS: dict[str, Fate] = {
     "hybrid_engine": rejected("the hybrid (RLHF) engine is not implemented", disabled),
     "data_efficiency": rejected("data efficiency (sampling / routing) is not implemented",
                                 disabled),
-    "pipeline": rejected("pipeline parallelism is not implemented", lambda v: not v),
+    "pipeline": mapped("mesh.pipeline and infinity.pipeline (the stages run by "
+                       "torch.distributed.pipelining, ZeRO inside each)", PIPELINE_KEYS),
     "tensor_parallel": rejected("tensor parallelism (AutoTP) is not implemented",
                                 _no_parallelism),
     "expert_parallel": rejected("expert parallelism (AutoEP) is not implemented", disabled),

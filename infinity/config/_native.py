@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from infinity.config._checks import fail
 from infinity.config._mesh import MeshConfig
+from infinity.config._pipeline import PipelineConfig
 from infinity.config._scheduler import SchedulerConfig
 from infinity.config._sections import (ActivationCheckpointingConfig, InfinityConfig, MemoryConfig,
                                        OffloadConfig, OptimizerConfig, PrecisionConfig,
@@ -25,6 +26,7 @@ _SECTIONS: dict[str, type] = {
     "activation_checkpointing": ActivationCheckpointingConfig,
     "scheduler": SchedulerConfig,
     "mesh": MeshConfig,
+    "pipeline": PipelineConfig,
 }
 _DS_ACTIVATION_KEYS = frozenset({"partition_activations", "cpu_checkpointing", "number_checkpoints",
                                  "contiguous_memory_optimization", "synchronize_checkpoint_boundary",

@@ -15,6 +15,7 @@ from infinity._tier import Tier
 from infinity.config._checks import (AUTO, check_choice, check_float, check_int, fail,
                                      is_power_of_two)
 from infinity.config._mesh import MeshConfig
+from infinity.config._pipeline import PipelineConfig
 from infinity.config._scheduler import SchedulerConfig
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -369,7 +370,9 @@ class InfinityConfig:
         default_factory=ActivationCheckpointingConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """How the ranks split into replicas, shard groups and tensor slices (HSDP / MiCS)."""
+    """How the ranks split into pipeline stages, replicas, shard groups and tensor slices."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """The schedule of a pipeline-parallel engine (``mesh.pipeline`` > 1)."""
     gradient_clipping: float | Literal["auto"] = 0.0
     """Global L2 norm the gradients are clipped to (across shards and ranks); 0 disables clipping.
     'auto' (a Hugging Face-style config) resolves to 1.0, TrainingArguments' max_grad_norm."""

@@ -7,6 +7,7 @@ parity tests train it with plain ``torch.optim.AdamW``. ``Block`` is the natural
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -173,3 +174,50 @@ def synthetic_batch(config: HasVocab, batch_size: int, seq_len: int, *, seed: in
     steps = torch.arange(seq_len + 1).unsqueeze(0)
     tokens = (start * 7 + steps * 13 + (steps * steps) % 5) % config.vocab_size
     return tokens[:, :-1].to(device), tokens[:, 1:].contiguous().to(device)
+
+
+class GPTEmbedding(nn.Module):
+    """A GPT's token and position embeddings as one module (the first piece of
+    :func:`as_sequential`)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.wpe.num_embeddings:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.wpe.num_embeddings}")
+        return self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+
+
+class GPTHead(nn.Module):
+    """A GPT's final norm and LM head (the last piece of :func:`as_sequential`)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def as_sequential(model: GPT) -> nn.Sequential:
+    """``model``'s modules (shared, not copied) as an ``nn.Sequential`` of ``embed``,
+    ``block0`` ... ``block{L-1}``, ``head``: the form :func:`infinity.pipeline.initialize` cuts
+    into stages. It computes ``model(idx)``'s logits. Tied embeddings (``tie_weights``) put the
+    same parameter in the first and the last piece: a pipeline refuses to cut between them."""
+    pieces: list[tuple[str, nn.Module]] = [("embed", GPTEmbedding(model.wte, model.wpe))]
+    pieces += [(f"block{i}", block) for i, block in enumerate(model.blocks)]
+    pieces.append(("head", GPTHead(model.ln_f, model.lm_head)))
+    return nn.Sequential(OrderedDict(pieces))
+
+
+def sequential_names(model: GPT) -> dict[str, str]:
+    """Parameter names of :func:`as_sequential` (``model``) -> the same parameters' names in
+    ``model`` (a state dict saved from one loads into the other through it)."""
+    by_id: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), name)
+    return {name: by_id[id(p)]
+            for name, p in as_sequential(model).named_parameters(remove_duplicate=False)}

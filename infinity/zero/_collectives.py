@@ -264,6 +264,7 @@ class Collectives:
     def __init__(self, group: "dist.ProcessGroup | None" = None, *,
                  replicate: "Collectives | None" = None, world: "Collectives | None" = None,
                  tensor_group: "dist.ProcessGroup | None" = None,
+                 pipeline: "Collectives | None" = None,
                  counts: "Collectives | None" = None):
         self.group = group
         self.world_size = dist.get_world_size(group) if is_distributed() else 1
@@ -274,6 +275,9 @@ class Collectives:
         """The data-parallel group's collectives (broadcasts, agreement, checkpoints)."""
         self.tensor_group = tensor_group
         """The tensor-parallel group of this rank (T > 1), or None; used by tensor parallelism."""
+        self.pipeline = pipeline
+        """The ranks at this rank's place in every pipeline stage (P > 1), or None: the global
+        gradient norm and the fp16 overflow are summed over them ([Note: mesh dimensions])."""
         shared = counts if counts is not None else world
         self.bytes_by_phase: dict[str, int] = {} if shared is None else shared.bytes_by_phase
         """Bytes this rank contributed to collectives (input sizes) by the ``phase`` each was

@@ -40,11 +40,12 @@ creates) the default process group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -338,6 +339,17 @@ class InfinityEngine:
                         f"end up in one unit") from e
                 raise
 
+    @contextlib.contextmanager
+    def schedule_step(self) -> Iterator[None]:
+        """Wraps a pipeline schedule's forwards and backwards of one step (:mod:`infinity.pipeline`):
+        the prefetcher records them as one step, in the schedule's order ([Note: one prefetch step
+        per schedule step] in infinity/zero/_param_manager.py)."""
+        self.manager.begin_schedule_step()
+        try:
+            yield
+        finally:
+            self.manager.end_schedule_step()
+
     @property
     def is_gradient_accumulation_boundary(self) -> bool:
         return self._window.is_boundary
@@ -457,7 +469,8 @@ class InfinityEngine:
             grads, sharded_keys=self.manager.tensor_sharded_keys(), device=self.device,
             collectives=self.collectives if self.manager.stage > 0 else None,
             tensor_collectives=(None if self.tensor_parallel is None
-                                else self.tensor_parallel.collectives))
+                                else self.tensor_parallel.collectives),
+            pipeline_collectives=self.collectives.pipeline)
         fp16 = self.scaler.dynamic or self.compute_dtype == torch.float16
         self._window.optimizer_step(skipped=fp16 and overflow)
         if fp16:

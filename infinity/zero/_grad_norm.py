@@ -35,7 +35,8 @@ def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
 
 
 def global_norm_sq(grads: Mapping[str, Any], *, sharded_keys: set[str], device: torch.device,
-                   collectives: Any | None, tensor_collectives: Any | None) -> tuple[float, bool]:
+                   collectives: Any | None, tensor_collectives: Any | None,
+                   pipeline_collectives: Any | None = None) -> tuple[float, bool]:
     """(the squared global norm of ``grads``, whether it is not finite): the sum of squares over
     the optimizer partitions, summed over ranks by ``collectives`` where they are sharded (None:
     stage 0's partitions are replicated, each rank already holds every gradient once). A
@@ -43,7 +44,9 @@ def global_norm_sq(grads: Mapping[str, Any], *, sharded_keys: set[str], device: 
     gradients on NVMe] in infinity/zero/_grad_reducer.py). With tensor parallelism
     (``tensor_collectives``) the keys in ``sharded_keys`` are summed over the tensor ranks too,
     the others are replicated there ([Note: gradient norm across tensor ranks] in
-    infinity/zero/_tensor_parallel.py); without it one value crosses the ranks."""
+    infinity/zero/_tensor_parallel.py); without it one value crosses the ranks. With pipeline
+    stages (``pipeline_collectives``: this rank's place in every stage) each stage's sum covers
+    its own layers, and the stages' sums add up to the model's."""
     total = torch.zeros(1 if tensor_collectives is None else 2, dtype=torch.float64, device=device)
     for key, g in grads.items():
         total[int(key in sharded_keys)] += (g.sum_sq if isinstance(g, StoredGrad)
@@ -53,5 +56,8 @@ def global_norm_sq(grads: Mapping[str, Any], *, sharded_keys: set[str], device: 
     if tensor_collectives is not None:
         tensor_collectives.all_reduce_sum(total[1:], context="global gradient norm over tensor "
                                           "ranks", phase=Phase.NORM)
+    if pipeline_collectives is not None:
+        pipeline_collectives.all_reduce_sum(total, context="global gradient norm over pipeline "
+                                            "stages", phase=Phase.NORM)
     value = float(total.sum().item())
     return value, not math.isfinite(value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
+import torch.distributed as dist
 from torch import nn
 
 from infinity._modeled_link import LinkModel
@@ -20,12 +21,33 @@ __all__ = ["initialize"]
 logger = logging.getLogger(__name__)
 
 
+def check_pipeline_stage(num_stages: int, stage: int | None) -> None:
+    """A config with pipeline stages builds stage engines only, each at its rank's stage
+    ([Note: mesh dimensions] in infinity/config/_mesh.py: the stage is the outermost coordinate)."""
+    if num_stages == 1 and stage in (None, 0):
+        return
+    if stage is None:
+        raise ValueError(f"mesh.pipeline: {num_stages} stages, but initialize() builds an engine "
+                         f"for a whole model; build a pipeline with infinity.pipeline.initialize("
+                         f"nn.Sequential(...), config, loss_fn=...), or set mesh.pipeline 1 (a "
+                         f"DeepSpeed config's pipeline.stages) for data parallelism only")
+    world = dist.get_world_size() if is_distributed() else 1
+    if world % num_stages:
+        raise ValueError(f"mesh.pipeline: {num_stages} stages do not divide the world size "
+                         f"{world}; choose a divisor")
+    mine = (dist.get_rank() if is_distributed() else 0) // (world // num_stages)
+    if stage != mine:
+        raise ValueError(f"initialize(pipeline_stage={stage}): this rank is at stage {mine} of "
+                         f"mesh.pipeline {num_stages} (pipeline outermost in rank order)")
+
+
 def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | str | None" = None,
                *, model_parameters: Any = None,
                progress: Callable[[BuildProgress], None] | None = None,
                mesh: Any = None, data_parallel_group: Any = None,
                comm_link: LinkModel | None = None,
-               copy_link: LinkModel | None = None) -> InfinityEngine:
+               copy_link: LinkModel | None = None,
+               pipeline_stage: int | None = None) -> InfinityEngine:
     """Wrap ``model`` for training with ``config`` (InfinityConfig, dict, JSON path; native or
     DeepSpeed-style; None: the config given to ``infinity.init`` when the model was built under
     it, else the defaults). ``model_parameters`` (DeepSpeed's name): None (every parameter with
@@ -46,11 +68,14 @@ def initialize(model: nn.Module, config: "InfinityConfig | Mapping[str, Any] | s
     ``comm_link``: a modeled link under every collective; ``copy_link``: one under the store's
     host<->device copies (a CPU engine with ``memory.device_budget_bytes`` standing in for a
     GPU). Benchmarks and tests on machines without a GPU or a network: [Note: the modeled link]
-    in infinity/_modeled_link.py."""
+    in infinity/_modeled_link.py. ``pipeline_stage``: this engine runs that stage of the config's
+    ``mesh.pipeline`` stages (given by :mod:`infinity.pipeline`, which builds stage engines; a
+    config with ``mesh.pipeline`` > 1 is refused without it)."""
     if config is None:
         recording = recording_of(model) if isinstance(model, nn.Module) else None
         config = recording.config if recording is not None else None
     config = load_config(config)
+    check_pipeline_stage(config.mesh.pipeline, pipeline_stage)
     if is_distributed():
         logger.debug("using the default process group")
     return InfinityEngine(model, config, model_parameters=model_parameters, progress=progress,

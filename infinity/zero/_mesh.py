@@ -1,5 +1,6 @@
 """The device mesh: which ranks shard a unit together, which hold replicas of the same shards,
-and which form a tensor-parallel slice ([Note: mesh dimensions] in infinity/config/_mesh.py).
+which form a tensor-parallel slice, and which hold the same place in each pipeline stage
+([Note: mesh dimensions] in infinity/config/_mesh.py).
 
 :func:`mesh_ranks` is the pure rule (world size and sizes -> rank lists); :func:`mesh_collectives`
 creates the process groups and returns the :class:`~infinity.zero._collectives.Collectives` the
@@ -8,8 +9,11 @@ shards' all-reduce on the replicate group, and broadcasts and agreement on the d
 group (every rank of this tensor slice).
 
 A ``torch.distributed.DeviceMesh`` passed to ``initialize(model, config, mesh=...)`` is read by its
-dimension names: ``("replicate", "shard")`` (HSDP), ``("replicate", "shard", "tensor")``, or any
-subset holding ``"shard"`` (a missing dimension has size 1).
+dimension names: ``("replicate", "shard")`` (HSDP), ``("replicate", "shard", "tensor")``, with
+``"pipeline"`` first or not, or any subset holding ``"shard"`` (a missing dimension has size 1).
+With a pipeline each stage's ranks run their own engine: the groups below are this rank's stage's,
+and ``Collectives.pipeline`` joins the ranks at the same place of every stage (the gradient norm
+and the fp16 overflow are summed over it).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from infinity.zero._collectives import Collectives, is_distributed
 
 logger = logging.getLogger(__name__)
 
-DIM_NAMES = ("replicate", "shard", "tensor")
+DIM_NAMES = ("pipeline", "replicate", "shard", "tensor")
 """The mesh dimensions, outermost first (rank order: tensor innermost)."""
 
 
@@ -36,6 +40,7 @@ class MeshRanks:
     replicate: int
     shard: int
     tensor: int
+    pipeline: int
     shard_groups: tuple[tuple[int, ...], ...]
     """One per (replica, tensor index): the S ranks that hold one unit's shards."""
     replicate_groups: tuple[tuple[int, ...], ...]
@@ -43,29 +48,41 @@ class MeshRanks:
     tensor_groups: tuple[tuple[int, ...], ...]
     """One per (replica, shard index): the T ranks of one tensor-parallel slice."""
     data_parallel_groups: tuple[tuple[int, ...], ...]
-    """One per tensor index: the R * S ranks holding copies or shards of the same tensors."""
+    """One per (stage, tensor index): the R * S ranks holding copies or shards of the same
+    tensors."""
+    pipeline_groups: tuple[tuple[int, ...], ...]
+    """One per (replica, shard index, tensor index): the P ranks at that place of each stage."""
+    stage_groups: tuple[tuple[int, ...], ...]
+    """One per stage: its R * S * T ranks."""
 
     def group_of(self, groups: tuple[tuple[int, ...], ...], rank: int) -> tuple[int, ...]:
         return next(g for g in groups if rank in g)
 
 
-def mesh_ranks(*, world_size: int, replicate: int, shard: int, tensor: int = 1) -> MeshRanks:
-    """The groups of a ``replicate x shard x tensor`` mesh over ranks ``0 .. world_size - 1``,
-    rank ``(r * shard + s) * tensor + t`` at coordinates (r, s, t) ([Note: mesh dimensions])."""
-    if replicate * shard * tensor != world_size:
-        raise ValueError(f"mesh: replicate * shard * tensor = {replicate} * {shard} * {tensor} = "
-                         f"{replicate * shard * tensor}, expected the world size {world_size}")
+def mesh_ranks(*, world_size: int, replicate: int, shard: int, tensor: int = 1,
+               pipeline: int = 1) -> MeshRanks:
+    """The groups of a ``pipeline x replicate x shard x tensor`` mesh over ranks ``0 ..
+    world_size - 1``, rank ``((p * replicate + r) * shard + s) * tensor + t`` at coordinates
+    (p, r, s, t) ([Note: mesh dimensions])."""
+    if pipeline * replicate * shard * tensor != world_size:
+        raise ValueError(f"mesh: pipeline * replicate * shard * tensor = {pipeline} * {replicate} "
+                         f"* {shard} * {tensor} = {pipeline * replicate * shard * tensor}, "
+                         f"expected the world size {world_size}")
 
-    def at(r: int, s: int, t: int) -> int:
-        return (r * shard + s) * tensor + t
+    def at(p: int, r: int, s: int, t: int) -> int:
+        return ((p * replicate + r) * shard + s) * tensor + t
 
-    R, S, T = range(replicate), range(shard), range(tensor)
+    P, R, S, T = range(pipeline), range(replicate), range(shard), range(tensor)
     return MeshRanks(
-        replicate=replicate, shard=shard, tensor=tensor,
-        shard_groups=tuple(tuple(at(r, s, t) for s in S) for r in R for t in T),
-        replicate_groups=tuple(tuple(at(r, s, t) for r in R) for s in S for t in T),
-        tensor_groups=tuple(tuple(at(r, s, t) for t in T) for r in R for s in S),
-        data_parallel_groups=tuple(tuple(at(r, s, t) for r in R for s in S) for t in T))
+        replicate=replicate, shard=shard, tensor=tensor, pipeline=pipeline,
+        shard_groups=tuple(tuple(at(p, r, s, t) for s in S) for p in P for r in R for t in T),
+        replicate_groups=tuple(tuple(at(p, r, s, t) for r in R)
+                               for p in P for s in S for t in T),
+        tensor_groups=tuple(tuple(at(p, r, s, t) for t in T) for p in P for r in R for s in S),
+        data_parallel_groups=tuple(tuple(at(p, r, s, t) for r in R for s in S)
+                                   for p in P for t in T),
+        pipeline_groups=tuple(tuple(at(p, r, s, t) for p in P) for r in R for s in S for t in T),
+        stage_groups=tuple(tuple(at(p, r, s, t) for r in R for s in S for t in T) for p in P))
 
 
 def _subgroup(groups: tuple[tuple[int, ...], ...], world_size: int) -> Any:
@@ -90,19 +107,22 @@ class MeshGroups:
     replicate: Any
     tensor: Any
     data_parallel: Any
+    pipeline: Any = None
 
 
 def groups_from_config(config: MeshConfig) -> MeshGroups:
     """Build the mesh of ``config`` over the default process group's world."""
     world = dist.get_world_size() if is_distributed() else 1
     r, s, t = config.resolve(world)
-    ranks = mesh_ranks(world_size=world, replicate=r, shard=s, tensor=t)
+    p = config.pipeline
+    ranks = mesh_ranks(world_size=world, replicate=r, shard=s, tensor=t, pipeline=p)
     if world == 1:
         return MeshGroups(ranks, None, None, None, None)
     return MeshGroups(ranks, shard=_subgroup(ranks.shard_groups, world),
                       replicate=_subgroup(ranks.replicate_groups, world) if r > 1 else None,
                       tensor=_subgroup(ranks.tensor_groups, world) if t > 1 else None,
-                      data_parallel=_subgroup(ranks.data_parallel_groups, world))
+                      data_parallel=_subgroup(ranks.data_parallel_groups, world),
+                      pipeline=_subgroup(ranks.pipeline_groups, world) if p > 1 else None)
 
 
 def groups_from_device_mesh(mesh: Any) -> MeshGroups:
@@ -132,7 +152,8 @@ def groups_from_device_mesh(mesh: Any) -> MeshGroups:
         replicate=mesh.get_group("replicate") if sizes["replicate"] > 1 else None,
         tensor=mesh.get_group("tensor") if sizes["tensor"] > 1 else None,
         data_parallel=(None if len(dp) == world
-                       else _subgroup(ranks.data_parallel_groups, world)))
+                       else _subgroup(ranks.data_parallel_groups, world)),
+        pipeline=mesh.get_group("pipeline") if sizes["pipeline"] > 1 else None)
 
 
 def mesh_collectives(config: MeshConfig, device_mesh: Any = None) -> Collectives:
@@ -143,9 +164,12 @@ def mesh_collectives(config: MeshConfig, device_mesh: Any = None) -> Collectives
     groups = (groups_from_device_mesh(device_mesh) if device_mesh is not None
               else groups_from_config(config))
     r = groups.ranks
-    logger.info("mesh: replicate %d x shard %d x tensor %d", r.replicate, r.shard, r.tensor)
-    if not is_distributed() or (r.replicate == 1 and r.tensor == 1):
+    logger.info("mesh: pipeline %d x replicate %d x shard %d x tensor %d", r.pipeline,
+                r.replicate, r.shard, r.tensor)
+    if not is_distributed() or (r.replicate == 1 and r.tensor == 1 and r.pipeline == 1):
         return Collectives()  # flat: the shard group is the world
     world = Collectives(groups.data_parallel)
     replicate = Collectives(groups.replicate, counts=world) if r.replicate > 1 else None
-    return Collectives(groups.shard, replicate=replicate, world=world, tensor_group=groups.tensor)
+    pipeline = Collectives(groups.pipeline, counts=world) if r.pipeline > 1 else None
+    return Collectives(groups.shard, replicate=replicate, world=world, tensor_group=groups.tensor,
+                       pipeline=pipeline)

@@ -54,6 +54,7 @@ called twice gathers again on its second call.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 from typing import Any, Callable, Iterator
 
@@ -85,6 +86,24 @@ from infinity.zero._unit_hooks import HookCalls, UnitHooks
 logger = logging.getLogger(__name__)
 
 __all__ = ["ManagerCalls", "ParameterManager"]
+
+
+class _ScheduleStep(enum.Enum):
+    """[Note: one prefetch step per schedule step]
+    A pipeline schedule (``torch.distributed.pipelining``) runs the forwards and backwards of m
+    micro-batches in its own order before one optimizer step: 1F1B's first stage runs F0 F1 B0
+    F2 B1 ... . Outside a schedule every forward starts a prefetch step and every backward ends
+    one, which would cut that order into pieces that are not repeated from step to step. Between
+    ``begin_schedule_step`` and ``end_schedule_step`` the whole schedule is one step of the
+    prefetcher and of the gather-ahead order: the first forward begins it, the backwards do not
+    end it, and every unit use in between is recorded in the schedule's order, which is the same
+    at every step; the parameters do not change inside it, so keeping a unit gathered across
+    micro-batches is safe."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    """Begun; its first forward has not run yet."""
+    RUNNING = "running"
 
 
 class ParameterManager:
@@ -145,6 +164,8 @@ class ParameterManager:
         self.micro_step = 0
         """Backward passes finished; names the step in agreement checks and errors."""
         self._traced_modes: set[bool] = set()
+        self._schedule = _ScheduleStep.CLOSED
+        """A pipeline schedule's step: [Note: one prefetch step per schedule step]."""
         """Grad modes (True/False) whose first forward ran with the outside-use detector."""
         self._forward_order: dict[int, None] = {}
         """Unit indices in the order the latest training forward first used them (the order in
@@ -393,10 +414,13 @@ class ParameterManager:
         self._to(TrainingState.FORWARD)
         finished = False
         try:
-            if mode:
-                self._forward_order = {}
-            self.end_prefetch_step()  # the last step's, if still open
-            self._lead.begin_forward(mode, self.module.training)
+            if self._schedule is not _ScheduleStep.RUNNING:
+                if mode:
+                    self._forward_order = {}
+                self.end_prefetch_step()  # the last step's, if still open
+                self._lead.begin_forward(mode, self.module.training)
+                if self._schedule is _ScheduleStep.OPEN:
+                    self._schedule = _ScheduleStep.RUNNING
             if trace:
                 with OutsideUseDetector(self._check_outside_use):
                     yield
@@ -426,7 +450,8 @@ class ParameterManager:
         """End of one backward: its gradients reduced, on every rank alike
         (:meth:`GradHandoff.finish`); drop backward holds; release."""
         self.grads.finish()
-        self._lead.stop()  # nothing is kept past the step
+        if self._schedule is _ScheduleStep.CLOSED:
+            self._lead.stop()  # nothing is kept past the step
         self._drop_holds()
         if self.hpz is not None:
             self.hpz.drop()  # every backward gather is done (see self.hpz)
@@ -508,11 +533,24 @@ class ParameterManager:
     def end_prefetch_step(self) -> None:
         """End of a step (after finish_backward, after a no-grad forward, before a new forward):
         commit the prefetcher's trace and release every unit still gathered on demand
-        ([Note: stale gathered units] in infinity/zero/_prefetcher.py)."""
-        if not self._lead.end_step():
+        ([Note: stale gathered units] in infinity/zero/_prefetcher.py). Inside a pipeline
+        schedule's step, nothing: the schedule's end ends it."""
+        if self._schedule is not _ScheduleStep.CLOSED or not self._lead.end_step():
             return
         for unit in self.units:
             self._maybe_release(unit)  # between steps should_keep() is False
+
+    def begin_schedule_step(self) -> None:
+        """A pipeline schedule's step starts: [Note: one prefetch step per schedule step]."""
+        if self._schedule is not _ScheduleStep.CLOSED:
+            raise RuntimeError("begin_schedule_step: a schedule step is already open")
+        self._schedule = _ScheduleStep.OPEN
+
+    def end_schedule_step(self) -> None:
+        """The schedule's step ran every micro-batch (or raised): its prefetch step ends."""
+        self._schedule = _ScheduleStep.CLOSED
+        self._lead.stop()
+        self.end_prefetch_step()
 
     @property
     def prefetcher(self) -> ParamPrefetcher | None:

@@ -1,0 +1,285 @@
+"""A pipeline-parallel engine: ``torch.distributed.pipelining`` runs the schedule, an
+:class:`~infinity.zero.InfinityEngine` per stage runs ZeRO and offload inside it.
+
+[Note: ZeRO inside a pipeline stage]
+Each stage is an ordinary engine over its own layers and its own ranks (the R x S x T ranks of
+its place on the mesh's pipeline dimension, [Note: mesh dimensions] in infinity/config/_mesh.py):
+stages 0-3, CPU and NVMe offload, the prefetcher, all as without a pipeline. What the pipeline
+changes, and where:
+
+* The schedule (GPipe, 1F1B: ``torch.distributed.pipelining``'s, never our own) calls the stage's
+  module for each micro-batch's forward and ``torch.autograd.backward`` for its backward, in its
+  own interleaved order; the engine sees a ``loss.backward()``-style backward per micro-batch
+  ([Note: the end of backward] in infinity/zero/_param_manager.py) and accumulates its gradients
+  into the shards, reduced over the stage's data-parallel ranks as usual.
+* The whole schedule step is one prefetch step ([Note: one prefetch step per schedule step] in
+  infinity/zero/_param_manager.py), then one optimizer step (``engine.step(boundary=True)``).
+* The loss of each micro-batch is divided by the number of micro-batches m (and multiplied by
+  the fp16 loss scale) before its backward: the gradient of the mean over the step's samples,
+  as one process on the whole batch computes it; the schedule's own gradient scaling is off.
+* Clipping and the fp16 overflow use the norm over every stage: each stage's squared norm is
+  summed over the pipeline group (``Collectives.pipeline``) in the engine's step.
+* The reported loss is the mean of the micro-batches' losses, sent from the last stage to every
+  stage of its pipeline group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+from infinity.config import InfinityConfig, load_config
+from infinity.ledger import StateTerms
+from infinity.pipeline._split import (StageSplit, balanced_split, check_split, child_costs,
+                                      shared_across_stages)
+from infinity.pipeline._stage_module import CountingStage, StageModule, meta_copy
+from infinity.zero import initialize as zero_initialize
+
+__all__ = ["PipelineEngine", "initialize"]
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+LAYOUT_FILE = "pipeline.json"
+"""Written beside each stage's checkpoints: the split the stage was saved with."""
+
+
+def _stage_dir(directory: str, stage: int, num_stages: int) -> str:
+    return os.path.join(os.fspath(directory), f"pipeline-stage-{stage:02d}-of-{num_stages:02d}")
+
+
+def initialize(model: nn.Sequential, config: "InfinityConfig | dict | str | None" = None, *,
+               loss_fn: Callable[[Any, Any], torch.Tensor],
+               split_points: "list[int] | None" = None, **engine_kwargs: Any
+               ) -> "PipelineEngine":
+    """A pipeline over ``model`` (an ``nn.Sequential`` whose children run in order, each
+    taking the previous one's output) with ``mesh.pipeline`` stages ([Note: mesh dimensions]):
+    every rank builds the whole model (or its meta skeleton's stage), keeps its stage's children
+    ([Note: the pipeline split]) and wraps them in an engine. ``loss_fn(output, target)``: the
+    loss of one micro-batch on the last stage (its mean over the micro-batch's samples, as a
+    plain training loop computes it). ``split_points``: the first child of each stage after the
+    first; None: the balanced split. ``engine_kwargs`` go to :func:`infinity.initialize`."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"infinity.pipeline.initialize: expected an nn.Sequential (the stages are "
+                        f"cut between its children), got {type(model).__name__}; build each "
+                        f"stage's module yourself and use infinity.pipeline.initialize_stage")
+    cfg = load_config(config)
+    num_stages = cfg.mesh.pipeline
+    stage = _stage_index(num_stages)
+    costs = child_costs(model)
+    bytes_per_param = StateTerms.from_config(cfg).per_param_bytes
+    split = (balanced_split(costs, num_stages) if split_points is None else
+             check_split(costs, split_points, num_stages,
+                         max_imbalance=cfg.pipeline.max_stage_imbalance,
+                         bytes_per_param=bytes_per_param))
+    shared = shared_across_stages(model, split)
+    if shared is not None:
+        raise ValueError(f"pipeline: a parameter is shared by two stages: {shared}; each stage's "
+                         f"engine owns its parameters: untie them, or choose split_points that "
+                         f"keep both users in one stage")
+    children = list(model.named_children())
+    stage_module = nn.Sequential(OrderedDict(children[i] for i in split.children(stage)))
+    return initialize_stage(stage_module, cfg, loss_fn=loss_fn, stage_index=stage,
+                            split=split, **engine_kwargs)
+
+
+def _stage_index(num_stages: int) -> int:
+    """This rank's stage: the outermost coordinate ([Note: mesh dimensions])."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world % num_stages:
+        raise ValueError(f"mesh.pipeline: {num_stages} stages do not divide the world size "
+                         f"{world}; choose a divisor")
+    return (dist.get_rank() if world > 1 else 0) // (world // num_stages)
+
+
+def initialize_stage(stage_module: nn.Module, config: "InfinityConfig | dict | str | None" = None,
+                     *, loss_fn: Callable[[Any, Any], torch.Tensor], stage_index: int | None = None,
+                     split: StageSplit | None = None, **engine_kwargs: Any) -> "PipelineEngine":
+    """A pipeline stage over a module the caller cut (torchtitan's way: each rank builds its
+    stage's layers). ``stage_index``: None: this rank's place on the mesh's pipeline dimension."""
+    cfg = load_config(config)
+    num_stages = cfg.mesh.pipeline
+    expected = _stage_index(num_stages)
+    if stage_index is not None and stage_index != expected:
+        raise ValueError(f"initialize_stage: stage_index {stage_index}, but this rank is at "
+                         f"stage {expected} of mesh.pipeline {num_stages} (pipeline outermost: "
+                         f"[Note: mesh dimensions] in infinity/config/_mesh.py)")
+    shapes = meta_copy(stage_module)  # before the engine takes the parameters
+    engine = zero_initialize(stage_module, cfg, pipeline_stage=expected, **engine_kwargs)
+    return PipelineEngine(engine, stage_index=expected, num_stages=num_stages, loss_fn=loss_fn,
+                          split=split, shape_module=shapes)
+
+
+class PipelineEngine:
+    """One rank's stage of a pipeline ([Note: ZeRO inside a pipeline stage]).
+
+    Usage (every rank of every stage, with the same batch: the first stage reads the inputs,
+    the last the targets)::
+
+        pipe = infinity.pipeline.initialize(nn.Sequential(...), config, loss_fn=loss_fn)
+        loss = pipe.train_batch(inputs, targets)   # m micro-batches, one optimizer step
+        pipe.stats(); pipe.save_checkpoint(dir); pipe.load_checkpoint(dir); pipe.close()
+    """
+
+    def __init__(self, engine: Any, *, stage_index: int, num_stages: int,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], split: StageSplit | None,
+                 shape_module: nn.Module | None = None):
+        cfg = engine.config
+        ga = cfg.gradient_accumulation_steps
+        self.engine = engine
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.split = split
+        self.micro_batches = cfg.pipeline.resolve_micro_batches(int(ga))
+        self.schedule_name = cfg.pipeline.schedule
+        if self.schedule_name not in _SCHEDULES:
+            raise ValueError(f"pipeline.schedule: {self.schedule_name!r} is not supported by "
+                             f"this engine yet (one engine per rank runs one stage); use 'gpipe' "
+                             f"or '1f1b'")
+        if self.micro_batches < num_stages and self.schedule_name == "1f1b":
+            raise ValueError(f"pipeline.micro_batches: 1F1B needs at least as many micro-batches "
+                             f"as stages ({num_stages}), got {self.micro_batches}")
+        self._loss_fn = loss_fn
+        self._losses: list[torch.Tensor] = []
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self._module = StageModule(engine, shape_module)
+        group = engine.collectives.pipeline
+        self._group = None if group is None else group.group
+        self.stage = CountingStage(self._module, stage_index, num_stages, engine.device,
+                                   group=self._group)
+        self.schedule = _SCHEDULES[self.schedule_name](
+            self.stage, self.micro_batches, loss_fn=self._micro_loss, scale_grads=False)
+
+    @property
+    def module(self) -> nn.Module:
+        """This stage's layers (``engine.module``)."""
+        return self.engine.module
+
+    @property
+    def bubble_fraction(self) -> float:
+        """(P - 1) / (m + P - 1): the share of a GPipe or 1F1B step a stage waits."""
+        p, m = self.num_stages, self.micro_batches
+        return (p - 1) / (m + p - 1)
+
+    def _micro_loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self._loss_fn(output, target)
+        if self._module.is_shape_output(output):  # [Note: the stage's shapes from a meta copy]
+            return loss
+        self._losses.append(loss.detach())
+        return loss * (self.engine.loss_scale / self.micro_batches)
+
+    def train_batch(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """One optimizer step over the batch ``args`` (split into ``micro_batches`` along the
+        first dimension): the schedule's forwards and backwards, then the step. Returns the mean
+        of the micro-batches' losses on every stage."""
+        self._losses = []
+        with self.engine.schedule_step():
+            if self.is_first and self.is_last:
+                self.schedule.step(*args, target=target, **kwargs)
+            elif self.is_first:
+                self.schedule.step(*args, **kwargs)
+            elif self.is_last:
+                self.schedule.step(target=target, **kwargs)
+            else:
+                self.schedule.step(**kwargs)
+        self.engine.step(boundary=True)
+        return self._mean_loss()
+
+    def _mean_loss(self) -> torch.Tensor:
+        """The step's loss: the mean over the micro-batches and the stage's data-parallel ranks
+        (the global batch's mean), taken on the last stage and sent to every stage."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.engine.device)
+        if self.is_last:
+            loss = torch.stack([x.float() for x in self._losses]).mean()
+            world = self.engine.collectives.world
+            if world.world_size > 1:
+                world.all_reduce_sum(loss, context="pipeline loss")
+                loss /= world.world_size
+        if self.num_stages > 1:
+            last = (self.num_stages - 1 if self._group is None
+                    else dist.get_global_rank(self._group, self.num_stages - 1))
+            dist.broadcast(loss, src=last, group=self._group)
+        return loss
+
+    def step_counters(self) -> dict[str, int]:
+        return {"global_steps": self.engine.global_steps}
+
+    def stats(self) -> dict[str, Any]:
+        """``engine.stats()`` of this stage, with a ``pipeline`` entry: the stage, the schedule,
+        its bubble, the layers held and the activation bytes sent and received so far."""
+        out = self.engine.stats()
+        out["pipeline"] = {
+            "stage": self.stage_index, "num_stages": self.num_stages,
+            "schedule": self.schedule_name, "micro_batches": self.micro_batches,
+            "bubble_fraction": self.bubble_fraction,
+            "children": None if self.split is None else list(self.split.children(self.stage_index)),
+            **self.stage.p2p.as_dict()}
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's layers' full state dict, keyed as in the whole model (a collective over
+        the stage's ranks)."""
+        return self.engine.full_state_dict()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _layout(self) -> dict[str, Any]:
+        return {"num_stages": self.num_stages, "stage": self.stage_index,
+                "children": (None if self.split is None
+                             else list(self.split.children(self.stage_index))),
+                "parameters": sorted(n for n, _ in self.engine.module.named_parameters())}
+
+    def save_checkpoint(self, directory: str, *, tag: str | None = None,
+                        client_state: Any = None) -> str:
+        """Each stage saves its engine's checkpoint under ``directory/pipeline-stage-KK-of-PP``
+        (a collective over every rank); the stage's layout is kept beside it."""
+        stage_dir = _stage_dir(directory, self.stage_index, self.num_stages)
+        path = self.engine.save_checkpoint(stage_dir, tag=tag, client_state=client_state)
+        if self.engine.collectives.world.rank == 0:
+            tmp = os.path.join(stage_dir, LAYOUT_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(self._layout(), f, indent=1)
+            os.replace(tmp, os.path.join(stage_dir, LAYOUT_FILE))
+        return path
+
+    def load_checkpoint(self, directory: str, *, tag: str | None = None) -> dict[str, Any]:
+        """Restore this stage from a checkpoint saved by a pipeline with the same stages (at
+        any data-parallel size); a different pipeline size or split is refused, naming both."""
+        stage_dir = _stage_dir(directory, self.stage_index, self.num_stages)
+        saved = _saved_layouts(directory)
+        mine = self._layout()
+        if not os.path.isdir(stage_dir) or saved.get(self.stage_index) is None:
+            sizes = sorted({v["num_stages"] for v in saved.values()})
+            raise FileNotFoundError(
+                f"pipeline checkpoint {directory}: no save of stage {self.stage_index} of "
+                f"{self.num_stages} (found saves of a pipeline of {sizes or 'no'} stages); load "
+                f"it at the pipeline size it was saved with (mesh.pipeline)")
+        theirs = saved[self.stage_index]
+        if theirs["num_stages"] != self.num_stages or theirs["parameters"] != mine["parameters"]:
+            raise ValueError(
+                f"pipeline checkpoint {stage_dir}: saved by stage {theirs['stage']} of "
+                f"{theirs['num_stages']} holding children {theirs['children']}; this stage holds "
+                f"children {mine['children']}: a checkpoint loads only into the same split "
+                f"(split_points and mesh.pipeline as saved)")
+        return self.engine.load_checkpoint(stage_dir, tag=tag)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _saved_layouts(directory: str) -> dict[int, dict[str, Any]]:
+    """Stage -> the layout saved with it, for the stages of the pipeline size found."""
+    out: dict[int, dict[str, Any]] = {}
+    if not os.path.isdir(directory):
+        return out
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name, LAYOUT_FILE)
+        if name.startswith("pipeline-stage-") and os.path.isfile(path):
+            with open(path) as f:
+                layout = json.load(f)
+            out.setdefault(int(layout["stage"]), layout)
+    return out
