@@ -2,12 +2,16 @@
 infinity/ledger/_mesh_plan.py, the pipeline point; the send/recv cost in [Note: collective cost
 over nodes] in infinity/ledger/_comm_time.py): the send/recv and the step time worked by hand,
 the bubble (K-1)/(m+K-1), candidates without a pipeline priced exactly as before it existed,
-memory per rank, the choices on slow and fast links, and the written config."""
+memory per rank, the choices on slow and fast links, the written config and the CLI."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
+from infinity import cli
 from infinity._common import GiB
 from infinity.ledger import (COLLECTIVE_LATENCY_S, EXPOSED_FRACTION, MIN_GAIN_FRACTION, Cluster,
                              MeshLayout, MeshRequest, ModelShape, make_mesh_plan, mesh_config_dict,
@@ -217,3 +221,37 @@ def test_config_has_the_pipeline_mesh_and_section():
     assert "pipeline" not in mesh_config_dict(flat, req)
     assert "pipeline" not in mesh_config_dict(flat, req)["mesh"]
 
+
+def test_plan_nodes_cli_prices_and_writes_a_pipeline(tmp_path, capsys):
+    out = tmp_path / "infinity.json"
+    args = ["plan", "--params", "70e9", "--nodes", "4", "--gpus-per-node", "8",
+            "--intra-node-gbps", "900", "--inter-node-gbps", "5", "--gpu-memory-gb", "80",
+            "--device-tflops", "989", "--device-mem-gbs", "3350"]
+    assert cli.main(args + ["--out-native", str(out), "--json", "--all"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    written = json.loads(out.read_text())
+    assert written == doc["config"] and doc["best"]["pipeline"] > 1
+    k = written["mesh"]["pipeline"]
+    assert k * written["mesh"]["replicate"] * written["mesh"]["shard"] \
+        * written["mesh"]["tensor"] == 32
+    assert written["pipeline"] == {"schedule": "1f1b",
+                                   "micro_batches": written["gradient_accumulation_steps"]}
+    best = doc["best"]
+    assert best["bubble_fraction"] == pytest.approx((k - 1) / (best["gradient_accumulation_steps"]
+                                                               + k - 1))
+    assert best["pipeline_p2p_bytes"] > 0 and best["schedule"] == "1f1b"
+    assert {c["pipeline"] for c in doc["candidates"]} == {1, 2, 4, 8, 16, 32}
+    assert cli.main(args + ["--pipeline", "off", "--json", "--all"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {c["pipeline"] for c in doc["candidates"]} == {1}
+    assert cli.main(args + ["--pipeline", "4", "--json", "--all"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {c["pipeline"] for c in doc["candidates"]} == {1, 4}
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "bubble" in text and "pp " in text and "<- chosen" in text
+    assert cli.main(args + ["--pipeline", "3"]) == 2
+    assert "--pipeline 3" in capsys.readouterr().err
+    assert cli.main(args + ["--pipeline", "two"]) == 2
+    assert "--pipeline" in capsys.readouterr().err
+    assert math.isfinite(best["step_s"])
