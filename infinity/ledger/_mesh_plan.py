@@ -454,7 +454,8 @@ def _traffic(req: MeshRequest, cluster: Cluster, layout: MeshLayout, stage: _Sta
     p, gw = DTYPE_BYTES[req.dtype], _wire_grad_bytes(req)
     pt, shape, t = stage.numel / layout.tensor, req.shape, layout.tensor
     groups = _groups(layout, stage.cluster)
-    cluster, whole = stage.cluster, cluster
+    whole = cluster
+    cluster = stage.cluster  # every collective below but the send/recv stays inside a stage
     block = req.quantization_block_numel
     weight_bytes = (plan_quantized_bytes(pt, block_numel=block, bits=8) if layout.quantized_weights
                     else pt * p)
