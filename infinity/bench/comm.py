@@ -184,8 +184,10 @@ def measured_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _pick(candidates: list[MeshCandidate], kind: str, qw: bool, qg: bool) -> MeshCandidate | None:
-    """The fastest fitting (else fastest) candidate of a layout kind, without tensor parallelism."""
+    """The fastest fitting (else fastest) candidate of a layout kind, without tensor or pipeline
+    parallelism."""
     pool = [c for c in candidates if c.layout.kind == kind and c.layout.tensor == 1
+            and c.layout.pipeline == 1
             and c.layout.quantized_weights == qw and c.layout.quantized_gradients == qg]
     pool = [c for c in pool if c.fits] or pool
     return min(pool, key=lambda c: c.step_s) if pool else None

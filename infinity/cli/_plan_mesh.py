@@ -1,5 +1,5 @@
-"""``infinity plan --nodes N``: the mesh (replicate x shard x tensor), hpZ and ZeRO++'s quantized
-collectives for a model on N nodes x G GPUs with two link kinds.
+"""``infinity plan --nodes N``: the mesh (pipeline x replicate x shard x tensor), hpZ and ZeRO++'s
+quantized collectives for a model on N nodes x G GPUs with two link kinds.
 
 Example (the issue #17 case: 4 nodes of 8 H100s, NVLink 900 GB/s, InfiniBand 50 GB/s per node)::
 
@@ -8,7 +8,8 @@ Example (the issue #17 case: 4 nodes of 8 H100s, NVLink 900 GB/s, InfiniBand 50 
 
 The pricing is :func:`infinity.ledger.make_mesh_plan` ([Note: mesh time model] in
 infinity/ledger/_mesh_plan.py); this module turns the arguments into its request, prints the
-table (candidate, memory per rank, bytes per step inside / across nodes, predicted step time)
+table (candidate, memory per rank, bytes per step inside / across nodes, the pipeline's bubble,
+predicted step time)
 and writes the chosen configuration. Figures not given are assumed (an H100 node) and the
 output says which.
 """
@@ -54,6 +55,9 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
                    help="elements per qwZ / qgZ block (one fp32 scale each)")
     g.add_argument("--gradient-bits", type=int, choices=(8, 4), default=8, help="qgZ bits")
     g.add_argument("--max-tensor", type=int, help="largest tensor-parallel degree to try")
+    g.add_argument("--pipeline", default="auto", metavar="{auto,off,N}",
+                   help="pipeline stages: auto (default) prices every degree that divides the "
+                   "GPUs, off none, N that one beside no pipeline (1F1B schedule)")
 
 
 def mesh_request_from_args(args: argparse.Namespace) -> tuple[MeshRequest, Cluster, list[str]]:
@@ -68,6 +72,7 @@ def mesh_request_from_args(args: argparse.Namespace) -> tuple[MeshRequest, Clust
 
     if args.nodes < 1:
         raise ValueError(f"--nodes: expected >= 1, got {args.nodes}")
+    pipeline = _pipeline_degrees(args.pipeline)
     per_node = args.gpus_per_node or ASSUMED["gpus_per_node"]
     if per_node < 1:
         raise ValueError(f"--gpus-per-node: expected >= 1, got {per_node}")
@@ -94,8 +99,21 @@ def mesh_request_from_args(args: argparse.Namespace) -> tuple[MeshRequest, Clust
                       device_memory_bytes_per_s=mem_gbs * GB,
                       quantization_block_numel=args.quantization_block_numel,
                       gradient_bits=args.gradient_bits, headroom=args.headroom,
-                      max_tensor=args.max_tensor)
+                      max_tensor=args.max_tensor, pipeline_degrees=pipeline)
     return req, cluster, notes
+
+
+def _pipeline_degrees(value: str) -> tuple[int, ...] | None:
+    """--pipeline: 'auto' -> None (every degree), 'off' -> (), N -> (N,)."""
+    if value in ("auto", "off"):
+        return None if value == "auto" else ()
+    try:
+        stages = int(value)
+    except ValueError:
+        stages = 0
+    if stages < 1:
+        raise ValueError(f"--pipeline: expected auto, off or a stage count >= 1, got {value!r}")
+    return (stages,)
 
 
 def mesh_plan_to_dict(plan: MeshPlan, *, show_all: bool = False) -> dict[str, Any]:
@@ -121,19 +139,21 @@ def format_mesh_plan(plan: MeshPlan, *, show_all: bool = False) -> str:
              f"{cl.nodes} node(s) x {cl.gpus_per_node} GPU(s), "
              f"{cl.intra_node_bytes_per_s / GB:g} GB/s per GPU inside a node, "
              f"{cl.inter_node_bytes_per_s / GB:g} GB/s per node across nodes",
-             f"{'candidate':<34} {'ckpt':>4} {'GA':>3} {'mem/rank':>10} {'fits':>4} "
-             f"{'intra GB':>9} {'inter GB':>9} {'step s':>8} {'x flat':>7}  bound"]
+             f"{'candidate':<36} {'ckpt':>4} {'GA':>3} {'mem/rank':>10} {'fits':>4} "
+             f"{'intra GB':>9} {'inter GB':>9} {'bubble':>6} {'step s':>8} {'x flat':>7}  bound"]
     base = plan.baseline()
     ranked = sorted(plan.candidates, key=lambda c: (not c.fits, c.step_s))
     for c in ranked if show_all else ranked[:TABLE_ROWS]:
         mark = "  <- chosen" if c is best else ""
         x = f"{base.step_s / c.step_s:7.2f}" if base else "      -"
-        lines.append(f"{c.layout.name:<34} {'on' if c.checkpointing else 'off':>4} "
+        bubble = f"{c.bubble_fraction:6.0%}" if c.layout.pipeline > 1 else "     -"
+        lines.append(f"{c.layout.name:<36} {'on' if c.checkpointing else 'off':>4} "
                      f"{c.grad_accum:>3} {format_bytes(c.need_bytes):>10} "
                      f"{'yes' if c.fits else 'no':>4} {c.intra_bytes / 1e9:>9.2f} "
-                     f"{c.inter_bytes / 1e9:>9.2f} {c.step_s:>8.3f} {x}  {c.bound}{mark}")
-    lines.append("(bytes: sent per rank per optimizer step; x flat: flat ZeRO-3's step time / "
-                 "this one's)")
+                     f"{c.inter_bytes / 1e9:>9.2f} {bubble} {c.step_s:>8.3f} {x}  {c.bound}{mark}")
+    lines.append("(bytes: sent per rank per optimizer step, a pipeline's send/recv included; "
+                 "pp K: K pipeline stages, GA their micro-batches, bubble (K-1)/(GA+K-1); "
+                 "x flat: flat ZeRO-3's step time / this one's)")
     if best is None:
         lines.append("NO CANDIDATE FITS the GPU memory: add GPUs or nodes, or offload "
                      "(single-node planner: drop --nodes)")
@@ -158,7 +178,12 @@ def run_mesh(args: argparse.Namespace) -> int:
         raise ValueError("--out-deepspeed with --nodes: the DeepSpeed form of a mesh (MiCS, "
                          "tensor parallelism) is not written yet; use --out-native")
     req, cluster, notes = mesh_request_from_args(args)
-    plan = make_mesh_plan(req, cluster)
+    try:
+        plan = make_mesh_plan(req, cluster)
+    except ValueError as e:
+        if not req.pipeline_degrees:
+            raise
+        raise ValueError(f"--pipeline {args.pipeline}: {e}") from e
     written = []
     if plan.fits and args.out_native:
         write_mesh_config(plan, args.out_native)

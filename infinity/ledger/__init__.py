@@ -28,8 +28,8 @@ from infinity._tier import Tier
 from infinity.ledger._activations import (ACTIVATION_CHUNK_BYTES, ACTIVATION_STAGING_BYTES,
                                          Activations, activation_bytes)
 from infinity.ledger._comm_time import (Cluster, Traffic, hierarchical_all_to_all,
-                                        plan_quantized_bytes, ring_all_gather, ring_all_reduce,
-                                        ring_reduce_scatter)
+                                        pipeline_send, plan_quantized_bytes, ring_all_gather,
+                                        ring_all_reduce, ring_reduce_scatter, stage_cluster)
 from infinity.ledger._estimate import (DEFAULT_PREFETCH_UNITS, DEFAULT_SUB_GROUP_NUMEL,
                                        ENGINE_GRAD_DTYPE, GB, OPTIMIZER_STAGING_SUBGROUPS,
                                        OPTIMIZERS, REDUCE_INFLIGHT_UNITS, TERMS, Ledger,
@@ -42,8 +42,8 @@ from infinity.ledger._flat_layout import (FLAT_ALIGN_BYTES, FlatLayout, flat_lay
                                           flat_padding_numel)
 from infinity.ledger._mesh_plan import (DEFAULT_MFU, DEFAULT_QUANTIZATION_BLOCK_NUMEL,
                                         MIN_GAIN_FRACTION, MeshCandidate, MeshLayout, MeshPlan,
-                                        MeshRequest, make_mesh_plan, mesh_config_dict, mesh_layouts,
-                                        price_mesh)
+                                        MeshRequest, PIPELINE_SCHEDULE, make_mesh_plan,
+                                        mesh_config_dict, mesh_layouts, price_mesh)
 from infinity.ledger._model_shape import ModelShape
 from infinity.ledger._quantized import (QUANTIZED_BITS, SCALE_BYTES, num_blocks, payload_bytes,
                                         qgz_buffer_bytes, quantized_bytes, qwz_buffer_bytes)
@@ -54,9 +54,11 @@ from infinity.ledger._pricing import (BUCKET_BYTES, COLLECTIVE_LATENCY_S, DEVICE
 
 __all__ = ["BUCKET_BYTES", "COLLECTIVE_LATENCY_S", "Cluster", "DEFAULT_MFU", "DEFAULT_PREFETCH_UNITS", "REDUCE_INFLIGHT_UNITS",
            "DEFAULT_QUANTIZATION_BLOCK_NUMEL", "MIN_GAIN_FRACTION", "MeshCandidate", "MeshLayout",
-           "MeshPlan", "MeshRequest", "Traffic", "hierarchical_all_to_all", "make_mesh_plan",
-           "mesh_config_dict", "mesh_layouts", "plan_quantized_bytes", "price_mesh",
-           "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
+           "MeshPlan", "MeshRequest", "PIPELINE_SCHEDULE", "Traffic", "hierarchical_all_to_all",
+           "make_mesh_plan",
+           "mesh_config_dict", "mesh_layouts", "pipeline_send", "plan_quantized_bytes",
+           "price_mesh", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
+           "stage_cluster",
            "DEFAULT_SUB_GROUP_NUMEL", "DEVICE_RESERVE_BYTES", "EFFICIENCY_KNEE_TOKENS",
            "ENGINE_GRAD_DTYPE", "EXPOSED_FRACTION", "FLAT_ALIGN_BYTES", "FlatLayout", "GB",
            "HOST_RESERVE_BYTES", "MICRO_BATCHES",

@@ -39,6 +39,14 @@ G / c such groups (the other ranks' copies of it) run at the same time on every 
   full precision: ~4x fewer bytes with int8 + fp32 scales against fp32 (8x with int4).
 * Quantized payloads (qwZ, qgZ): ``bits``/8 bytes per element plus one ``scale_bytes`` scale
   per block of ``block_numel`` elements (:func:`plan_quantized_bytes`).
+* Pipeline send/recv (:func:`pipeline_send`): K stages of W / K consecutive ranks; every rank
+  sends M bytes to the rank of the same index in the next stage (point-to-point, one
+  direction). A stage of G ranks or more fills whole nodes, so every stage boundary crosses
+  nodes: a node's G ranks send at once, G M / B_out. A smaller stage sits inside a node, and
+  the boundaries between two nodes' stages (there are N - 1 when N > 1) cross with the W / K
+  ranks of one stage sending: (W / K) M / B_out; the others take M / B_in. The pipeline runs at
+  the pace of its slowest boundary, so the time is the max of those present, and the bytes are
+  those of a rank on that boundary (M across nodes when N > 1, else M inside).
 """
 
 from __future__ import annotations
@@ -48,8 +56,8 @@ from dataclasses import dataclass
 
 from infinity.ledger._quantized import quantized_bytes
 
-__all__ = ["Cluster", "Traffic", "hierarchical_all_to_all", "plan_quantized_bytes",
-           "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter"]
+__all__ = ["Cluster", "Traffic", "hierarchical_all_to_all", "pipeline_send", "plan_quantized_bytes",
+           "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter", "stage_cluster"]
 
 
 def plan_quantized_bytes(numel: float, *, block_numel: int, bits: int, scale_bytes: int = 4) -> float:
@@ -171,3 +179,37 @@ def hierarchical_all_to_all(cluster: Cluster, *, group_size: int, ranks_per_node
                  cluster.gpus_per_node * inter / cluster.inter_node_bytes_per_s)
     return Traffic(intra_bytes=intra, inter_bytes=inter, time_s=time_s,
                    count=(1 if c > 1 else 0) + (1 if n > 1 else 0))
+
+
+def stage_cluster(cluster: Cluster, stages: int) -> Cluster:
+    """The nodes one of ``stages`` pipeline stages occupies (W / K consecutive ranks): whole
+    nodes when a stage has G ranks or more, else part of one node (a one-node cluster of W / K
+    GPUs: its collectives never leave the node). ValueError when the stages do not tile."""
+    w, g = cluster.world_size, cluster.gpus_per_node
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or w % stages:
+        raise ValueError(f"{stages!r} pipeline stages do not tile {cluster.nodes} x {g} GPUs: "
+                         f"choose a divisor of {w}")
+    ranks = w // stages
+    if stages == 1:
+        return cluster
+    if ranks % g and g % ranks:
+        raise ValueError(f"pipeline stages of {ranks} ranks do not tile nodes of {g} GPUs")
+    return Cluster(nodes=max(1, ranks // g), gpus_per_node=min(ranks, g),
+                   intra_node_bytes_per_s=cluster.intra_node_bytes_per_s,
+                   inter_node_bytes_per_s=cluster.inter_node_bytes_per_s)
+
+
+def pipeline_send(cluster: Cluster, *, stages: int, payload_bytes: float) -> Traffic:
+    """One point-to-point transfer of ``payload_bytes`` from every rank of a pipeline stage to
+    the next stage's rank of the same index, at the pace of the slowest stage boundary
+    ([Note: collective cost over nodes], pipeline send/recv)."""
+    ranks = stage_cluster(cluster, stages).world_size
+    if stages == 1 or payload_bytes <= 0:
+        return Traffic()
+    inside = payload_bytes / cluster.intra_node_bytes_per_s
+    if cluster.nodes == 1:
+        return Traffic(intra_bytes=payload_bytes, time_s=inside, count=1)
+    g = cluster.gpus_per_node
+    across = min(ranks, g) * payload_bytes / cluster.inter_node_bytes_per_s
+    return Traffic(inter_bytes=payload_bytes, time_s=max(inside if ranks < g else 0.0, across),
+                   count=1)
