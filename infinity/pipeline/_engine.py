@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
 
 from infinity.config import InfinityConfig, load_config
 from infinity.ledger import StateTerms
@@ -59,22 +60,24 @@ def initialize(model: nn.Sequential, config: "InfinityConfig | dict | str | None
                ) -> "PipelineEngine":
     """A pipeline over ``model`` (an ``nn.Sequential`` whose children run in order, each
     taking the previous one's output) with ``mesh.pipeline`` stages ([Note: mesh dimensions]):
-    every rank builds the whole model (or its meta skeleton's stage), keeps its stage's children
-    ([Note: the pipeline split]) and wraps them in an engine. ``loss_fn(output, target)``: the
-    loss of one micro-batch on the last stage (its mean over the micro-batch's samples, as a
-    plain training loop computes it). ``split_points``: the first child of each stage after the
-    first; None: the balanced split. ``engine_kwargs`` go to :func:`infinity.initialize`."""
+    every rank builds the whole model, keeps its stage's children ([Note: the pipeline split])
+    and wraps them in an engine (interleaved-1f1b: ``pipeline.stages_per_rank`` chunks of
+    children per rank, one engine over all of them). ``loss_fn(output, target)``: the loss of
+    one micro-batch on the last stage (its mean over the micro-batch's samples, as a plain
+    training loop computes it). ``split_points``: the first child of each stage after the first
+    (of every chunk with interleaving); None: the balanced split. ``engine_kwargs`` go to
+    :func:`infinity.initialize`."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"infinity.pipeline.initialize: expected an nn.Sequential (the stages are "
                         f"cut between its children), got {type(model).__name__}; build each "
                         f"stage's module yourself and use infinity.pipeline.initialize_stage")
     cfg = load_config(config)
-    num_stages = cfg.mesh.pipeline
-    stage = _stage_index(num_stages)
+    ranks, chunks = cfg.mesh.pipeline, cfg.pipeline.stages_per_rank
+    rank = _stage_index(ranks)
     costs = child_costs(model)
     bytes_per_param = StateTerms.from_config(cfg).per_param_bytes
-    split = (balanced_split(costs, num_stages) if split_points is None else
-             check_split(costs, split_points, num_stages,
+    split = (balanced_split(costs, ranks * chunks) if split_points is None else
+             check_split(costs, split_points, ranks * chunks,
                          max_imbalance=cfg.pipeline.max_stage_imbalance,
                          bytes_per_param=bytes_per_param))
     shared = shared_across_stages(model, split)
@@ -83,9 +86,31 @@ def initialize(model: nn.Sequential, config: "InfinityConfig | dict | str | None
                          f"engine owns its parameters: untie them, or choose split_points that "
                          f"keep both users in one stage")
     children = list(model.named_children())
-    stage_module = nn.Sequential(OrderedDict(children[i] for i in split.children(stage)))
-    return initialize_stage(stage_module, cfg, loss_fn=loss_fn, stage_index=stage,
-                            split=split, **engine_kwargs)
+    # Interleaved: this rank runs virtual stages rank, rank + P, ... (torch's looped placement).
+    stages = [rank + v * ranks for v in range(chunks)]
+    pieces = [nn.Sequential(OrderedDict(children[i] for i in split.children(k))) for k in stages]
+    if chunks == 1:
+        return _build(pieces[0], cfg, rank, loss_fn=loss_fn, split=split, stages=stages,
+                      pieces=None, engine_kwargs=engine_kwargs)
+    held = RankChunks(OrderedDict(children[i] for k in stages for i in split.children(k)),
+                      pieces)
+    return _build(held, cfg, rank, loss_fn=loss_fn, split=split, stages=stages, pieces=pieces,
+                  engine_kwargs=engine_kwargs)
+
+
+class RankChunks(nn.Module):
+    """The children of every chunk a rank holds with interleaving, under their names in the whole
+    model; ``forward(chunk, *args)`` runs chunk ``chunk`` (one engine over all of them: its
+    forward is the module's, so every hook of the root runs around each chunk's forward)."""
+
+    def __init__(self, children: "OrderedDict[str, nn.Module]", pieces: list[nn.Sequential]):
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+        self._pieces = pieces  # views over the children above, not registered twice
+
+    def forward(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
+        return self._pieces[chunk](*args, **kwargs)
 
 
 def _stage_index(num_stages: int) -> int:
@@ -99,60 +124,81 @@ def _stage_index(num_stages: int) -> int:
 
 def initialize_stage(stage_module: nn.Module, config: "InfinityConfig | dict | str | None" = None,
                      *, loss_fn: Callable[[Any, Any], torch.Tensor], stage_index: int | None = None,
-                     split: StageSplit | None = None, **engine_kwargs: Any) -> "PipelineEngine":
+                     **engine_kwargs: Any) -> "PipelineEngine":
     """A pipeline stage over a module the caller cut (torchtitan's way: each rank builds its
     stage's layers). ``stage_index``: None: this rank's place on the mesh's pipeline dimension."""
     cfg = load_config(config)
-    num_stages = cfg.mesh.pipeline
-    expected = _stage_index(num_stages)
+    ranks = cfg.mesh.pipeline
+    expected = _stage_index(ranks)
     if stage_index is not None and stage_index != expected:
         raise ValueError(f"initialize_stage: stage_index {stage_index}, but this rank is at "
-                         f"stage {expected} of mesh.pipeline {num_stages} (pipeline outermost: "
+                         f"stage {expected} of mesh.pipeline {ranks} (pipeline outermost: "
                          f"[Note: mesh dimensions] in infinity/config/_mesh.py)")
-    shapes = meta_copy(stage_module)  # before the engine takes the parameters
-    engine = zero_initialize(stage_module, cfg, pipeline_stage=expected, **engine_kwargs)
-    return PipelineEngine(engine, stage_index=expected, num_stages=num_stages, loss_fn=loss_fn,
-                          split=split, shape_module=shapes)
+    if cfg.pipeline.stages_per_rank > 1:
+        raise ValueError("initialize_stage: pipeline.stages_per_rank > 1 (interleaved-1f1b) "
+                         "needs the model's chunks: give the whole nn.Sequential to "
+                         "infinity.pipeline.initialize")
+    return _build(stage_module, cfg, expected, loss_fn=loss_fn, split=None, stages=[expected],
+                  pieces=None, engine_kwargs=engine_kwargs)
+
+
+def _build(module: nn.Module, cfg: InfinityConfig, rank: int, *,
+           loss_fn: Callable[[Any, Any], torch.Tensor], split: StageSplit | None,
+           stages: list[int], pieces: list[nn.Sequential] | None,
+           engine_kwargs: dict[str, Any]) -> "PipelineEngine":
+    # The shapes' meta copies are made before the engine takes the parameters.
+    shapes = [meta_copy(p) for p in pieces] if pieces is not None else [meta_copy(module)]
+    engine = zero_initialize(module, cfg, pipeline_stage=rank, **engine_kwargs)
+    return PipelineEngine(engine, stages=stages, loss_fn=loss_fn, split=split,
+                          shape_modules=shapes, chunked=pieces is not None)
 
 
 class PipelineEngine:
-    """One rank's stage of a pipeline ([Note: ZeRO inside a pipeline stage]).
+    """One rank's stage (or, interleaved, chunks) of a pipeline ([Note: ZeRO inside a pipeline
+    stage]).
 
     Usage (every rank of every stage, with the same batch: the first stage reads the inputs,
     the last the targets)::
 
         pipe = infinity.pipeline.initialize(nn.Sequential(...), config, loss_fn=loss_fn)
-        loss = pipe.train_batch(inputs, targets)   # m micro-batches, one optimizer step
+        loss = pipe.train_batch(inputs, target=targets)   # m micro-batches, one optimizer step
         pipe.stats(); pipe.save_checkpoint(dir); pipe.load_checkpoint(dir); pipe.close()
     """
 
-    def __init__(self, engine: Any, *, stage_index: int, num_stages: int,
+    def __init__(self, engine: Any, *, stages: list[int],
                  loss_fn: Callable[[Any, Any], torch.Tensor], split: StageSplit | None,
-                 shape_module: nn.Module | None = None):
+                 shape_modules: list[nn.Module | None], chunked: bool):
         cfg = engine.config
-        ga = cfg.gradient_accumulation_steps
         self.engine = engine
-        self.stage_index, self.num_stages = stage_index, num_stages
+        self.num_ranks = cfg.mesh.pipeline
+        self.stages_per_rank = len(stages)
+        self.num_stages = self.num_ranks * self.stages_per_rank
+        """Stages of the whole pipeline (virtual stages with interleaving)."""
+        self.stage_indices = stages
+        self.stage_index = stages[0]
         self.split = split
-        self.micro_batches = cfg.pipeline.resolve_micro_batches(int(ga))
+        self.micro_batches = cfg.pipeline.resolve_micro_batches(
+            int(cfg.gradient_accumulation_steps))
         self.schedule_name = cfg.pipeline.schedule
-        if self.schedule_name not in _SCHEDULES:
-            raise ValueError(f"pipeline.schedule: {self.schedule_name!r} is not supported by "
-                             f"this engine yet (one engine per rank runs one stage); use 'gpipe' "
-                             f"or '1f1b'")
-        if self.micro_batches < num_stages and self.schedule_name == "1f1b":
-            raise ValueError(f"pipeline.micro_batches: 1F1B needs at least as many micro-batches "
-                             f"as stages ({num_stages}), got {self.micro_batches}")
+        if self.micro_batches < self.num_ranks and self.schedule_name != "gpipe":
+            raise ValueError(f"pipeline.micro_batches: {self.schedule_name} needs at least as many "
+                             f"micro-batches as stages ({self.num_ranks}), got "
+                             f"{self.micro_batches}")
         self._loss_fn = loss_fn
         self._losses: list[torch.Tensor] = []
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self._module = StageModule(engine, shape_module)
+        self.is_first, self.is_last = 0 in stages, self.num_stages - 1 in stages
         group = engine.collectives.pipeline
         self._group = None if group is None else group.group
-        self.stage = CountingStage(self._module, stage_index, num_stages, engine.device,
-                                   group=self._group)
-        self.schedule = _SCHEDULES[self.schedule_name](
-            self.stage, self.micro_batches, loss_fn=self._micro_loss, scale_grads=False)
+        self._modules = [StageModule(engine, shape, chunk=v if chunked else None)
+                         for v, shape in enumerate(shape_modules)]
+        self.stages = [CountingStage(m, k, self.num_stages, engine.device, group=self._group)
+                       for m, k in zip(self._modules, stages)]
+        if self.schedule_name == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, self.micro_batches,
+                                                    loss_fn=self._micro_loss, scale_grads=False)
+        else:
+            self.schedule = _SCHEDULES[self.schedule_name](
+                self.stages[0], self.micro_batches, loss_fn=self._micro_loss, scale_grads=False)
 
     @property
     def module(self) -> nn.Module:
@@ -161,14 +207,15 @@ class PipelineEngine:
 
     @property
     def bubble_fraction(self) -> float:
-        """(P - 1) / (m + P - 1): the share of a GPipe or 1F1B step a stage waits."""
-        p, m = self.num_stages, self.micro_batches
-        return (p - 1) / (m + p - 1)
+        """(P - 1) / (m + P - 1): the share of a GPipe or 1F1B step a stage waits; interleaved
+        with v chunks per rank, (P - 1) / (v m + P - 1) (each chunk's turn is 1/v as long)."""
+        p, m, v = self.num_ranks, self.micro_batches, self.stages_per_rank
+        return (p - 1) / (v * m + p - 1)
 
     def _micro_loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self._loss_fn(output, target)
-        if self._module.is_shape_output(output):  # [Note: the stage's shapes from a meta copy]
-            return loss
+        if any(m.is_shape_output(output) for m in self._modules):
+            return loss  # [Note: the stage's shapes from a meta copy]
         self._losses.append(loss.detach())
         return loss * (self.engine.loss_scale / self.micro_batches)
 
@@ -199,9 +246,9 @@ class PipelineEngine:
             if world.world_size > 1:
                 world.all_reduce_sum(loss, context="pipeline loss")
                 loss /= world.world_size
-        if self.num_stages > 1:
-            last = (self.num_stages - 1 if self._group is None
-                    else dist.get_global_rank(self._group, self.num_stages - 1))
+        if self.num_ranks > 1:
+            last = (self.num_ranks - 1 if self._group is None
+                    else dist.get_global_rank(self._group, self.num_ranks - 1))
             dist.broadcast(loss, src=last, group=self._group)
         return loss
 
@@ -213,11 +260,12 @@ class PipelineEngine:
         its bubble, the layers held and the activation bytes sent and received so far."""
         out = self.engine.stats()
         out["pipeline"] = {
-            "stage": self.stage_index, "num_stages": self.num_stages,
+            "stage": self.stage_index, "stages": list(self.stage_indices),
+            "num_stages": self.num_stages, "num_ranks": self.num_ranks,
             "schedule": self.schedule_name, "micro_batches": self.micro_batches,
-            "bubble_fraction": self.bubble_fraction,
-            "children": None if self.split is None else list(self.split.children(self.stage_index)),
-            **self.stage.p2p.as_dict()}
+            "bubble_fraction": self.bubble_fraction, "children": self._children(),
+            "send_bytes": sum(s.p2p.sent_bytes for s in self.stages),
+            "recv_bytes": sum(s.p2p.received_bytes for s in self.stages)}
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -227,10 +275,14 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _children(self) -> list[int] | None:
+        if self.split is None:
+            return None
+        return [i for k in self.stage_indices for i in self.split.children(k)]
+
     def _layout(self) -> dict[str, Any]:
         return {"num_stages": self.num_stages, "stage": self.stage_index,
-                "children": (None if self.split is None
-                             else list(self.split.children(self.stage_index))),
+                "children": self._children(),
                 "parameters": sorted(n for n, _ in self.engine.module.named_parameters())}
 
     def save_checkpoint(self, directory: str, *, tag: str | None = None,

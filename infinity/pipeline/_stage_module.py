@@ -68,10 +68,13 @@ class StageModule(nn.Module):
     shapes follow from the inputs' (the schedule derives them when nothing connects the two).
     A model whose forward cannot run on meta runs that pass through the engine after all."""
 
-    def __init__(self, engine: Any, shape_module: nn.Module | None):
+    def __init__(self, engine: Any, shape_module: nn.Module | None, *, chunk: int | None = None):
+        """``chunk``: with interleaving, which of the rank's chunks this runs (the engine's
+        module is a :class:`~infinity.pipeline._engine.RankChunks`); None: the whole module."""
         super().__init__()
         self.inner = engine.module
         self._engine = engine
+        self._chunk = chunk
         self._shape_module = shape_module
         self.in_micro_batch = False
         """Set by :class:`CountingStage` around the forwards of the schedule's micro-batches."""
@@ -79,19 +82,24 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.in_micro_batch or self._shape_module is None:
-            return self._engine(*args, **kwargs)
+            return self._run(*args, **kwargs)
         try:
             out = self._shape_module(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
         except (NotImplementedError, RuntimeError) as e:
             logger.info("pipeline: the stage's forward does not run on meta tensors (%s); its "
                         "shapes come from a forward through the engine", e)
             self._shape_module = None
-            return self._engine(*args, **kwargs)
+            return self._run(*args, **kwargs)
         device = self._engine.device
         out = tree_map(lambda t: _zeros_like_meta(t, device) if isinstance(t, torch.Tensor)
                        else t, out)
         self._shape_outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         return out
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self._chunk is None:
+            return self._engine(*args, **kwargs)
+        return self._engine(self._chunk, *args, **kwargs)
 
     def is_shape_output(self, value: Any) -> bool:
         """``value`` came from the shape-only pass (the loss function's call on it is not a

@@ -54,8 +54,10 @@ def _data():
 def _config(case: dict, rank: int, swap_root: str | None) -> dict:
     from tests._support.engine import engine_config, offload_config
 
-    extra = {"mesh": {"pipeline": case["pp"]}, "pipeline": {"schedule": case["schedule"]},
-             "optimizer": {"lr": LR}}
+    pipeline = {"schedule": case["schedule"]}
+    if case["schedule"] == "interleaved-1f1b":
+        pipeline["stages_per_rank"] = 2
+    extra = {"mesh": {"pipeline": case["pp"]}, "pipeline": pipeline, "optimizer": {"lr": LR}}
     if case.get("nvme"):
         return offload_config(os.path.join(swap_root, f"rank{rank}"), stage=3, gas=MICRO,
                               clip=CLIP, opt="nvme", param="nvme", host=case["host"], **extra)
@@ -121,13 +123,15 @@ def _check(results: list[dict], cases: list[dict], ref_losses, ref_state) -> Non
             assert got["losses"] == _pytest.approx(ref_losses, abs=ATOL), case["name"]
             merged.update(got["state"])  # the stages' layers; replicas hold the same values
             pipe = got["stats"]["pipeline"]
-            assert pipe["num_stages"] == case["pp"] and pipe["schedule"] == case["schedule"]
+            assert pipe["num_ranks"] == case["pp"] and pipe["schedule"] == case["schedule"]
         assert_close_state(merged, ref_state, atol=ATOL)
 
 
 CI_CASES = [{"name": "pp2-dp2-zero3-1f1b", "pp": 2, "zero": 3, "schedule": "1f1b"}]
 MATRIX_4 = [{"name": f"pp{pp}-dp{4 // pp}-zero{z}-{s}", "pp": pp, "zero": z, "schedule": s}
-            for s in ("gpipe", "1f1b") for pp, z in ((2, 3), (4, 3), (2, 1), (4, 0))]
+            for s in ("gpipe", "1f1b") for pp, z in ((2, 3), (4, 3), (2, 1), (4, 0))] + [
+    {"name": f"pp2-dp2-zero{z}-interleaved", "pp": 2, "zero": z, "schedule": "interleaved-1f1b"}
+    for z in (3, 2)]
 
 
 def test_pipeline_2x2_zero3_matches_plain_pytorch():
