@@ -347,6 +347,13 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
     out["gradient_accumulation_steps"] = config.gradient_accumulation_steps
     if config.train_micro_batch_size_per_gpu is not None:
         out["train_micro_batch_size_per_gpu"] = config.train_micro_batch_size_per_gpu
+    if config.mesh.pipeline > 1:
+        # DeepSpeed's pipeline runs gradient_accumulation_steps micro-batches a step; its
+        # schedule is its own (1F1B-like): ours is not written.
+        out["pipeline"] = {"stages": config.mesh.pipeline}
+        out["gradient_accumulation_steps"] = config.pipeline.resolve_micro_batches(
+            config.gradient_accumulation_steps) if config.gradient_accumulation_steps != AUTO \
+            else config.gradient_accumulation_steps
     return out
 
 

@@ -1,10 +1,10 @@
 """The package DAG of DESIGN.md, checked on the source: imports point down only, no import cycles.
 
 ```
-cli ──> bench ──> integrations ──> zero ──┬──> optim ──> tiers ──> io ──> config ──> floor
- │        │                          │    ├──> prefetch ───────────────────────────> floor
- │        │                          │    ├──> checkpoint ──> io
- │        │                          │    └──> ledger ──> config
+cli ──> bench ──> integrations, pipeline ──> zero ──┬──> optim ──> tiers ──> io ──> config ──> floor
+ │        │                                    │    ├──> prefetch ─────────────────> floor
+ │        │                                    │    ├──> checkpoint ──> io
+ │        │                                    │    └──> ledger ──> config
  │        └──> models (plain PyTorch, imports nothing of infinity)
  └──> (every package below)
 floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit, _modeled_link,
@@ -52,7 +52,8 @@ ALLOWED: dict[str, set[str]] = {
     "zero": {"optim", "prefetch", "checkpoint", "tiers", "ledger"},  # the engine, hooks
     "models": set(),  # plain-PyTorch reference models: import nothing of infinity
     "integrations": {"zero"},  # Trainer, accelerate, peft on the engine (optional extras)
-    "bench": {"integrations", "models"},
+    "pipeline": {"zero"},  # pipeline stages, each an engine, under torch's schedules
+    "bench": {"integrations", "models", "pipeline"},
     "cli": {"bench"},
     "__init__": {"zero"},  # the package's public surface
     # The design card's modules: each the public face of the package that holds the code.
