@@ -5,7 +5,8 @@ cli ──> bench ──> integrations ──> zero ──┬──> optim ─�
  │        │                          │    ├──> prefetch ───────────────────────────> floor
  │        │                          │    ├──> checkpoint ──> io
  │        │                          │    └──> ledger ──> config
- │        └──> models (plain PyTorch, imports nothing of infinity)
+ │        ├──> models (plain PyTorch, imports nothing of infinity)
+ │        └──> pipeline ──> zero (torch.distributed.pipelining over an engine per stage)
  └──> (every package below)
 floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit, _modeled_link,
 _dtypes, _compute_dtype
@@ -52,7 +53,8 @@ ALLOWED: dict[str, set[str]] = {
     "zero": {"optim", "prefetch", "checkpoint", "tiers", "ledger"},  # the engine, hooks
     "models": set(),  # plain-PyTorch reference models: import nothing of infinity
     "integrations": {"zero"},  # Trainer, accelerate, peft on the engine (optional extras)
-    "bench": {"integrations", "models"},
+    "pipeline": {"zero"},  # torch.distributed.pipelining's schedule over an engine per stage
+    "bench": {"integrations", "models", "pipeline"},
     "cli": {"bench"},
     "__init__": {"zero"},  # the package's public surface
     # The design card's modules: each the public face of the package that holds the code.
