@@ -210,7 +210,8 @@ class PipelineEngine:
 
     def stats(self) -> dict[str, Any]:
         """``engine.stats()`` of this stage, with a ``pipeline`` entry: the stage, the schedule,
-        its bubble, the layers held and the activation bytes sent and received so far."""
+        its bubble, the layers held and the activation bytes sent and received so far (in all and
+        by neighbour: ``send_bytes_prev`` ... ``recv_bytes_next``)."""
         out = self.engine.stats()
         out["pipeline"] = {
             "stage": self.stage_index, "num_stages": self.num_stages,
