@@ -111,6 +111,11 @@ def initialize_stage(stage_module: nn.Module, config: "InfinityConfig | dict | s
                          f"[Note: mesh dimensions] in infinity/config/_mesh.py)")
     shapes = meta_copy(stage_module)  # before the engine takes the parameters
     engine = zero_initialize(stage_module, cfg, pipeline_stage=expected, **engine_kwargs)
+    # The copy was made from the caller's (fp32) modules; the engine computes in its own dtype,
+    # and the shapes' pass must give the dtypes the micro-batches send: a bf16 stage posted fp32
+    # receive buffers and its next stage's first layer norm failed on them ("mixed dtype").
+    # [Note: the stage's shapes from a meta copy] in _stage_module.py.
+    shapes.to(engine.compute_dtype)
     return PipelineEngine(engine, stage_index=expected, num_stages=num_stages, loss_fn=loss_fn,
                           split=split, shape_module=shapes)
 
