@@ -124,7 +124,8 @@ def test_pipeline_result_becomes_one_row_per_stage():
 
     pp = {"mode": "pp2", "status": "ok", "world_size": 4, "pipeline": 2, "data_parallel": 2,
           "schedule": "1f1b", "micro_batches": 4, "micro_batch": 1, "seq_len": 8, "hidden": 4,
-          "step_s": 0.2, "final_loss": 1.0, "stages": [stage(0, False, True), stage(1, True, False)]}
+          "step_s": 0.2, "final_loss": 1.0,
+          "stages": [stage(0, False, True), stage(1, True, False)]}
     rows = comm.measured_rows([flat, pp], "bf16")
     assert [r["mode"] for r in rows] == ["flat", "pp2 stage 0", "pp2 stage 1"]
     for row in rows[1:]:
