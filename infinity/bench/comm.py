@@ -306,6 +306,7 @@ def predicted_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                     else None, "bound": c.bound}
                 if label == PIPELINE_LABEL:  # the other rows keep their columns
                     row.update(schedule=c.schedule, micro_batches=c.grad_accum,
+                               micro_batch=c.micro_batch,
                                bubble_fraction=c.bubble_fraction,
                                p2p_gb_per_step=c.traffic["pipeline-p2p"].total_bytes / 1e9)
                 rows.append(row)
