@@ -149,6 +149,12 @@ def _build(module: nn.Module, cfg: InfinityConfig, rank: int, *,
     # The shapes' meta copies are made before the engine takes the parameters.
     shapes = [meta_copy(p) for p in pieces] if pieces is not None else [meta_copy(module)]
     engine = zero_initialize(module, cfg, pipeline_stage=rank, **engine_kwargs)
+    # The copies were made from the caller's (fp32) modules; the engine computes in its own dtype,
+    # and the shapes' pass must give the dtypes the micro-batches send: a bf16 stage posted fp32
+    # receive buffers and its next stage's first layer norm failed on them ("mixed dtype").
+    # [Note: the stage's shapes from a meta copy] in _stage_module.py.
+    for shape in shapes:
+        shape.to(engine.compute_dtype)
     return PipelineEngine(engine, stages=stages, loss_fn=loss_fn, split=split,
                           shape_modules=shapes, chunked=pieces is not None)
 
@@ -257,15 +263,16 @@ class PipelineEngine:
 
     def stats(self) -> dict[str, Any]:
         """``engine.stats()`` of this stage, with a ``pipeline`` entry: the stage, the schedule,
-        its bubble, the layers held and the activation bytes sent and received so far."""
+        its bubble, the layers held and the activation bytes sent and received so far (in all and
+        by neighbour: ``send_bytes_prev`` ... ``recv_bytes_next``)."""
         out = self.engine.stats()
         out["pipeline"] = {
             "stage": self.stage_index, "stages": list(self.stage_indices),
             "num_stages": self.num_stages, "num_ranks": self.num_ranks,
             "schedule": self.schedule_name, "micro_batches": self.micro_batches,
             "bubble_fraction": self.bubble_fraction, "children": self._children(),
-            "send_bytes": sum(s.p2p.sent_bytes for s in self.stages),
-            "recv_bytes": sum(s.p2p.received_bytes for s in self.stages)}
+            **{k: sum(s.p2p.as_dict()[k] for s in self.stages)
+               for k in self.stages[0].p2p.as_dict()}}
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -20,23 +20,31 @@ __all__ = ["CountingStage", "P2PCounts", "StageModule", "meta_copy"]
 
 class P2PCounts:
     """Activation bytes one stage sent to and received from its neighbours (forward activations
-    and their gradients), counted from the point-to-point operations the schedule issues."""
+    and their gradients), counted from the point-to-point operations the schedule issues, in
+    all and by neighbour ("prev": the stage before, "next": the one after)."""
 
     def __init__(self) -> None:
         self.sent_bytes = 0
         self.received_bytes = 0
+        self.by_neighbour: dict[str, int] = {"send_bytes_prev": 0, "send_bytes_next": 0,
+                                             "recv_bytes_prev": 0, "recv_bytes_next": 0}
+        """Each neighbour's share of the two totals: a first stage's ``_prev`` stay 0, a last
+        stage's ``_next``."""
 
-    def add(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+    def add(self, ops: list[dist.P2POp], neighbour: str) -> list[dist.P2POp]:
         for op in ops:
             nbytes = op.tensor.numel() * op.tensor.element_size()
             if op.op is dist.isend:
                 self.sent_bytes += nbytes
+                self.by_neighbour[f"send_bytes_{neighbour}"] += nbytes
             else:
                 self.received_bytes += nbytes
+                self.by_neighbour[f"recv_bytes_{neighbour}"] += nbytes
         return ops
 
     def as_dict(self) -> dict[str, int]:
-        return {"send_bytes": self.sent_bytes, "recv_bytes": self.received_bytes}
+        return {"send_bytes": self.sent_bytes, "recv_bytes": self.received_bytes,
+                **self.by_neighbour}
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -136,13 +144,13 @@ class CountingStage(PipelineStage):
             self._stage_module.in_micro_batch = False
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return self.p2p.add(super().get_fwd_recv_ops(fwd_chunk_id))
+        return self.p2p.add(super().get_fwd_recv_ops(fwd_chunk_id), "prev")
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return self.p2p.add(super().get_bwd_recv_ops(bwd_chunk_id))
+        return self.p2p.add(super().get_bwd_recv_ops(bwd_chunk_id), "next")
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return self.p2p.add(super().get_fwd_send_ops(fwd_chunk_id))
+        return self.p2p.add(super().get_fwd_send_ops(fwd_chunk_id), "next")
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return self.p2p.add(super().get_bwd_send_ops(bwd_chunk_id))
+        return self.p2p.add(super().get_bwd_send_ops(bwd_chunk_id), "prev")

@@ -33,7 +33,8 @@ def test_part_b_predicts_7b_and_70b_on_four_nodes_beside_zeropp(tmp_path, capsys
     rows = record["rows"]
     for model in ("llama-7b", "llama-70b"):
         mine = {r["candidate"]: r for r in rows if r["model"] == model}
-        assert set(mine) == {label for label, *_ in comm.PLANNED} | {"planner's choice"}
+        assert set(mine) == ({label for label, *_ in comm.PLANNED}
+                             | {comm.PIPELINE_LABEL, "planner's choice"})
         flat, zpp = mine["flat ZeRO-3"], mine["ZeRO++ (hpZ + qwZ + qgZ)"]
         assert flat["x_flat"] == 1.0 and flat["inter_x_flat"] == 1.0
         # ZeRO++ publishes 4x less cross-node traffic (0.25); ours: int8 + fp32 scales against
@@ -76,6 +77,66 @@ def test_part_b_slower_cluster_gains_more(tmp_path, capsys):
     assert zpp[12.5] > zpp[50.0] > 1.0
 
 
+def test_part_b_best_pipeline_row_beside_the_others(tmp_path, capsys):
+    """The planner's fastest fitting pipeline candidate gets a row with its bubble, schedule and
+    send bytes; the other rows keep their columns (none of the pipeline's). Llama-70B on 4 x 8
+    at 50 GB/s: a pipeline beats ZeRO++ and is the planner's choice (#36's figure)."""
+    rows = _part_b(tmp_path, capsys)["rows"]
+    pp_keys = {"schedule", "micro_batches", "micro_batch", "bubble_fraction", "p2p_gb_per_step"}
+    for model in ("llama-7b", "llama-70b"):
+        mine = {r["candidate"]: r for r in rows if r["model"] == model}
+        pp = mine[comm.PIPELINE_LABEL]
+        assert pp["layout"].startswith("pp ") and pp["fits"] and pp["schedule"] == "1f1b"
+        k = int(pp["layout"].split()[1])
+        assert pp["bubble_fraction"] == pytest.approx((k - 1) / (pp["micro_batches"] + k - 1))
+        # 2 m x b s h x 2 B: the activations' bytes a middle stage's rank sends a step.
+        shape = comm.MODELS[model]
+        assert pp["p2p_gb_per_step"] == pytest.approx(
+            2 * pp["micro_batches"] * pp["micro_batch"] * shape.seq_len * shape.hidden_size * 2
+            / 1e9)
+        assert all(not pp_keys & set(r) for c, r in mine.items() if c != comm.PIPELINE_LABEL)
+    big = {r["candidate"]: r for r in rows if r["model"] == "llama-70b"}
+    assert big[comm.PIPELINE_LABEL]["step_s"] < big["ZeRO++ (hpZ + qwZ + qgZ)"]["step_s"]
+    assert big["planner's choice"]["layout"] == big[comm.PIPELINE_LABEL]["layout"]
+
+
+def test_pipeline_p2p_formula():
+    """2 directions x m x b x s x h x p per boundary: one boundary at either end, two between."""
+    kw = dict(num_stages=4, micro_batches=4, micro_batch=2, seq_len=64, hidden=32, dtype_bytes=2)
+    one = 2 * 4 * 2 * 64 * 32 * 2
+    assert [comm.pipeline_p2p_bytes(stage=s, **kw) for s in range(4)] == [one, 2 * one,
+                                                                           2 * one, one]
+    assert comm.pipeline_p2p_bytes(stage=0, **{**kw, "num_stages": 1}) == 0
+
+
+def test_pipeline_result_becomes_one_row_per_stage():
+    """A pipeline mode's record (as the worker writes it) gives a row per stage: its collective
+    bytes beside flat's, per micro-batch too, and its send/recv bytes beside the formula."""
+    flat = {"mode": "flat", "status": "ok", "bytes_per_step": {"reduce-grad": 400.0},
+            "total_bytes_per_step": 400.0, "numel": 100, "step_s": 0.1, "final_loss": 1.0}
+    one = 2 * 4 * 1 * 8 * 4 * 2 // 2  # one direction: m x b x s x h x p
+
+    def stage(s: int, prev: bool, nxt: bool) -> dict:
+        side = {"send_bytes_prev": one * prev, "send_bytes_next": one * nxt,
+                "recv_bytes_prev": one * prev, "recv_bytes_next": one * nxt}
+        return {"rank": 2 * s, "stage": s, "numel": 50, "bytes_per_step": {"reduce-grad": 800.0},
+                "total_bytes_per_step": 800.0, "send_bytes": one * (prev + nxt),
+                "recv_bytes": one * (prev + nxt), **side, "bubble_fraction": 0.2, "step_s": 0.2}
+
+    pp = {"mode": "pp2", "status": "ok", "world_size": 4, "pipeline": 2, "data_parallel": 2,
+          "schedule": "1f1b", "micro_batches": 4, "micro_batch": 1, "seq_len": 8, "hidden": 4,
+          "step_s": 0.2, "final_loss": 1.0,
+          "stages": [stage(0, False, True), stage(1, True, False)]}
+    rows = comm.measured_rows([flat, pp], "bf16")
+    assert [r["mode"] for r in rows] == ["flat", "pp2 stage 0", "pp2 stage 1"]
+    for row in rows[1:]:
+        assert row["p2p_bytes"] == row["p2p_formula_bytes"] == 2 * one
+        assert row["bytes_x_flat"] == 2.0 and row["micro_bytes_x_flat"] == 0.5
+        assert row["numel_x_flat"] == 0.5 and row["bubble_fraction"] == 0.2
+    assert rows[1]["send_bytes_prev"] == rows[2]["send_bytes_next"] == 0
+    assert "p2p_bytes" not in rows[0]
+
+
 def test_bench_comm_rejects_bad_arguments(capsys):
     assert cli.main(["bench", "comm", "--modes", "flat,bogus", "--no-save"]) == 2
     assert "--modes" in capsys.readouterr().err
@@ -83,6 +144,12 @@ def test_bench_comm_rejects_bad_arguments(capsys):
     assert "--ranks" in capsys.readouterr().err
     assert cli.main(["bench", "comm", "--ranks", "3", "--modes", "hsdp", "--no-save"]) == 2
     assert "even" in capsys.readouterr().err
+    assert cli.main(["bench", "comm", "--ranks", "2", "--modes", "pp4", "--no-save"]) == 2
+    assert "multiple of 4" in capsys.readouterr().err
+    assert cli.main(["bench", "comm", "--modes", "pp2", "--micro-batches", "1", "--no-save"]) == 2
+    assert "--micro-batches" in capsys.readouterr().err
+    assert cli.main(["bench", "comm", "--modes", "pp2", "--micro-batches", "3", "--no-save"]) == 2
+    assert "--micro-batches" in capsys.readouterr().err
 
 
 def test_a_mode_whose_config_is_refused_is_reported_not_available(monkeypatch):
@@ -94,8 +161,8 @@ def test_a_mode_whose_config_is_refused_is_reported_not_available(monkeypatch):
 
     real = _comm_worker.mode_config
 
-    def with_unknown_key(mode, world_size, dtype):
-        cfg = real(mode, world_size, dtype)
+    def with_unknown_key(mode, world_size, dtype, **kwargs):
+        cfg = real(mode, world_size, dtype, **kwargs)
         cfg["zero"]["not_a_zero_key"] = 1
         return cfg
 
@@ -106,7 +173,7 @@ def test_a_mode_whose_config_is_refused_is_reported_not_available(monkeypatch):
     assert "not_a_zero_key" in result["reason"]
 
 
-@pytest.mark.parametrize("mode", ["flat", "hsdp", "hpz", "qwz-qgz"])
+@pytest.mark.parametrize("mode", comm.MODES)
 def test_every_mode_config_loads(mode):
     """Part A's modes are all known to the config (none is reported "not available")."""
     load_config(mode_config(mode, 4, "bf16"))

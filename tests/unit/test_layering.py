@@ -1,11 +1,12 @@
 """The package DAG of DESIGN.md, checked on the source: imports point down only, no import cycles.
 
 ```
-cli ──> bench ──> integrations, pipeline ──> zero ──┬──> optim ──> tiers ──> io ──> config ──> floor
- │        │                                    │    ├──> prefetch ─────────────────> floor
- │        │                                    │    ├──> checkpoint ──> io
- │        │                                    │    └──> ledger ──> config
- │        └──> models (plain PyTorch, imports nothing of infinity)
+cli ──> bench ──> integrations ──> zero ──┬──> optim ──> tiers ──> io ──> config ──> floor
+ │        │                          │    ├──> prefetch ───────────────────────────> floor
+ │        │                          │    ├──> checkpoint ──> io
+ │        │                          │    └──> ledger ──> config
+ │        ├──> models (plain PyTorch, imports nothing of infinity)
+ │        └──> pipeline ──> zero (torch.distributed.pipelining over an engine per stage)
  └──> (every package below)
 floor: errors, _common, _tier, _transitions, _async_copy, _timing, _process_exit, _modeled_link,
 _dtypes, _compute_dtype
@@ -52,7 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     "zero": {"optim", "prefetch", "checkpoint", "tiers", "ledger"},  # the engine, hooks
     "models": set(),  # plain-PyTorch reference models: import nothing of infinity
     "integrations": {"zero"},  # Trainer, accelerate, peft on the engine (optional extras)
-    "pipeline": {"zero"},  # pipeline stages, each an engine, under torch's schedules
+    "pipeline": {"zero"},  # torch.distributed.pipelining's schedule over an engine per stage
     "bench": {"integrations", "models", "pipeline"},
     "cli": {"bench"},
     "__init__": {"zero"},  # the package's public surface
