@@ -61,7 +61,8 @@ def _config(case: dict, rank: int, swap_root: str | None) -> dict:
     if case.get("nvme"):
         return offload_config(os.path.join(swap_root, f"rank{rank}"), stage=3, gas=MICRO,
                               clip=CLIP, opt="nvme", param="nvme", host=case["host"], **extra)
-    return engine_config(stage=case["zero"], gas=MICRO, clip=CLIP, **extra)
+    return engine_config(stage=case["zero"], gas=MICRO, clip=CLIP,
+                         dtype=case.get("dtype", "fp32"), **extra)
 
 
 def _rank_batch(step_batches, rank: int, world_size: int, pp: int):
@@ -104,31 +105,41 @@ def worker_cases(rank: int, world_size: int, out_dir: str, cases: list[dict]) ->
     return out
 
 
-def _reference(layers: int = 4):
+def _reference(layers: int = 4, dtype: str = "fp32"):
+    """Plain PyTorch on the global batch. bf16: each of the data's 8-sequence micro-batches runs
+    as two 4-sequence backwards, the pieces the 2 x 2 pipeline's micro-batches are, so that the
+    bf16 rounding is the same."""
     from tests._support.engine import reference_train
 
-    return reference_train(_model(layers), _data(), clip=CLIP,
+    return reference_train(_model(layers), _data(), clip=CLIP, dtype=dtype,
+                           splits=1 if dtype == "fp32" else 2,
                            param_groups=lambda m: [{"params": list(m.parameters()), "lr": LR}])
 
 
 def _check(results: list[dict], cases: list[dict], ref_losses, ref_state) -> None:
-    import pytest as _pytest
-
-    from tests._support.engine import assert_close_state
+    from tests._support.engine import TOL, assert_close_state
 
     for case in cases:
+        dtype = case.get("dtype", "fp32")
         merged: dict = {}
         for res in results:
             got = res[case["name"]]
-            assert got["losses"] == _pytest.approx(ref_losses, abs=ATOL), case["name"]
+            assert got["losses"] == pytest.approx(
+                ref_losses, abs=ATOL if dtype == "fp32" else TOL[dtype]["loss"]), case["name"]
             merged.update(got["state"])  # the stages' layers; replicas hold the same values
             pipe = got["stats"]["pipeline"]
             assert pipe["num_ranks"] == case["pp"] and pipe["schedule"] == case["schedule"]
-        assert_close_state(merged, ref_state, atol=ATOL)
+        if dtype == "fp32":
+            assert_close_state(merged, ref_state, atol=ATOL)
+        else:
+            assert_close_state(merged, ref_state, global_rel=TOL[dtype]["param"])
 
 
 CI_CASES = [{"name": "pp2-dp2-zero3-1f1b", "pp": 2, "zero": 3, "schedule": "1f1b"},
             {"name": "pp4-dp1-zero3-gpipe", "pp": 4, "zero": 3, "schedule": "gpipe"}]
+BF16_CASES = [{"name": "pp2-dp2-zero3-1f1b-bf16", "pp": 2, "zero": 3, "schedule": "1f1b",
+               "dtype": "bf16"}]
+"""bf16: the stages send bf16 activations (the shapes' pass gives the compute dtype)."""
 MATRIX_4 = [{"name": f"pp{pp}-dp{4 // pp}-zero{z}-{s}", "pp": pp, "zero": z, "schedule": s}
             for s in ("gpipe", "1f1b") for pp, z in ((2, 3), (4, 3), (2, 1), (4, 0))] + [
     {"name": f"pp2-dp2-zero{z}-interleaved", "pp": 2, "zero": z, "schedule": "interleaved-1f1b"}
@@ -138,11 +149,12 @@ MATRIX_4 = [{"name": f"pp{pp}-dp{4 // pp}-zero{z}-{s}", "pp": pp, "zero": z, "sc
 def test_pipeline_2x2_zero3_matches_plain_pytorch():
     """PP=2 x DP=2, ZeRO-3 inside each stage, 1F1B, clipping by the global norm over both
     stages: every rank's losses and the stages' weights equal plain PyTorch's; PP=4 with GPipe
-    in the same processes."""
+    and PP=2 x DP=2 in bf16 in the same processes."""
     results = launch(__file__, "worker_cases", world_size=4, timeout_s=300,
-                     args={"cases": CI_CASES})
+                     args={"cases": CI_CASES + BF16_CASES})
     ref_losses, ref_state = _reference()
     _check(results, CI_CASES, ref_losses, ref_state)
+    _check(results, BF16_CASES, *_reference(dtype="bf16"))
     # The activations each stage sends: per micro-batch the forward's one way (each of the 2
     # data-parallel ranks has 8 x MICRO / 2 sequences a step, MICRO micro-batches of 4 x 16
     # tokens x 32 fp32), its gradient the other.
