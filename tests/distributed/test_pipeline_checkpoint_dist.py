@@ -124,7 +124,7 @@ def test_checkpoint_layout_on_disk_and_refusals(tmp_path):
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "defect: _saved_layouts (infinity/pipeline/_engine.py:275-285) keeps, per stage index, the "
+    "defect: _saved_layouts (infinity/pipeline/_engine.py:274-285) keeps, per stage index, the "
     "layout of the first directory in name order whatever its pipeline size: with saves at "
     "PP=1 and PP=2 under one root, stage 0 of PP=2 compares itself with the PP=1 layout and "
     "refuses its own save"))
@@ -206,7 +206,7 @@ def test_one_stage_micro_batches_not_the_accumulation_steps():
     "defect: after a train_batch that raised, the next one fails ('Trying to backward through "
     "the graph a second time'): torch's schedule keeps the failed step's micro-batch losses "
     "(_internal_losses, cleared only at a step's successful end) and train_batch "
-    "(infinity/pipeline/_engine.py:173-184) does not clear them"))
+    "(infinity/pipeline/_engine.py:175-190) does not clear them"))
 def test_a_step_that_raises_leaves_nothing_behind():
     """The first step's loss raises on its third micro-batch; the schedule step is closed, and
     the next 3 steps are plain PyTorch's on those 3 batches from the initial weights."""
@@ -223,7 +223,7 @@ def test_a_step_that_raises_leaves_nothing_behind():
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "defect: the gradients of a failed train_batch's finished backwards stay in the shards and "
-    "are added to the next step's (train_batch, infinity/pipeline/_engine.py:173-184, neither "
+    "are added to the next step's (train_batch, infinity/pipeline/_engine.py:175-190, neither "
     "zeroes them nor resets the step on an exception); measured: the next steps' losses off by 2e-4 and 2e-3"))
 def test_a_step_that_raises_leaves_no_gradients_behind():
     """As above, with torch's stale losses cleared by hand (the defect above set aside): the
