@@ -17,7 +17,7 @@ MICRO, STEPS, LR = 4, 4, 1e-3
 
 META_DTYPE_DEFECT = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "defect: the shape pass's meta copy is taken before the engine casts the stage to the "
-    "compute dtype (infinity/pipeline/_engine.py:107) and stays fp32, so stage 1's receive "
+    "compute dtype (infinity/pipeline/_engine.py:112) and stays fp32, so stage 1's receive "
     "buffers are fp32 while its parameters are fp16/bf16: 'mixed dtype (CPU): expect parameter "
     "to have scalar type of Float' in stage 1's first LayerNorm; casting the meta copy to the "
     "compute dtype before the first step makes the bf16 run go through"))
