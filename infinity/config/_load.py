@@ -9,18 +9,21 @@ from typing import Any, Mapping
 from infinity._common import read_json_object
 from infinity.config._auto import resolve_auto
 from infinity.config._deepspeed import DS_ONLY_TOP_KEYS, DS_SCHEDULER_TYPES, config_from_deepspeed
+from infinity.config._ds_keys import PIPELINE_KEYS
 from infinity.config._native import config_from_native
 from infinity.config._sections import InfinityConfig
 
 
 def is_deepspeed_config(raw: Mapping[str, Any]) -> bool:
-    """A key only DeepSpeed configs have, or an ``optimizer`` / ``scheduler`` section in
-    DeepSpeed's ``{"type": ..., "params": {...}}`` form (or naming a DeepSpeed schedule)."""
-    sched = raw.get("scheduler")
+    """A key only DeepSpeed configs have, an ``optimizer`` / ``scheduler`` section in
+    DeepSpeed's ``{"type": ..., "params": {...}}`` form (or naming a DeepSpeed schedule), or a
+    ``pipeline`` section with DeepSpeed's keys (the section's name is both configs')."""
+    sched, pipe = raw.get("scheduler"), raw.get("pipeline")
     return any(key in DS_ONLY_TOP_KEYS for key in raw) or any(
         isinstance(raw.get(key), Mapping) and "params" in raw[key]
         for key in ("optimizer", "scheduler")) or (
-        isinstance(sched, Mapping) and sched.get("type") in DS_SCHEDULER_TYPES)
+        isinstance(sched, Mapping) and sched.get("type") in DS_SCHEDULER_TYPES) or (
+        isinstance(pipe, Mapping) and any(key in PIPELINE_KEYS for key in pipe))
 
 
 def load_config(source: "InfinityConfig | Mapping[str, Any] | str | os.PathLike[str] | None"

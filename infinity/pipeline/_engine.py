@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -40,7 +41,7 @@ from infinity.config import InfinityConfig, load_config
 from infinity.ledger import StateTerms
 from infinity.pipeline._split import (StageSplit, balanced_split, check_split, child_costs,
                                       shared_across_stages)
-from infinity.pipeline._stage_module import CountingStage, StageModule, meta_copy
+from infinity.pipeline._stage_module import CountingStage, P2PCounts, StageModule, meta_copy
 from infinity.zero import initialize as zero_initialize
 
 __all__ = ["PipelineEngine", "initialize"]
@@ -88,7 +89,7 @@ def initialize(model: nn.Sequential, config: "InfinityConfig | dict | str | None
     children = list(model.named_children())
     # Interleaved: this rank runs virtual stages rank, rank + P, ... (torch's looped placement).
     stages = [rank + v * ranks for v in range(chunks)]
-    pieces = [nn.Sequential(OrderedDict(children[i] for i in split.children(k))) for k in stages]
+    pieces = [StageChain(OrderedDict(children[i] for i in split.children(k))) for k in stages]
     if chunks == 1:
         return _build(pieces[0], cfg, rank, loss_fn=loss_fn, split=split, stages=stages,
                       pieces=None, engine_kwargs=engine_kwargs)
@@ -98,12 +99,24 @@ def initialize(model: nn.Sequential, config: "InfinityConfig | dict | str | None
                   engine_kwargs=engine_kwargs)
 
 
+class StageChain(nn.Sequential):
+    """A stage's children in order, as in the ``nn.Sequential`` they came from. The schedule
+    passes a tuple the previous stage returned as separate arguments; the first child gets them
+    back as the one tuple the whole model would have passed it."""
+
+    def forward(self, *inputs: Any) -> Any:
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for module in self:
+            x = module(x)
+        return x
+
+
 class RankChunks(nn.Module):
     """The children of every chunk a rank holds with interleaving, under their names in the whole
     model; ``forward(chunk, *args)`` runs chunk ``chunk`` (one engine over all of them: its
     forward is the module's, so every hook of the root runs around each chunk's forward)."""
 
-    def __init__(self, children: "OrderedDict[str, nn.Module]", pieces: list[nn.Sequential]):
+    def __init__(self, children: "OrderedDict[str, nn.Module]", pieces: list[StageChain]):
         super().__init__()
         for name, child in children.items():
             self.add_module(name, child)
@@ -144,7 +157,7 @@ def initialize_stage(stage_module: nn.Module, config: "InfinityConfig | dict | s
 
 def _build(module: nn.Module, cfg: InfinityConfig, rank: int, *,
            loss_fn: Callable[[Any, Any], torch.Tensor], split: StageSplit | None,
-           stages: list[int], pieces: list[nn.Sequential] | None,
+           stages: list[int], pieces: list[StageChain] | None,
            engine_kwargs: dict[str, Any]) -> "PipelineEngine":
     # The shapes' meta copies are made before the engine takes the parameters.
     shapes = [meta_copy(p) for p in pieces] if pieces is not None else [meta_copy(module)]
@@ -197,8 +210,15 @@ class PipelineEngine:
         self._group = None if group is None else group.group
         self._modules = [StageModule(engine, shape, chunk=v if chunked else None)
                          for v, shape in enumerate(shape_modules)]
-        self.stages = [CountingStage(m, k, self.num_stages, engine.device, group=self._group)
-                       for m, k in zip(self._modules, stages)]
+        self._p2p = [P2PCounts() for _ in stages]
+        self._make_schedule()
+
+    def _make_schedule(self) -> None:
+        """The stages and the schedule, new: torch's keep a step's state (received buffers, the
+        micro-batches' losses) until the step ends, so a step that raised leaves them behind."""
+        self.stages = [CountingStage(m, k, self.num_stages, self.engine.device, group=self._group,
+                                     counts=c)
+                       for m, k, c in zip(self._modules, self.stage_indices, self._p2p)]
         if self.schedule_name == "interleaved-1f1b":
             self.schedule = ScheduleInterleaved1F1B(self.stages, self.micro_batches,
                                                     loss_fn=self._micro_loss, scale_grads=False)
@@ -230,15 +250,22 @@ class PipelineEngine:
         first dimension): the schedule's forwards and backwards, then the step. Returns the mean
         of the micro-batches' losses on every stage."""
         self._losses = []
-        with self.engine.schedule_step():
-            if self.is_first and self.is_last:
-                self.schedule.step(*args, target=target, **kwargs)
-            elif self.is_first:
-                self.schedule.step(*args, **kwargs)
-            elif self.is_last:
-                self.schedule.step(target=target, **kwargs)
-            else:
-                self.schedule.step(**kwargs)
+        try:
+            with self.engine.schedule_step():
+                if self.is_first and self.is_last:
+                    self.schedule.step(*args, target=target, **kwargs)
+                elif self.is_first:
+                    self.schedule.step(*args, **kwargs)
+                elif self.is_last:
+                    self.schedule.step(target=target, **kwargs)
+                else:
+                    self.schedule.step(**kwargs)
+        except BaseException:
+            # The micro-batches that finished must not reach the next step, nor torch's state
+            # of this one (its losses, received buffers): the next step starts afresh.
+            self.engine.discard_window()
+            self._make_schedule()
+            raise
         self.engine.step(boundary=True)
         return self._mean_loss()
 
@@ -297,28 +324,37 @@ class PipelineEngine:
         """Each stage saves its engine's checkpoint under ``directory/pipeline-stage-KK-of-PP``
         (a collective over every rank); the stage's layout is kept beside it."""
         stage_dir = _stage_dir(directory, self.stage_index, self.num_stages)
-        path = self.engine.save_checkpoint(stage_dir, tag=tag, client_state=client_state)
-        if self.engine.collectives.world.rank == 0:
+        if self._is_stage_leader():  # written before the save, whose end every rank waits for
+            os.makedirs(stage_dir, exist_ok=True)
             tmp = os.path.join(stage_dir, LAYOUT_FILE + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(self._layout(), f, indent=1)
             os.replace(tmp, os.path.join(stage_dir, LAYOUT_FILE))
-        return path
+        return self.engine.save_checkpoint(stage_dir, tag=tag, client_state=client_state)
+
+    def _is_stage_leader(self) -> bool:
+        """This rank is its stage's first (the one rank of the stage that writes its layout,
+        whatever the stage's replicas, shards and tensor slices)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return True
+        per_stage = dist.get_world_size() // self.num_ranks
+        return dist.get_rank() % per_stage == 0
 
     def load_checkpoint(self, directory: str, *, tag: str | None = None) -> dict[str, Any]:
         """Restore this stage from a checkpoint saved by a pipeline with the same stages (at
         any data-parallel size); a different pipeline size or split is refused, naming both."""
         stage_dir = _stage_dir(directory, self.stage_index, self.num_stages)
-        saved = _saved_layouts(directory)
-        mine = self._layout()
-        if not os.path.isdir(stage_dir) or saved.get(self.stage_index) is None:
-            sizes = sorted({v["num_stages"] for v in saved.values()})
+        layout_path = os.path.join(stage_dir, LAYOUT_FILE)
+        if not os.path.isfile(layout_path):
+            sizes = _saved_sizes(directory)
             raise FileNotFoundError(
                 f"pipeline checkpoint {directory}: no save of stage {self.stage_index} of "
                 f"{self.num_stages} (found saves of a pipeline of {sizes or 'no'} stages); load "
                 f"it at the pipeline size it was saved with (mesh.pipeline)")
-        theirs = saved[self.stage_index]
-        if theirs["num_stages"] != self.num_stages or theirs["parameters"] != mine["parameters"]:
+        with open(layout_path) as f:
+            theirs = json.load(f)
+        mine = self._layout()
+        if theirs["parameters"] != mine["parameters"]:
             raise ValueError(
                 f"pipeline checkpoint {stage_dir}: saved by stage {theirs['stage']} of "
                 f"{theirs['num_stages']} holding children {theirs['children']}; this stage holds "
@@ -330,15 +366,10 @@ class PipelineEngine:
         self.engine.close()
 
 
-def _saved_layouts(directory: str) -> dict[int, dict[str, Any]]:
-    """Stage -> the layout saved with it, for the stages of the pipeline size found."""
-    out: dict[int, dict[str, Any]] = {}
+def _saved_sizes(directory: str) -> list[int]:
+    """The pipeline sizes saved under ``directory`` (by their stages' folder names)."""
     if not os.path.isdir(directory):
-        return out
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name, LAYOUT_FILE)
-        if name.startswith("pipeline-stage-") and os.path.isfile(path):
-            with open(path) as f:
-                layout = json.load(f)
-            out.setdefault(int(layout["stage"]), layout)
-    return out
+        return []
+    found = {m.group(1) for m in (re.fullmatch(r"pipeline-stage-\d+-of-(\d+)", name)
+                                  for name in os.listdir(directory)) if m}
+    return sorted(int(n) for n in found)

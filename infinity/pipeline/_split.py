@@ -44,7 +44,9 @@ class StageSplit:
     numel: tuple[int, ...]
     """Parameters per stage."""
     cost: tuple[float, ...]
-    """Each stage's share of the model's cost ([Note: the pipeline split]), summing to 1."""
+    """Each stage's share of the model's cost ([Note: the pipeline split]): its share of the
+    parameters and of the FLOPs, averaged (summing to 1, or 0.5 for a model with no matrix
+    product)."""
 
     @property
     def num_stages(self) -> int:
@@ -149,10 +151,11 @@ def check_split(costs: list[ChildCost], split_points: list[int] | tuple[int, ...
 def shared_across_stages(model: nn.Sequential, split: StageSplit) -> str | None:
     """The name of a parameter used by children of two stages, or None."""
     owner: dict[int, tuple[int, str]] = {}
+    names = [name for name, _ in model.named_children()]
     for k in range(split.num_stages):
         for i in split.children(k):
             for name, p in model[i].named_parameters(remove_duplicate=False):
-                first = owner.setdefault(id(p), (k, f"{i}.{name}"))
+                first = owner.setdefault(id(p), (k, f"{names[i]}.{name}"))
                 if first[0] != k:
-                    return f"{first[1]} (stage {first[0]}) is also {i}.{name} (stage {k})"
+                    return f"{first[1]} (stage {first[0]}) is also {names[i]}.{name} (stage {k})"
     return None

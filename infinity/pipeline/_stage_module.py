@@ -130,9 +130,10 @@ class CountingStage(PipelineStage):
     forward's activations and the backward's gradients; the first step's shape inference sends
     metadata objects, not counted)."""
 
-    def __init__(self, module: StageModule, *args: Any, **kwargs: Any):
+    def __init__(self, module: StageModule, *args: Any, counts: P2PCounts | None = None,
+                 **kwargs: Any):
         super().__init__(module, *args, **kwargs)
-        self.p2p = P2PCounts()
+        self.p2p = P2PCounts() if counts is None else counts
         self._stage_module = module
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:

@@ -452,6 +452,15 @@ class InfinityEngine:
         self._optimizer_step(float(clip))
         self._step_timer.stop()
 
+    def discard_window(self) -> None:
+        """Drop the gradients accumulated since the last optimizer step and restart the window:
+        a step that raised midway (a pipeline schedule's, :mod:`infinity.pipeline`) must not
+        leave its finished micro-batches' gradients to the next one."""
+        self._settle()
+        self.manager.zero_grads()
+        self.shard_optimizer.cancel_prefetch()  # no step uses the state read ahead
+        self._window.discard()
+
     def _host_activation_bytes(self) -> dict[str, int]:
         """Saved activations in host memory outside the arena ([Note: activations on the host]
         in infinity/zero/_activations.py), beside the arena's bytes; empty otherwise (the

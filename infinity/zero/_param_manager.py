@@ -164,9 +164,9 @@ class ParameterManager:
         self.micro_step = 0
         """Backward passes finished; names the step in agreement checks and errors."""
         self._traced_modes: set[bool] = set()
+        """Grad modes (True/False) whose first forward ran with the outside-use detector."""
         self._schedule = _ScheduleStep.CLOSED
         """A pipeline schedule's step: [Note: one prefetch step per schedule step]."""
-        """Grad modes (True/False) whose first forward ran with the outside-use detector."""
         self._forward_order: dict[int, None] = {}
         """Unit indices in the order the latest training forward first used them (the order in
         which a deferred optimizer step updates them, see forward_keys)."""

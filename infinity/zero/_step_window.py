@@ -35,7 +35,8 @@ WINDOW_TRANSITIONS = TransitionTable("accumulation window", {
     (_I, _D): "the backward of a later micro-batch of the window",
     (_D, _D): "another backward before step() (several losses of one micro-batch)",
     (_D, _I): "step() counted a micro-batch inside the window",
-    (_D, _B): "step() ended the window: the optimizer runs",
+    (_D, _B): "step() ended the window (the optimizer runs), or the window was discarded",
+    (_I, _B): "the window was discarded (a pipeline step that raised midway)",
 })
 """The window's allowed :class:`WindowState` changes, each with why (a checkpoint's load sets the
 state from the loaded counters, outside this table: it replaces the window)."""
@@ -98,6 +99,14 @@ class StepWindow:
         self.micro_steps = -(-self.micro_steps // window) * window  # an early boundary ends it
         self._to(_B)
         return True
+
+    def discard(self) -> None:
+        """The window's micro-batches are dropped (their gradients zeroed by the caller): back to
+        its start."""
+        window = self.gradient_accumulation_steps
+        self.micro_steps = self.micro_steps // window * window
+        if self.state is not _B:
+            self._to(_B)
 
     def optimizer_step(self, *, skipped: bool) -> None:
         """The window's optimizer step ran (``skipped``: an fp16 overflow skipped its update)."""

@@ -123,11 +123,6 @@ def test_checkpoint_layout_on_disk_and_refusals(tmp_path):
         assert f"this stage holds children {mine}" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "defect: _saved_layouts (infinity/pipeline/_engine.py:274-285) keeps, per stage index, the "
-    "layout of the first directory in name order whatever its pipeline size: with saves at "
-    "PP=1 and PP=2 under one root, stage 0 of PP=2 compares itself with the PP=1 layout and "
-    "refuses its own save"))
 def test_saves_at_two_pipeline_sizes_under_one_root(tmp_path):
     """A root holding a one-stage save and a two-stage save: each size loads its own."""
     root = str(tmp_path / "ckpt")
@@ -202,11 +197,6 @@ def test_one_stage_micro_batches_not_the_accumulation_steps():
     assert_close_state(res["state"], ref_state, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "defect: after a train_batch that raised, the next one fails ('Trying to backward through "
-    "the graph a second time'): torch's schedule keeps the failed step's micro-batch losses "
-    "(_internal_losses, cleared only at a step's successful end) and train_batch "
-    "(infinity/pipeline/_engine.py:175-190) does not clear them"))
 def test_a_step_that_raises_leaves_nothing_behind():
     """The first step's loss raises on its third micro-batch; the schedule step is closed, and
     the next 3 steps are plain PyTorch's on those 3 batches from the initial weights."""
@@ -221,10 +211,6 @@ def test_a_step_that_raises_leaves_nothing_behind():
     assert_close_state(res["state"], ref_state, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "defect: the gradients of a failed train_batch's finished backwards stay in the shards and "
-    "are added to the next step's (train_batch, infinity/pipeline/_engine.py:175-190, neither "
-    "zeroes them nor resets the step on an exception); measured: the next steps' losses off by 2e-4 and 2e-3"))
 def test_a_step_that_raises_leaves_no_gradients_behind():
     """As above, with torch's stale losses cleared by hand (the defect above set aside): the
     gradients of the failed step's two finished backwards must not reach the next step."""

@@ -15,12 +15,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_torch_thread
 MICRO, STEPS, LR = 4, 4, 1e-3
 
 
-META_DTYPE_DEFECT = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "defect: the shape pass's meta copy is taken before the engine casts the stage to the "
-    "compute dtype (infinity/pipeline/_engine.py:112) and stays fp32, so stage 1's receive "
-    "buffers are fp32 while its parameters are fp16/bf16: 'mixed dtype (CPU): expect parameter "
-    "to have scalar type of Float' in stage 1's first LayerNorm; casting the meta copy to the "
-    "compute dtype before the first step makes the bf16 run go through"))
 
 
 def _model():
@@ -78,7 +72,6 @@ def worker(rank: int, world_size: int, out_dir: str, precision: dict, overflow_s
     return out
 
 
-@META_DTYPE_DEFECT
 def test_fp16_static_scale_matches_plain_pytorch():
     from tests._support.engine import assert_close_run, reference_train
 
@@ -95,7 +88,6 @@ def test_fp16_static_scale_matches_plain_pytorch():
     assert results[1]["losses"] == results[0]["losses"]
 
 
-@META_DTYPE_DEFECT
 def test_fp16_overflow_on_the_last_stage_skips_the_step_on_both():
     import torch
 
@@ -111,7 +103,6 @@ def test_fp16_overflow_on_the_last_stage_skips_the_step_on_both():
         assert any(not torch.equal(after[k], after2[k]) for k in after), stage  # step 2 taken
 
 
-@META_DTYPE_DEFECT
 def test_bf16_matches_plain_pytorch():
     from tests._support.engine import assert_close_run, reference_train
 

@@ -69,12 +69,6 @@ def worker(rank: int, world_size: int, out_dir: str) -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "defect: a child that returns a tuple at a cut breaks the next stage: torch.distributed."
-    "pipelining calls the stage with the tuple's items as positional arguments, and the stage "
-    "is an nn.Sequential (infinity/pipeline/_engine.py:86), whose forward takes one: "
-    "'Sequential.forward() takes 2 positional arguments but 4 were given' on stage 1, while "
-    "the same nn.Sequential runs in plain PyTorch"))
 def test_tuple_output_stage_matches_plain_pytorch():
     import torch
 

@@ -165,11 +165,6 @@ def test_planner_config_with_a_pipeline_loads():
     assert cfg.pipeline.resolve_micro_batches(cfg.gradient_accumulation_steps) == cand.grad_accum
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "defect: 'pipeline' became a native top-level key (infinity/config/_deepspeed.py:34), so a "
-    "DeepSpeed config whose other keys are native too is read as native and DeepSpeed's "
-    "pipeline keys are unknown keys ('pipeline.activation_checkpoint_interval'); "
-    "is_deepspeed_config (infinity/config/_load.py:16) does not look inside the section"))
 @pytest.mark.parametrize("pipeline", [{"activation_checkpoint_interval": 0}, {"stages": 2}])
 def test_deepspeed_pipeline_keys_make_a_deepspeed_config(pipeline):
     raw = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,

@@ -157,9 +157,6 @@ def test_tied_embeddings_across_two_stages_are_found():
     assert shared_across_stages(seq, one) is None
 
 
-@pytest.mark.xfail(strict=True, reason="defect: shared_across_stages names a parameter by the "
-                   "child's index ('0.wte.weight'), not by its name in the nn.Sequential "
-                   "('embed.wte.weight'; infinity/pipeline/_split.py:155-157)")
 def test_tied_embeddings_named_as_in_the_model():
     seq = _tied_gpt_sequential()
     names = {n for n, _ in seq.named_parameters(remove_duplicate=False)}
