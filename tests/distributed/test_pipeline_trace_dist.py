@@ -9,7 +9,6 @@ on disk and its refusal at another pipeline size or split."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
