@@ -6,13 +6,13 @@ Reproduce::
 
 Each case trains one small GPT (``as_sequential`` of an untied GPT, 8 blocks of width 64) for
 ``--steps`` steps on gloo processes (``torchrun``-style, a file rendezvous) and compares every
-rank's losses and the stages' final weights with one process of plain PyTorch (``torch.optim.AdamW``,
-``clip_grad_norm_``) on the same global batch, fp32: the largest absolute difference of each. The
-cases: PP=2 x DP=2 with ZeRO-3 in each stage, PP=2 x DP=1 with parameters and optimizer on NVMe
-under a host budget smaller than a stage, and PP=4, each with GPipe and 1F1B. Per case also: the
-activation bytes each rank sent and received per step, the bubble, the prefetcher's demand misses
-after the first step (NVMe case; the schedule's order is recorded once and followed), and the
-median step time (on shared CPU cores: indicative).
+rank's losses and the stages' final weights with one process of plain PyTorch
+(``torch.optim.AdamW``, ``clip_grad_norm_``) on the same global batch, fp32: the largest absolute
+difference of each. The cases: PP=2 x DP=2 with ZeRO-3 in each stage, PP=2 x DP=1 with parameters
+and optimizer on NVMe under a host budget smaller than a stage, and PP=4, each with GPipe and 1F1B.
+Per case also: the activation bytes each rank sent and received per step, the bubble, the
+prefetcher's demand misses after the first step (NVMe case; the schedule's order is recorded once
+and followed), and the median step time (on shared CPU cores: indicative).
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def _worker(rank: int, world: int, init_file: str, case: tuple, steps: int, out:
         for x, y in _batches(steps):
             before = pipe.stats()["prefetch"].get("misses", 0)
             t = time.perf_counter()
-            losses.append(float(pipe.train_batch(x[d * n:(d + 1) * n], target=y[d * n:(d + 1) * n])))
+            mine = slice(d * n, (d + 1) * n)
+            losses.append(float(pipe.train_batch(x[mine], target=y[mine])))
             times.append(time.perf_counter() - t)
             misses.append(pipe.stats()["prefetch"].get("misses", 0) - before)
         stats = pipe.stats()

@@ -12,9 +12,9 @@ file a user already has works unchanged.
 what is left to ``transformers.TrainingArguments``' defaults (:mod:`._auto`). Every DeepSpeed key
 and its fate (mapped / replaced / ignored / rejected) is listed in :mod:`._ds_keys`.
 
-Module DAG inside the package: ``_checks`` <- ``_scheduler``, ``_mesh``, ``_pipeline`` <- ``_sections`` <-
-``_native`` <- ``_ds_keys`` <- ``_auto`` <- ``_deepspeed`` <- ``_load``; this ``__init__`` is the
-public surface.
+Module DAG inside the package: ``_checks`` <- ``_scheduler``, ``_mesh``, ``_pipeline`` <-
+``_sections`` <- ``_native`` <- ``_ds_keys`` <- ``_auto`` <- ``_deepspeed`` <- ``_load``; this
+``__init__`` is the public surface.
 """
 
 from infinity.config._auto import TRAINING_ARGUMENTS_DEFAULTS, fill_auto, resolve_auto
@@ -36,7 +36,8 @@ from infinity.config._scheduler import SchedulerConfig
 __all__ = ["AUTO", "AUTO_SUB_GROUP_NUMEL", "DEEPSPEED_KEYS", "DS_ONLY_TOP_KEYS", "DTYPE_BYTES",
            "TRAINING_ARGUMENTS_DEFAULTS", "ActivationCheckpointingConfig", "DTypeName", "Fate",
            "InfinityConfig", "MemoryConfig", "MeshConfig", "OffloadConfig", "OffloadDevice",
-           "OptimizerConfig", "PipelineConfig", "PrecisionConfig", "SchedulerConfig", "SwapperConfig", "ZeroConfig",
+           "OptimizerConfig", "PipelineConfig", "PrecisionConfig", "SchedulerConfig",
+           "SwapperConfig", "ZeroConfig",
            "config_from_deepspeed", "config_from_native", "config_to_deepspeed", "did_you_mean",
            "fate_of", "fill_auto", "is_deepspeed_config", "load_config", "resolve_auto",
            "unknown_key_error"]

@@ -351,9 +351,9 @@ def config_to_deepspeed(config: InfinityConfig) -> dict[str, Any]:
         # DeepSpeed's pipeline runs gradient_accumulation_steps micro-batches a step; its
         # schedule is its own (1F1B-like): ours is not written.
         out["pipeline"] = {"stages": config.mesh.pipeline}
-        out["gradient_accumulation_steps"] = config.pipeline.resolve_micro_batches(
-            config.gradient_accumulation_steps) if config.gradient_accumulation_steps != AUTO \
-            else config.gradient_accumulation_steps
+        if config.gradient_accumulation_steps != AUTO:
+            out["gradient_accumulation_steps"] = config.pipeline.resolve_micro_batches(
+                config.gradient_accumulation_steps)
     return out
 
 

@@ -341,9 +341,9 @@ class InfinityEngine:
 
     @contextlib.contextmanager
     def schedule_step(self) -> Iterator[None]:
-        """Wraps a pipeline schedule's forwards and backwards of one step (:mod:`infinity.pipeline`):
-        the prefetcher records them as one step, in the schedule's order ([Note: one prefetch step
-        per schedule step] in infinity/zero/_param_manager.py)."""
+        """Wraps a pipeline schedule's forwards and backwards of one step
+        (:mod:`infinity.pipeline`): the prefetcher records them as one step, in the schedule's
+        order ([Note: one prefetch step per schedule step] in infinity/zero/_param_manager.py)."""
         self.manager.begin_schedule_step()
         try:
             yield

@@ -11,7 +11,8 @@ LLAMA_7B = ModelShape(kind="llama", num_layers=32, hidden_size=4096, num_heads=3
 LLAMA_70B = ModelShape(kind="llama", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
                        vocab_size=32000, intermediate_size=28672, seq_len=2048,
                        tie_word_embeddings=False)
-TINY = ModelShape(kind="gpt2", num_layers=2, hidden_size=64, num_heads=2, vocab_size=64, seq_len=100)
+TINY = ModelShape(kind="gpt2", num_layers=2, hidden_size=64, num_heads=2, vocab_size=64,
+                  seq_len=100)
 """Units and activations only: the bytes of the hand-worked case come from ``numel``."""
 
 # The hand-worked cluster: 2 nodes x 2 GPUs, 100 GB/s per GPU inside a node, 10 GB/s per node
