@@ -4,7 +4,8 @@
 infinity/pipeline/_engine.py, [Note: the pipeline split] in infinity/pipeline/_split.py."""
 
 from infinity.pipeline._engine import PipelineEngine, initialize, initialize_stage
-from infinity.pipeline._split import StageSplit, balanced_split, check_split, child_costs
+from infinity.pipeline._split import (StageSplit, balanced_split, check_split, check_stage_bytes,
+                                      child_costs)
 
-__all__ = ["PipelineEngine", "StageSplit", "balanced_split", "check_split", "child_costs",
-           "initialize", "initialize_stage"]
+__all__ = ["PipelineEngine", "StageSplit", "balanced_split", "check_split", "check_stage_bytes",
+           "child_costs", "initialize", "initialize_stage"]

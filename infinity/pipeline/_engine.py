@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+                                          ScheduleInterleaved1F1B, pipeline)
 
 from infinity.config import InfinityConfig, load_config
 from infinity.ledger import StateTerms
-from infinity.pipeline._split import (StageSplit, balanced_split, check_split, child_costs,
-                                      shared_across_stages)
+from infinity.pipeline._split import (StageSplit, balanced_split, check_split,
+                                      check_stage_bytes, child_costs, shared_across_stages)
 from infinity.pipeline._stage_module import CountingStage, P2PCounts, StageModule, meta_copy
 from infinity.zero import initialize as zero_initialize
 
@@ -55,9 +55,10 @@ def _stage_dir(directory: str, stage: int, num_stages: int) -> str:
     return os.path.join(os.fspath(directory), f"pipeline-stage-{stage:02d}-of-{num_stages:02d}")
 
 
-def initialize(model: nn.Sequential, config: "InfinityConfig | dict | str | None" = None, *,
+def initialize(model: nn.Module, config: "InfinityConfig | dict | str | None" = None, *,
                loss_fn: Callable[[Any, Any], torch.Tensor],
-               split_points: "list[int] | None" = None, **engine_kwargs: Any
+               split_points: "list[int] | None" = None, split_spec: "dict[str, Any] | None" = None,
+               example_args: "tuple[Any, ...] | None" = None, **engine_kwargs: Any
                ) -> "PipelineEngine":
     """A pipeline over ``model`` (an ``nn.Sequential`` whose children run in order, each
     taking the previous one's output) with ``mesh.pipeline`` stages ([Note: mesh dimensions]):
@@ -67,12 +68,21 @@ def initialize(model: nn.Sequential, config: "InfinityConfig | dict | str | None
     one micro-batch on the last stage (its mean over the micro-batch's samples, as a plain
     training loop computes it). ``split_points``: the first child of each stage after the first
     (of every chunk with interleaving); None: the balanced split. ``engine_kwargs`` go to
-    :func:`infinity.initialize`."""
+    :func:`infinity.initialize`.
+
+    Any other model: ``split_spec`` (``{"layers.4": SplitPoint.BEGINNING, ...}``) and
+    ``example_args`` (one micro-batch's inputs: the tracer bakes their shapes into the stages)
+    cut it with ``torch.distributed.pipelining.pipeline`` (torch.export's tracer: the model's
+    forward must trace), each stage's traced module keeping the model's parameter names."""
+    cfg = load_config(config)
+    if split_spec is not None:
+        return _initialize_traced(model, cfg, loss_fn=loss_fn, split_spec=split_spec,
+                                  example_args=example_args, engine_kwargs=engine_kwargs)
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"infinity.pipeline.initialize: expected an nn.Sequential (the stages are "
-                        f"cut between its children), got {type(model).__name__}; build each "
+                        f"cut between its children) or a split_spec with example_args (torch's "
+                        f"tracer cuts it), got {type(model).__name__} without; or build each "
                         f"stage's module yourself and use infinity.pipeline.initialize_stage")
-    cfg = load_config(config)
     ranks, chunks = cfg.mesh.pipeline, cfg.pipeline.stages_per_rank
     rank = _stage_index(ranks)
     costs = child_costs(model)
@@ -97,6 +107,34 @@ def initialize(model: nn.Sequential, config: "InfinityConfig | dict | str | None
                       pieces)
     return _build(held, cfg, rank, loss_fn=loss_fn, split=split, stages=stages, pieces=pieces,
                   engine_kwargs=engine_kwargs)
+
+
+def _initialize_traced(model: nn.Module, cfg: InfinityConfig, *,
+                       loss_fn: Callable[[Any, Any], torch.Tensor], split_spec: dict[str, Any],
+                       example_args: "tuple[Any, ...] | None",
+                       engine_kwargs: dict[str, Any]) -> "PipelineEngine":
+    """``model`` cut at ``split_spec`` by torch's tracer ([Note: the pipeline split]: the
+    stages' bytes are checked as for ``split_points``, against an even share)."""
+    ranks = cfg.mesh.pipeline
+    if cfg.pipeline.stages_per_rank > 1:
+        raise ValueError("pipeline.stages_per_rank > 1 (interleaved-1f1b) with a split_spec is "
+                         "not supported: cut an nn.Sequential with split_points instead")
+    if example_args is None:
+        raise ValueError("infinity.pipeline.initialize(split_spec=...): give example_args, one "
+                         "micro-batch's inputs, for torch's tracer")
+    rank = _stage_index(ranks)
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    pipe = pipeline(model, mb_args=args, split_spec=split_spec)
+    if pipe.num_stages != ranks:
+        raise ValueError(f"pipeline: split_spec {sorted(split_spec)} cuts the model into "
+                         f"{pipe.num_stages} stages, the mesh has {ranks} (mesh.pipeline); give "
+                         f"{ranks - 1} split points")
+    numel = [sum(p.numel() for p in pipe.get_stage_module(k).parameters())
+             for k in range(ranks)]
+    check_stage_bytes(numel, max_imbalance=cfg.pipeline.max_stage_imbalance,
+                      bytes_per_param=StateTerms.from_config(cfg).per_param_bytes)
+    return _build(pipe.get_stage_module(rank), cfg, rank, loss_fn=loss_fn, split=None,
+                  stages=[rank], pieces=None, engine_kwargs=engine_kwargs)
 
 
 class StageChain(nn.Sequential):

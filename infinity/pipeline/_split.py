@@ -16,7 +16,9 @@ A split the caller gives (``split_points``: the first child index of each stage 
 is checked against it: no stage may be empty, and no stage's bytes may pass
 ``pipeline.max_stage_imbalance`` times the balanced split's largest stage; the error names the
 stage, its bytes and the balanced split. A parameter shared by children of two stages (tied
-embeddings across the pipeline) is refused: each stage's engine owns its parameters.
+embeddings across the pipeline) is refused: each stage's engine owns its parameters. A model cut
+by torch's tracer (``split_spec``) has no children to balance: its stages' bytes are checked
+against an even share of the model's instead.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["StageSplit", "balanced_split", "check_split", "child_costs"]
+__all__ = ["StageSplit", "balanced_split", "check_split", "check_stage_bytes", "child_costs",
+           "shared_across_stages"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,22 @@ def check_split(costs: list[ChildCost], split_points: list[int] | tuple[int, ...
                 f"is split_points {list(balanced.bounds[1:-1])} "
                 f"({balanced.describe(bytes_per_param)}); leave split_points out to use it")
     return split
+
+
+def check_stage_bytes(numel: list[int], *, max_imbalance: float, bytes_per_param: float) -> None:
+    """A traced split (``split_spec``: no children to balance): no stage empty, none over
+    ``max_imbalance`` x an even share of the model's bytes."""
+    total = sum(numel)
+    for k, n in enumerate(numel):
+        if n == 0:
+            raise ValueError(f"pipeline: split_spec leaves stage {k} without parameters; move "
+                             f"its split points")
+        if n > max_imbalance * total / len(numel):
+            raise ValueError(
+                f"pipeline: stage {k} holds {n * bytes_per_param / 2**20:.1f} MiB of model state "
+                f"({n:,} parameters), more than pipeline.max_stage_imbalance ({max_imbalance:g}) "
+                f"x an even share ({total * bytes_per_param / len(numel) / 2**20:.1f} MiB); "
+                f"stages: {[round(x * bytes_per_param / 2**20, 1) for x in numel]} MiB")
 
 
 def shared_across_stages(model: nn.Sequential, split: StageSplit) -> str | None:

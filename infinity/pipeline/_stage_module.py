@@ -74,7 +74,9 @@ class StageModule(nn.Module):
     copy of the stage's modules on the meta device (built before the engine, no bytes) and
     returns zero tensors of the outputs' shapes, dtypes and ``requires_grad``; the gradients'
     shapes follow from the inputs' (the schedule derives them when nothing connects the two).
-    A model whose forward cannot run on meta runs that pass through the engine after all."""
+    A model whose forward cannot run on meta runs that pass through the engine after all (its
+    outputs are still the shape pass's: the loss function's call on them is not a micro-batch's
+    loss)."""
 
     def __init__(self, engine: Any, shape_module: nn.Module | None, *, chunk: int | None = None):
         """``chunk``: with interleaving, which of the rank's chunks this runs (the engine's
@@ -89,20 +91,27 @@ class StageModule(nn.Module):
         self._shape_outputs: list[torch.Tensor] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.in_micro_batch or self._shape_module is None:
+        if self.in_micro_batch:
             return self._run(*args, **kwargs)
-        try:
-            out = self._shape_module(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
-        except (NotImplementedError, RuntimeError) as e:
-            logger.info("pipeline: the stage's forward does not run on meta tensors (%s); its "
-                        "shapes come from a forward through the engine", e)
-            self._shape_module = None
-            return self._run(*args, **kwargs)
-        device = self._engine.device
-        out = tree_map(lambda t: _zeros_like_meta(t, device) if isinstance(t, torch.Tensor)
-                       else t, out)
+        out = self._shapes(*args, **kwargs)
         self._shape_outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         return out
+
+    def _shapes(self, *args: Any, **kwargs: Any) -> Any:
+        """The shape pass's outputs: zeros shaped by the meta copy, or the engine's forward
+        where the meta copy cannot run (a traced stage's graph names its device)."""
+        if self._shape_module is not None:
+            try:
+                out = self._shape_module(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+            except (NotImplementedError, RuntimeError) as e:
+                logger.info("pipeline: the stage's forward does not run on meta tensors (%s); "
+                            "its shapes come from a forward through the engine", e)
+                self._shape_module = None
+            else:
+                device = self._engine.device
+                return tree_map(lambda t: _zeros_like_meta(t, device)
+                                if isinstance(t, torch.Tensor) else t, out)
+        return self._run(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         if self._chunk is None:

@@ -116,14 +116,16 @@ def _reference(layers: int = 4, dtype: str = "fp32"):
                            param_groups=lambda m: [{"params": list(m.parameters()), "lr": LR}])
 
 
-def _check(results: list[dict], cases: list[dict], ref_losses, ref_state) -> None:
+def _check(results: list[dict], cases: list[dict], ref_losses, ref_state, *,
+           by_name: bool = True) -> None:
+    """``by_name``: each rank's result holds one entry per case name (else the result itself)."""
     from tests._support.engine import TOL, assert_close_state
 
     for case in cases:
         dtype = case.get("dtype", "fp32")
         merged: dict = {}
         for res in results:
-            got = res[case["name"]]
+            got = res[case["name"]] if by_name else res
             assert got["losses"] == pytest.approx(
                 ref_losses, abs=ATOL if dtype == "fp32" else TOL[dtype]["loss"]), case["name"]
             merged.update(got["state"])  # the stages' layers; replicas hold the same values
@@ -244,3 +246,31 @@ def test_checkpoint_saved_at_pp2_dp2_loads_at_pp2_dp1(tmp_path):
     ref_losses, ref_state = _reference()
     assert saved[0]["before"] + saved[0]["after"] == pytest.approx(ref_losses, abs=ATOL)
     assert_close_state(got, ref_state, atol=ATOL)
+
+
+def worker_traced(rank: int, world_size: int, out_dir: str) -> dict:
+    import torch
+    from torch.distributed.pipelining import SplitPoint
+
+    import infinity.pipeline
+
+    case = {"pp": 2, "zero": 3, "schedule": "1f1b"}
+    pipe = infinity.pipeline.initialize(
+        _model(), _config(case, rank, out_dir), loss_fn=_loss,
+        split_spec={"blocks.2": SplitPoint.BEGINNING},
+        example_args=(torch.zeros(8 * MICRO // MICRO, 16, dtype=torch.long),))  # a micro-batch
+    losses = _train(pipe, _data(), rank, world_size, 2, range(STEPS))
+    out = {"losses": losses, "state": pipe.full_state_dict(), "stats": pipe.stats()}
+    pipe.close()
+    return out
+
+
+def test_a_model_cut_by_torchs_tracer_matches_plain_pytorch():
+    """A GPT (not an nn.Sequential) cut at ``blocks.2`` by ``split_spec`` (torch.export's
+    tracer): its stages keep the model's parameter names, and PP=2 x DP=1 with ZeRO-3 trains as
+    plain PyTorch does."""
+    results = launch(__file__, "worker_traced", world_size=2, timeout_s=300)
+    ref_losses, ref_state = _reference()
+    _check(results, [{"name": None, "pp": 2, "schedule": "1f1b"}], ref_losses, ref_state,
+           by_name=False)
+    assert any(k.startswith("blocks.3.") for k in results[1]["state"])

@@ -163,3 +163,16 @@ def test_tied_embeddings_named_as_in_the_model():
     assert {"embed.wte.weight", "head.lm_head.weight"} <= names
     found = shared_across_stages(seq, balanced_split(child_costs(seq), 2))
     assert "embed.wte.weight" in found and "head.lm_head.weight" in found, found
+
+
+def test_traced_stage_bytes_checked_against_an_even_share():
+    """split_spec's stages (no children to balance): an empty stage and one over
+    max_stage_imbalance x an even share are refused, naming the stage and its MiB."""
+    from infinity.pipeline import check_stage_bytes
+
+    check_stage_bytes([100, 140], max_imbalance=1.5, bytes_per_param=16)  # 140 < 1.5 x 120
+    with pytest.raises(ValueError, match=r"stage 1 without parameters"):
+        check_stage_bytes([100, 0], max_imbalance=1.5, bytes_per_param=16)
+    n = 2**20  # 16 MiB a million parameters
+    with pytest.raises(ValueError, match=r"stage 0 holds 32\.0 MiB .* an even share \(18\.0 MiB\)"):
+        check_stage_bytes([2 * n, n // 4], max_imbalance=1.5, bytes_per_param=16)
