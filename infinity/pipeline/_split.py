@@ -159,6 +159,7 @@ def check_stage_bytes(numel: list[int], *, max_imbalance: float, bytes_per_param
         if n == 0:
             raise ValueError(f"pipeline: split_spec leaves stage {k} without parameters; move "
                              f"its split points")
+    for k, n in enumerate(numel):
         if n > max_imbalance * total / len(numel):
             raise ValueError(
                 f"pipeline: stage {k} holds {n * bytes_per_param / 2**20:.1f} MiB of model state "
