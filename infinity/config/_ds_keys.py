@@ -326,14 +326,15 @@ ACTIVATION_CHECKPOINTING_DEFAULTS = {
     "partition_activations": False, "contiguous_memory_optimization": False,
     "cpu_checkpointing": False, "synchronize_checkpoint_boundary": False, "profile": False}
 _ACTIVATION_WHY = (
-    "DeepSpeed's section configures its own checkpoint API (deepspeed.checkpointing), which is "
-    "not implemented; use the native 'activation_checkpointing' section instead "
+    "the section configures DeepSpeed's own checkpoint API (deepspeed.checkpointing), which a "
+    "model calls itself (Megatron-style) and which is not implemented here, so it checkpoints "
+    "and offloads nothing (as under DeepSpeed for a model that does not call that API: a "
+    "Hugging Face model's gradient_checkpointing_enable() uses torch.utils.checkpoint either "
+    "way); for the engine's own checkpointing use the native 'activation_checkpointing' section "
     "({\"units\": \"all\" or [\"Block\"], \"offload\": \"host\" (cpu_checkpointing), "
-    "\"nvme\" or \"auto\"} in a native config; partition_activations and "
-    "contiguous_memory_optimization have no counterpart: the saved inputs are whole per rank and "
-    "live in the store's arena or swap files; or "
-    "config.replace(activation_checkpointing=ActivationCheckpointingConfig(...))), or "
-    "torch.utils.checkpoint(use_reentrant=False) in the model")
+    "\"nvme\" or \"auto\"}; partition_activations and contiguous_memory_optimization have no "
+    "counterpart: the saved inputs are whole per rank and live in the store's arena or swap "
+    "files), or config.replace(activation_checkpointing=ActivationCheckpointingConfig(...))")
 
 
 def _activation_off(section: Any) -> bool:
@@ -416,7 +417,9 @@ TOP_KEYS: dict[str, Fate] = {
     "managed_gradient_accumulation": rejected(
         "the engine always owns the accumulation boundary (every gradient_accumulation_steps-th "
         "engine.step())", True),
-    "activation_checkpointing": rejected(_ACTIVATION_WHY, _activation_off),
+    # Ignored, not rejected: DeepSpeed runs such a config with a model that does not call its
+    # checkpoint API (every Hugging Face model), and so must we.
+    "activation_checkpointing": ignored(_ACTIVATION_WHY, _activation_off),
     "torch_autocast": rejected("torch autocast under the engine is not implemented; use bf16 or "
                                "fp16 (parameters in the compute dtype)", disabled),
     "data_types": rejected("separate gradient / parameter / buffer dtypes are not implemented "

@@ -198,6 +198,9 @@ def test_each_fate_behaves_as_documented():
     assert messages == []
     _, messages = _warnings_of({"bf16": {"enabled": True, "check_grad_overflow": True}})
     assert len(messages) == 1 and "not skipped for non-finite gradients" in messages[0]
+    _, messages = _warnings_of({"zero_optimization": {"stage": 3},
+                                "activation_checkpointing": {"cpu_checkpointing": True}})
+    assert len(messages) == 1 and "deepspeed.checkpointing" in messages[0]
     # rejected: accepted at its off value, an error naming the key otherwise
     load_config({"gradient_allreduce_op": "mean", "prescale_gradients": False,
                  "compile": {"deepcompile": False}, "autotuning": {"enabled": False},
@@ -206,9 +209,6 @@ def test_each_fate_behaves_as_documented():
                                               "number_checkpoints": None}})
     for raw, key in [({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
                      ({"compile": {"deepcompile": True}}, "compile"),
-                     ({"zero_optimization": {"stage": 3},
-                       "activation_checkpointing": {"partition_activations": True}},
-                      "activation_checkpointing"),
                      ({"amp": {"enabled": True}}, "amp"),
                      ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}},
                       "optimizer.params.max_grad_norm"),
