@@ -7,9 +7,10 @@ its place on the mesh's pipeline dimension, [Note: mesh dimensions] in infinity/
 stages 0-3, CPU and NVMe offload, the prefetcher, all as without a pipeline. What the pipeline
 changes, and where:
 
-* The schedule (GPipe, 1F1B: ``torch.distributed.pipelining``'s, never our own) calls the stage's
-  module for each micro-batch's forward and ``torch.autograd.backward`` for its backward, in its
-  own interleaved order; the engine sees a ``loss.backward()``-style backward per micro-batch
+* The schedule (GPipe, 1F1B, Interleaved1F1B: ``torch.distributed.pipelining``'s, never our own)
+  calls the stage's module for each micro-batch's forward and ``torch.autograd.backward`` for its
+  backward, in its own interleaved order (interleaved: one engine per rank over all the rank's
+  chunks, :class:`RankChunks`); the engine sees a ``loss.backward()``-style backward per micro-batch
   ([Note: the end of backward] in infinity/zero/_param_manager.py) and accumulates its gradients
   into the shards, reduced over the stage's data-parallel ranks as usual.
 * The whole schedule step is one prefetch step ([Note: one prefetch step per schedule step] in
@@ -44,7 +45,7 @@ from infinity.pipeline._split import (StageSplit, balanced_split, check_split,
 from infinity.pipeline._stage_module import CountingStage, P2PCounts, StageModule, meta_copy
 from infinity.zero import initialize as zero_initialize
 
-__all__ = ["PipelineEngine", "initialize"]
+__all__ = ["PipelineEngine", "RankChunks", "StageChain", "initialize", "initialize_stage"]
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LAYOUT_FILE = "pipeline.json"
@@ -322,9 +323,6 @@ class PipelineEngine:
                     else dist.get_global_rank(self._group, self.num_ranks - 1))
             dist.broadcast(loss, src=last, group=self._group)
         return loss
-
-    def step_counters(self) -> dict[str, int]:
-        return {"global_steps": self.engine.global_steps}
 
     def stats(self) -> dict[str, Any]:
         """``engine.stats()`` of this stage, with a ``pipeline`` entry: the stage, the schedule,
