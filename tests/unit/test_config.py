@@ -154,7 +154,7 @@ def test_aio_maps_onto_swapper_settings():
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "partial optimizer offload"),
     ({"aio": {"use_gds": True}}, "GPUDirect"),
-    ({"pipeline": {"stages": 2}}, "pipeline parallelism"),
+    ({"pipeline": {"activation_checkpoint_interval": 1}}, "checkpointing every k-th layer"),
     ({"optimizer": {"type": "Lamb", "params": {}}}, "Lamb"),
     ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, "AMSGrad"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "at most one"),
