@@ -220,6 +220,7 @@ class PipelineEngine:
 
         pipe = infinity.pipeline.initialize(nn.Sequential(...), config, loss_fn=loss_fn)
         loss = pipe.train_batch(inputs, target=targets)   # m micro-batches, one optimizer step
+        loss = pipe.eval_batch(inputs, target=targets)    # forwards only, nothing changes
         pipe.stats(); pipe.save_checkpoint(dir); pipe.load_checkpoint(dir); pipe.close()
     """
 
@@ -244,6 +245,7 @@ class PipelineEngine:
                              f"{self.micro_batches}")
         self._loss_fn = loss_fn
         self._losses: list[torch.Tensor] = []
+        self._evaluating = False
         self.is_first, self.is_last = 0 in stages, self.num_stages - 1 in stages
         group = engine.collectives.pipeline
         self._group = None if group is None else group.group
@@ -282,6 +284,8 @@ class PipelineEngine:
         if any(m.is_shape_output(output) for m in self._modules):
             return loss  # [Note: the stage's shapes from a meta copy]
         self._losses.append(loss.detach())
+        if self._evaluating:
+            return loss
         return loss * (self.engine.loss_scale / self.micro_batches)
 
     def train_batch(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -306,6 +310,30 @@ class PipelineEngine:
             self._make_schedule()
             raise
         self.engine.step(boundary=True)
+        return self._mean_loss()
+
+    def eval_batch(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """The batch's mean loss without training (an evaluation between steps): the schedule's
+        forwards only, under ``torch.no_grad`` (nothing saved for a backward, no gradient, the
+        prefetcher's evaluation phase); the same micro-batches and the same mean as
+        :meth:`train_batch`."""
+        self._losses = []
+        self._evaluating = True
+        try:
+            with torch.no_grad():
+                if self.is_first and self.is_last:
+                    self.schedule.eval(*args, target=target, **kwargs)
+                elif self.is_first:
+                    self.schedule.eval(*args, **kwargs)
+                elif self.is_last:
+                    self.schedule.eval(target=target, **kwargs)
+                else:
+                    self.schedule.eval(**kwargs)
+        except BaseException:
+            self._make_schedule()  # torch's state of the failed step
+            raise
+        finally:
+            self._evaluating = False
         return self._mean_loss()
 
     def _mean_loss(self) -> torch.Tensor:

@@ -274,3 +274,37 @@ def test_a_model_cut_by_torchs_tracer_matches_plain_pytorch():
     _check(results, [{"name": None, "pp": 2, "schedule": "1f1b"}], ref_losses, ref_state,
            by_name=False)
     assert any(k.startswith("blocks.3.") for k in results[1]["state"])
+
+
+def worker_eval(rank: int, world_size: int, out_dir: str) -> dict:
+    import infinity.pipeline
+    from infinity.models.gpt import as_sequential, sequential_names
+
+    case = {"pp": 2, "zero": 3, "schedule": "1f1b"}
+    model = _model()
+    names = sequential_names(model)
+    pipe = infinity.pipeline.initialize(as_sequential(model), _config(case, rank, out_dir),
+                                        loss_fn=_loss)
+    data = _data()
+    evals, losses = [], []
+    for s in range(STEPS):
+        x, y = _rank_batch(data[s], rank, world_size, 2)
+        if s % 3 == 0:  # before the step: the loss of the weights the step starts from
+            evals.append(float(pipe.eval_batch(x, target=y)))
+        losses.append(float(pipe.train_batch(x, target=y)))
+    out = {"evals": evals, "losses": losses, "state": _gpt_state(pipe, names),
+           "stats": pipe.stats()}
+    pipe.close()
+    return out
+
+
+def test_an_evaluation_between_steps_changes_nothing():
+    """PP=2 x DP=2, ZeRO-3: ``eval_batch`` before steps 0, 3, 6 and 9 gives the loss plain
+    PyTorch's training computes at those steps (the same weights, batch and mean), and the
+    training around it is plain PyTorch's still (no gradient, no saved state left behind)."""
+    results = launch(__file__, "worker_eval", world_size=4, timeout_s=300)
+    ref_losses, ref_state = _reference()
+    _check(results, [{"name": None, "pp": 2, "schedule": "1f1b"}], ref_losses, ref_state,
+           by_name=False)
+    for res in results:
+        assert res["evals"] == pytest.approx(ref_losses[::3], abs=ATOL)
