@@ -295,14 +295,7 @@ class PipelineEngine:
         self._losses = []
         try:
             with self.engine.schedule_step():
-                if self.is_first and self.is_last:
-                    self.schedule.step(*args, target=target, **kwargs)
-                elif self.is_first:
-                    self.schedule.step(*args, **kwargs)
-                elif self.is_last:
-                    self.schedule.step(target=target, **kwargs)
-                else:
-                    self.schedule.step(**kwargs)
+                self._run(self.schedule.step, args, target, kwargs)
         except BaseException:
             # The micro-batches that finished must not reach the next step, nor torch's state
             # of this one (its losses, received buffers): the next step starts afresh.
@@ -321,20 +314,20 @@ class PipelineEngine:
         self._evaluating = True
         try:
             with torch.no_grad():
-                if self.is_first and self.is_last:
-                    self.schedule.eval(*args, target=target, **kwargs)
-                elif self.is_first:
-                    self.schedule.eval(*args, **kwargs)
-                elif self.is_last:
-                    self.schedule.eval(target=target, **kwargs)
-                else:
-                    self.schedule.eval(**kwargs)
+                self._run(self.schedule.eval, args, target, kwargs)
         except BaseException:
             self._make_schedule()  # torch's state of the failed step
             raise
         finally:
             self._evaluating = False
         return self._mean_loss()
+
+    def _run(self, call: Callable[..., Any], args: tuple[Any, ...], target: Any,
+             kwargs: dict[str, Any]) -> None:
+        """``schedule.step`` or ``schedule.eval`` with what this rank's stages take: the first
+        stage the inputs, the last the targets."""
+        call(*(args if self.is_first else ()), **kwargs,
+             **({"target": target} if self.is_last else {}))
 
     def _mean_loss(self) -> torch.Tensor:
         """The step's loss: the mean over the micro-batches and the stage's data-parallel ranks

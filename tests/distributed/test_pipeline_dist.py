@@ -200,15 +200,21 @@ def test_nvme_stage_paged_under_a_host_budget_smaller_than_the_stage(tmp_path):
             assert prefetch["prefetch_hits"] > 0, prefetch
 
 
-def worker_checkpoint(rank: int, world_size: int, out_dir: str, root: str, phase: str) -> dict:
+def _pp2_zero3_1f1b(rank: int, out_dir: str):
+    """PP=2 (x the launch's DP) at ZeRO-3 with 1F1B over the 4-block GPT, and the stage names'
+    map to the GPT's."""
     import infinity.pipeline
     from infinity.models.gpt import as_sequential, sequential_names
 
     case = {"pp": 2, "zero": 3, "schedule": "1f1b"}
     model = _model()
-    names = sequential_names(model)
     pipe = infinity.pipeline.initialize(as_sequential(model), _config(case, rank, out_dir),
                                         loss_fn=_loss)
+    return pipe, sequential_names(model)
+
+
+def worker_checkpoint(rank: int, world_size: int, out_dir: str, root: str, phase: str) -> dict:
+    pipe, names = _pp2_zero3_1f1b(rank, out_dir)
     data = _data()
     if phase == "save":
         before = _train(pipe, data, rank, world_size, 2, range(5))
@@ -277,14 +283,7 @@ def test_a_model_cut_by_torchs_tracer_matches_plain_pytorch():
 
 
 def worker_eval(rank: int, world_size: int, out_dir: str) -> dict:
-    import infinity.pipeline
-    from infinity.models.gpt import as_sequential, sequential_names
-
-    case = {"pp": 2, "zero": 3, "schedule": "1f1b"}
-    model = _model()
-    names = sequential_names(model)
-    pipe = infinity.pipeline.initialize(as_sequential(model), _config(case, rank, out_dir),
-                                        loss_fn=_loss)
+    pipe, names = _pp2_zero3_1f1b(rank, out_dir)
     data = _data()
     evals, losses = [], []
     for s in range(STEPS):
