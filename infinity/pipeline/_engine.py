@@ -44,6 +44,7 @@ from infinity.pipeline._split import (StageSplit, balanced_split, check_split,
                                       check_stage_bytes, child_costs, shared_across_stages)
 from infinity.pipeline._stage_module import CountingStage, P2PCounts, StageModule, meta_copy
 from infinity.zero import initialize as zero_initialize
+from infinity.zero import pipeline_stage_of_rank
 
 __all__ = ["PipelineEngine", "RankChunks", "StageChain", "initialize", "initialize_stage"]
 
@@ -85,7 +86,7 @@ def initialize(model: nn.Module, config: "InfinityConfig | dict | str | None" = 
                         f"tracer cuts it), got {type(model).__name__} without; or build each "
                         f"stage's module yourself and use infinity.pipeline.initialize_stage")
     ranks, chunks = cfg.mesh.pipeline, cfg.pipeline.stages_per_rank
-    rank = _stage_index(ranks)
+    rank = pipeline_stage_of_rank(ranks)
     costs = child_costs(model)
     bytes_per_param = StateTerms.from_config(cfg).per_param_bytes
     split = (balanced_split(costs, ranks * chunks) if split_points is None else
@@ -123,7 +124,7 @@ def _initialize_traced(model: nn.Module, cfg: InfinityConfig, *,
     if example_args is None:
         raise ValueError("infinity.pipeline.initialize(split_spec=...): give example_args, one "
                          "micro-batch's inputs, for torch's tracer")
-    rank = _stage_index(ranks)
+    rank = pipeline_stage_of_rank(ranks)
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     pipe = pipeline(model, mb_args=args, split_spec=split_spec)
     if pipe.num_stages != ranks:
@@ -165,15 +166,6 @@ class RankChunks(nn.Module):
         return self._pieces[chunk](*args, **kwargs)
 
 
-def _stage_index(num_stages: int) -> int:
-    """This rank's stage: the outermost coordinate ([Note: mesh dimensions])."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world % num_stages:
-        raise ValueError(f"mesh.pipeline: {num_stages} stages do not divide the world size "
-                         f"{world}; choose a divisor")
-    return (dist.get_rank() if world > 1 else 0) // (world // num_stages)
-
-
 def initialize_stage(stage_module: nn.Module, config: "InfinityConfig | dict | str | None" = None,
                      *, loss_fn: Callable[[Any, Any], torch.Tensor], stage_index: int | None = None,
                      **engine_kwargs: Any) -> "PipelineEngine":
@@ -181,7 +173,7 @@ def initialize_stage(stage_module: nn.Module, config: "InfinityConfig | dict | s
     stage's layers). ``stage_index``: None: this rank's place on the mesh's pipeline dimension."""
     cfg = load_config(config)
     ranks = cfg.mesh.pipeline
-    expected = _stage_index(ranks)
+    expected = pipeline_stage_of_rank(ranks)
     if stage_index is not None and stage_index != expected:
         raise ValueError(f"initialize_stage: stage_index {stage_index}, but this rank is at "
                          f"stage {expected} of mesh.pipeline {ranks} (pipeline outermost: "

@@ -24,27 +24,22 @@ class P2PCounts:
     all and by neighbour ("prev": the stage before, "next": the one after)."""
 
     def __init__(self) -> None:
-        self.sent_bytes = 0
-        self.received_bytes = 0
         self.by_neighbour: dict[str, int] = {"send_bytes_prev": 0, "send_bytes_next": 0,
                                              "recv_bytes_prev": 0, "recv_bytes_next": 0}
-        """Each neighbour's share of the two totals: a first stage's ``_prev`` stay 0, a last
-        stage's ``_next``."""
+        """Bytes by direction and neighbour: a first stage's ``_prev`` stay 0, a last stage's
+        ``_next``."""
 
     def add(self, ops: list[dist.P2POp], neighbour: str) -> list[dist.P2POp]:
         for op in ops:
+            kind = "send" if op.op is dist.isend else "recv"
             nbytes = op.tensor.numel() * op.tensor.element_size()
-            if op.op is dist.isend:
-                self.sent_bytes += nbytes
-                self.by_neighbour[f"send_bytes_{neighbour}"] += nbytes
-            else:
-                self.received_bytes += nbytes
-                self.by_neighbour[f"recv_bytes_{neighbour}"] += nbytes
+            self.by_neighbour[f"{kind}_bytes_{neighbour}"] += nbytes
         return ops
 
     def as_dict(self) -> dict[str, int]:
-        return {"send_bytes": self.sent_bytes, "recv_bytes": self.received_bytes,
-                **self.by_neighbour}
+        n = self.by_neighbour
+        return {"send_bytes": n["send_bytes_prev"] + n["send_bytes_next"],
+                "recv_bytes": n["recv_bytes_prev"] + n["recv_bytes_next"], **n}
 
 
 def meta_copy(module: nn.Module) -> nn.Module:

@@ -11,7 +11,7 @@ from infinity.zero._activations import apply_activation_checkpointing
 from infinity.zero._collectives import CollectiveError, Collectives, barrier, init_distributed
 from infinity.zero._device import resolve_device
 from infinity.zero._engine import InfinityEngine
-from infinity.zero._initialize import initialize
+from infinity.zero._initialize import initialize, pipeline_stage_of_rank
 from infinity.zero._flat_group import Unit, UnitState, UnitUse
 from infinity.zero._lazy import LazyInitError, extend_recording, init
 from infinity.zero._managed import engine_of
@@ -20,9 +20,8 @@ from infinity.zero._offload import host_needs_of, least_host_budget_bytes
 from infinity.zero._param_manager import ParameterManager
 from infinity.zero._unit_builder import BuildProgress
 
-__all__ = ["BuildProgress", "CollectiveError", "Collectives", "InfinityEngine", "LazyInitError", "barrier",
+__all__ = ["BuildProgress", "CollectiveError", "Collectives", "InfinityEngine", "LazyInitError",
            "MeshRanks", "ParameterManager", "Unit", "UnitState", "UnitUse",
-           "apply_activation_checkpointing", "engine_of",
-           "extend_recording", "host_needs_of", "init",
-           "init_distributed", "initialize", "least_host_budget_bytes", "mesh_ranks",
-           "resolve_device"]
+           "apply_activation_checkpointing", "barrier", "engine_of", "extend_recording",
+           "host_needs_of", "init", "init_distributed", "initialize", "least_host_budget_bytes",
+           "mesh_ranks", "pipeline_stage_of_rank", "resolve_device"]

@@ -16,9 +16,19 @@ from infinity.zero._engine import InfinityEngine
 from infinity.zero._lazy import recording_of
 from infinity.zero._unit_builder import BuildProgress
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "pipeline_stage_of_rank"]
 
 logger = logging.getLogger(__name__)
+
+
+def pipeline_stage_of_rank(num_stages: int) -> int:
+    """This rank's pipeline stage: the outermost mesh coordinate ([Note: mesh dimensions] in
+    infinity/config/_mesh.py); ValueError when the stages do not divide the world."""
+    world = dist.get_world_size() if is_distributed() else 1
+    if world % num_stages:
+        raise ValueError(f"mesh.pipeline: {num_stages} stages do not divide the world size "
+                         f"{world}; choose a divisor")
+    return (dist.get_rank() if is_distributed() else 0) // (world // num_stages)
 
 
 def check_pipeline_stage(num_stages: int, stage: int | None) -> None:
@@ -31,11 +41,7 @@ def check_pipeline_stage(num_stages: int, stage: int | None) -> None:
                          f"for a whole model; build a pipeline with infinity.pipeline.initialize("
                          f"nn.Sequential(...), config, loss_fn=...), or set mesh.pipeline 1 (a "
                          f"DeepSpeed config's pipeline.stages) for data parallelism only")
-    world = dist.get_world_size() if is_distributed() else 1
-    if world % num_stages:
-        raise ValueError(f"mesh.pipeline: {num_stages} stages do not divide the world size "
-                         f"{world}; choose a divisor")
-    mine = (dist.get_rank() if is_distributed() else 0) // (world // num_stages)
+    mine = pipeline_stage_of_rank(num_stages)
     if stage != mine:
         raise ValueError(f"initialize(pipeline_stage={stage}): this rank is at stage {mine} of "
                          f"mesh.pipeline {num_stages} (pipeline outermost in rank order)")
