@@ -10,6 +10,17 @@ directory, a process-group timeout), calls ``worker_fn(rank, world_size, out_dir
 writes its return value with ``torch.save``. ``launch`` returns the per-rank values, or raises
 with every rank's stderr tail if a rank failed or the whole run exceeded ``timeout_s`` (the
 processes are killed then, so a hang costs the timeout, never the suite).
+
+[Note: ranks forked from a warm server]
+Importing torch and infinity takes a fresh process 2-3 CPU-seconds; the suite launches ranks a few
+hundred times, 2-4 at once on 2 cores, so imports alone were minutes of CI. The ranks are forked
+instead from one server process per test session that imported them once (multiprocessing's
+``forkserver``, its preload list below). A rank is still a process of its own: it gets the
+launching test's environment (``os.environ`` replaced before the test file is imported), its own
+log file on stdout and stderr, its own process group, and a kill on timeout. What it shares with
+the server is only what importing left in memory, which nothing mutates before the fork (the
+server runs no torch op: no thread pool exists yet to be lost by the fork).
+``INFINITY_TEST_FRESH_RANKS=1`` starts each rank as a fresh interpreter instead, as before.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import multiprocessing
 import os
 import pathlib
 import subprocess
@@ -41,35 +53,107 @@ def launch(test_file: str, fn_name: str, *, world_size: int = 2, timeout_s: floa
             json.dump(spec, f)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
             [str(REPO), os.environ.get("PYTHONPATH", "")]))  # ``tests._support`` importable
-        procs = []
-        for rank in range(world_size):
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
-            procs.append((subprocess.Popen([sys.executable, __file__, spec_path, str(rank)],
-                                           stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        log_paths = [os.path.join(tmp, f"rank{rank}.log") for rank in range(world_size)]
+        start = _fresh_rank if os.environ.get(FRESH_ENV) == "1" else _forked_rank
+        ranks = [start(spec_path, rank, log_paths[rank], env) for rank in range(world_size)]
         deadline = time.monotonic() + timeout_s
         timed_out = False
-        for proc, _ in procs:
-            left = max(0.1, deadline - time.monotonic())
-            try:
-                proc.wait(timeout=left)
-            except subprocess.TimeoutExpired:
+        for rank in ranks:
+            if not rank.wait(max(0.1, deadline - time.monotonic())):
                 timed_out = True
                 break
         if timed_out:
-            for proc, _ in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            for rank in ranks:
+                rank.kill()
         logs = []
-        for rank, (proc, log) in enumerate(procs):
-            log.seek(0)
-            logs.append(f"--- rank {rank} (exit {proc.returncode}) ---\n{log.read()[-6000:]}")
-            log.close()
-        if timed_out or any(proc.returncode != 0 for proc, _ in procs):
+        for i, (rank, path) in enumerate(zip(ranks, log_paths)):
+            with open(path, errors="replace") as log:
+                logs.append(f"--- rank {i} (exit {rank.exit_code()}) ---\n{log.read()[-6000:]}")
+        if timed_out or any(rank.exit_code() != 0 for rank in ranks):
             why = f"timed out after {timeout_s:.0f} s" if timed_out else "a rank failed"
             raise AssertionError(f"distributed run of {fn_name} {why}:\n" + "\n".join(logs))
         return [torch.load(os.path.join(tmp, f"result{rank}.pt"), weights_only=False)
                 for rank in range(world_size)]
+
+
+FRESH_ENV = "INFINITY_TEST_FRESH_RANKS"
+PRELOAD = ["torch", "torch.distributed", "infinity", "infinity.zero", "infinity.pipeline",
+           "tests._support.launch"]
+"""What the fork server imports once ([Note: ranks forked from a warm server])."""
+
+
+class _ForkedRank:
+    """A rank forked from the warm server."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self._process = process
+
+    def wait(self, timeout_s: float) -> bool:
+        self._process.join(timeout_s)
+        return self._process.exitcode is not None
+
+    def kill(self) -> None:
+        if self._process.exitcode is None:
+            self._process.kill()
+            self._process.join()
+
+    def exit_code(self) -> int | None:
+        return self._process.exitcode
+
+
+class _FreshRank:
+    """A rank started as a fresh interpreter running this file."""
+
+    def __init__(self, process: subprocess.Popen):
+        self._process = process
+
+    def wait(self, timeout_s: float) -> bool:
+        try:
+            self._process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def kill(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def exit_code(self) -> int | None:
+        return self._process.returncode
+
+
+_SERVER: multiprocessing.context.BaseContext | None = None
+
+
+def _forked_rank(spec_path: str, rank: int, log_path: str, env: dict[str, str]) -> _ForkedRank:
+    global _SERVER
+    if _SERVER is None:  # started by the first launch, reused by every later one
+        _SERVER = multiprocessing.get_context("forkserver")
+        _SERVER.set_forkserver_preload(PRELOAD)
+    process = _SERVER.Process(target=_forked_main, args=(spec_path, rank, log_path, env),
+                              name=f"rank{rank}", daemon=False)
+    process.start()
+    return _ForkedRank(process)
+
+
+def _fresh_rank(spec_path: str, rank: int, log_path: str, env: dict[str, str]) -> _FreshRank:
+    with open(log_path, "w") as log:  # the child holds its own descriptor
+        return _FreshRank(subprocess.Popen([sys.executable, __file__, spec_path, str(rank)],
+                                           stdout=log, stderr=subprocess.STDOUT, env=env))
+
+
+def _forked_main(spec_path: str, rank: int, log_path: str, env: dict[str, str]) -> None:
+    """A forked rank: the launching test's environment and its own log, then as a fresh one."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    _main(spec_path, rank)
 
 
 def _main(spec_path: str, rank: int) -> None:
