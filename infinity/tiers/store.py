@@ -25,6 +25,7 @@ from infinity.tiers._arena import HostArena
 from infinity.tiers._budgets import NextUse, TierBudgets
 from infinity.tiers._mover import Mover
 from infinity.tiers._read_gate import ReadGate
+from infinity.tiers._read_out import ReadOuts
 from infinity.tiers._room_lane import RoomLane
 from infinity.tiers._records import CopyInfo, Counters, StoreConfig, TierHandle, _Shard, done_future
 from infinity.tiers._shard_table import ShardTable
@@ -114,6 +115,10 @@ class TieredStore:
         self._writebacks = WriteBacks(table=self._table, budgets=self.budgets, mover=self._mover,
                                       counters=self.counters, arena=self.arena, swapper=swapper)
         """Write-backs, and the room every allocation reserves through them."""
+        self._read_outs = ReadOuts(table=self._table, mover=self._mover, counters=self.counters,
+                                   arena=self.arena, swapper=swapper)
+        """Reads into callers' buffers, outside the budgets:
+        [Note: a read into the caller's buffer takes no room] in infinity/tiers/_read_out.py."""
         self._room_lane = RoomLane()
         """Fetches issued ahead that must wait for room ([Note: a read ahead never waits for room
         on its caller]), in issue order."""
@@ -289,6 +294,21 @@ class TieredStore:
             copy.pins -= 1
             if copy.pins == 0:
                 self._table.notify()
+
+    def read_into(self, key: str, out: torch.Tensor) -> TierHandle:
+        """Copy the shard's current bytes into ``out`` (a contiguous CPU tensor of the shard's
+        ``numel`` and dtype, any shape) without taking room in any tier: from a HOST copy that
+        holds them, else a DEVICE copy, else the NVMe file; see
+        [Note: a read into the caller's buffer takes no room] in infinity/tiers/_read_out.py.
+        ``wait()`` returns ``out``; a copy from memory is done when this returns, a file read
+        completes through the handle."""
+        if self._read_gate is not None:  # [Note: the read gate]
+            self._read_gate.apply_before_read(key)
+        with self._table:
+            self._check_open()
+            shard = self._table.get(key)
+            read = self._read_outs.start(shard, out)
+        return TierHandle(read(), key, Tier.HOST, self.counters.add_wait)
 
     def get(self, key: str, tier: Tier) -> torch.Tensor:
         """The tensor of a resident copy (1-D, ``numel`` elements). Not resident: ValueError."""
