@@ -6,8 +6,9 @@ budgets that size it for one model.
   :mod:`._budgets`: :class:`~._budgets.TierBudgets`, the byte counts per tier and eviction
   ([Note: eviction policy]), :mod:`._mover` (copies and swap-ins on the store's threads),
   :mod:`._writeback` (dirty copies to their home), :mod:`._room_lane` (reads ahead that wait
-  for room); :mod:`._read_gate`: :class:`ReadGate`, how a writer that owes bytes is asked before
-  a read ([Note: the read gate]); :mod:`.residency`: the state of one copy and its transition
+  for room), :mod:`._read_out` (reads into callers' buffers, outside the budgets);
+  :mod:`._read_gate`: :class:`ReadGate`, how a writer that owes bytes is asked before a read
+  ([Note: the read gate]); :mod:`.residency`: the state of one copy and its transition
   table; :mod:`._records`: per-shard records, handles, counters; :mod:`._arena`: the one host
   arena.
 - :mod:`._offload_budgets`: pure arithmetic: :class:`StateSizes` (what the store will hold) and
@@ -31,6 +32,8 @@ Public API of the store (everything else is private)::
     h = store.acquire(key, Tier.HOST, ahead=True)  # a read ahead: never waits for room here
                                                    # ([Note: a read ahead never waits for room on its caller])
     store.release(key, tier)                     # undo one acquire
+    h = store.read_into(key, out)  # current bytes into the caller's host buffer, no room taken;
+    # h.wait() -> out: [Note: a read into the caller's buffer takes no room] in infinity/tiers/_read_out.py
     t = store.get(key, tier)                     # tensor of a resident copy (ValueError otherwise)
     store.mark_dirty(key, tier)                  # the copy on tier was modified
     h = store.write_back(key)                    # async; h.wait() -> None
@@ -86,7 +89,8 @@ Rules the store keeps:
 
 ``stats()`` keys (stable; :data:`STATS_KEYS`): ``bytes_nvme_to_host``, ``bytes_host_to_device``,
 ``bytes_device_to_host``, ``bytes_host_to_nvme`` (shard payload bytes moved per tier pair; a zero-fill
-of a never-written NVME shard moves nothing); ``fetch_hits``, ``fetch_late``, ``fetch_misses``
+of a never-written NVME shard moves nothing; a ``read_into`` from a file counts as NVME -> HOST);
+``fetch_hits``, ``fetch_late``, ``fetch_misses``
 (fetch/acquire calls that found the copy resident / in flight / absent); ``fetch_overwrites``
 (``acquire(overwrite=True)`` calls that allocated an absent copy without reading it); ``wait_s`` and
 ``num_waits``

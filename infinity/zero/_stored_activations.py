@@ -26,7 +26,10 @@ recompute reads its inputs, last region first), so on every unpack the chunks of
 ``read_ahead`` tensors of that order that live on NVMe are acquired into the arena ahead (``acquire(..., ahead=True)``:
 [Note: a read ahead never waits for room on its caller] in infinity/tiers/store.py), within
 ``read_ahead_bytes``. An unpacked tensor is copied to the compute device and its shards
-unregistered (their arena copies and files go): each saved byte is written once and read at most once. A saved tensor
+unregistered (their arena copies and files go): each saved byte is written once and read at most once.
+Where the arena has no extent for a chunk at its unpack, even once these reads ahead are let go
+(the model states' work in flight pins every one), the chunk is read outside the arena instead of
+failing the step ([Note: no room to read back is not an error]). A saved tensor
 whose graph is dropped unused (a forward without backward) is unregistered at the next pack or
 unpack, or at :meth:`StoredActivations.drain`, never from a finalizer, which may run while this
 thread holds the store's lock.
@@ -188,6 +191,9 @@ class StoredActivations:
         self.no_room_bytes = 0
         """Bytes of saved tensors kept where torch keeps them because the arena had no room to
         stage them on their way to NVMe (so far; [Note: no room is not an error])."""
+        self.over_budget_read_bytes = 0
+        """Bytes of saved chunks read back outside the arena because it had no room for them
+        (so far; [Note: no room to read back is not an error])."""
 
     # -- hooks -----------------------------------------------------------------------------------
 
@@ -283,7 +289,7 @@ class StoredActivations:
         handles, saved.ahead = saved.ahead or [None] * len(saved.keys), None
         for i, (key, (lo, hi)) in enumerate(zip(saved.keys, saved.bounds)):
             try:
-                host = self._read(key, handles[i])
+                host, pinned = self._read(key, handles[i], flat[lo:hi])
             except BaseException as e:
                 _release_ahead(self.store, saved.keys[i + 1:], handles[i + 1:])
                 if isinstance(e, SwapIOError):
@@ -293,9 +299,11 @@ class StoredActivations:
                 if _word_sum(host) != saved.sums[i]:
                     raise self._read_error(saved, key, "its bytes changed since it was saved (the "
                                            "word sum differs): the file was corrupted")
-                flat[lo:hi].copy_(host)
+                if host.data_ptr() != flat[lo:hi].data_ptr():
+                    flat[lo:hi].copy_(host)
             finally:
-                self.store.release(key, Tier.HOST)
+                if pinned:
+                    self.store.release(key, Tier.HOST)
         saved.value = out
         self._forget(saved, position)
         self._read_ahead_from(position)
@@ -347,20 +355,47 @@ class StoredActivations:
                 return i
         raise RuntimeError(f"saved activation {saved.keys[0]!r} was already released")
 
-    def _read(self, key: str, handle: TierHandle | None) -> torch.Tensor:
-        """The shard's HOST copy, pinned (released by the caller)."""
+    def _read(self, key: str, handle: TierHandle | None,
+              dst: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The chunk's bytes and whether they are the shard's pinned HOST copy (released by the
+        caller); else they were read outside the arena, into ``dst`` on a CPU device, into a
+        host buffer of their own on a GPU ([Note: no room to read back is not an error])."""
         if handle is not None:
             try:
-                return handle.wait()
+                return handle.wait(), True
             except TierCapacityError:  # no room ahead: read it now, the window let go
                 self._let_window_go()
         try:
-            return self.store.acquire(key, Tier.HOST).wait()
+            return self.store.acquire(key, Tier.HOST).wait(), True
         except TierCapacityError:
             # Every arena extent pinned: this store's own reads ahead may be what holds them.
-            # Let them go and read once more; if the states hold it all, the error stands.
+            # Let them go and read once more.
             self._let_window_go()
-            return self.store.acquire(key, Tier.HOST).wait()
+        try:
+            return self.store.acquire(key, Tier.HOST).wait(), True
+        except TierCapacityError as e:
+            return self._read_over_budget(key, dst, e), False
+
+    def _read_over_budget(self, key: str, dst: torch.Tensor,
+                          error: TierCapacityError) -> torch.Tensor:
+        """[Note: no room to read back is not an error] The arena has no extent for a saved
+        chunk even with this store's reads ahead let go: the model states' work in flight pins
+        every one. Failing would lose the whole step after its forward, for a shortage that
+        passes; instead the chunk is read outside the arena by ``TieredStore.read_into``, see
+        [Note: a read into the caller's buffer takes no room] in infinity/tiers/_read_out.py:
+        straight into the unpacked tensor on a CPU device, through a host buffer of the chunk's
+        size on a GPU (memory beyond ``memory.host_budget_bytes`` for as long as the copy
+        takes). Its word sum is checked as any read's. Counted (``over_budget_read_bytes``) and
+        warned about once, as [Note: no room is not an error] does on the save side."""
+        host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
+        self.store.read_into(key, host).wait()
+        if not self.over_budget_read_bytes:
+            logger.warning("activation_checkpointing.offload %r: the host arena had no room to "
+                           "read back a saved activation (%s); read it outside the arena "
+                           "instead. A larger memory.host_budget_bytes avoids it", self.mode,
+                           error.message)
+        self.over_budget_read_bytes += host.numel() * host.element_size()
+        return host
 
     def _let_window_go(self) -> None:
         for ref in self._order:
@@ -422,7 +457,8 @@ class StoredActivations:
         return {tier.name: {"current": self.live_bytes[tier], "peak": self.peak_bytes[tier],
                             "saved": self.saved_bytes[tier]} for tier in self.live_bytes} | {
             "nvme_read_bytes": moved.get("read", 0), "nvme_written_bytes": moved.get("write", 0),
-            "kept_bytes": self.kept_bytes, "no_room_bytes": self.no_room_bytes, "mode": self.mode}
+            "kept_bytes": self.kept_bytes, "no_room_bytes": self.no_room_bytes,
+            "over_budget_read_bytes": self.over_budget_read_bytes, "mode": self.mode}
 
     def reset_peak(self) -> None:
         self.peak_bytes = dict(self.live_bytes)
