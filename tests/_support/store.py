@@ -1,4 +1,5 @@
-"""A tiered store over a real Swapper in a temp directory, and the bytes of a swap file read back."""
+"""A tiered store over a real Swapper in a temp directory, the bytes of a swap file read back, and
+an arena pinned full by the test."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from infinity._common import align_up
 from infinity.io import Swapper, aligned_empty
-from infinity.tiers import StoreConfig, TieredStore
+from infinity.errors import TierCapacityError
+from infinity.tiers import StoreConfig, Tier, TieredStore
 
 KB4 = 4096
 
@@ -30,3 +32,30 @@ def read_swap_file(swapper: Swapper, key: str, nbytes: int, alignment: int) -> t
     out = aligned_empty(max(align_up(nbytes, alignment), alignment), torch.uint8)
     swapper.swap_in(key, out).wait()
     return out[:nbytes]
+
+
+
+def pin_the_whole_arena(store: TieredStore) -> list[str]:
+    """Register HOST-homed shards ``test/pin/<n>`` until no more fit, each acquired: the caller
+    holds every extent of ``store``'s arena, as the states' work in flight can (clean cached
+    copies are evicted for them). Returns their keys for :func:`unpin_the_arena`."""
+    keys: list[str] = []
+    align = store.arena.alignment_bytes
+    while True:
+        key = f"test/pin/{len(keys)}"
+        for size in (max(store.arena.largest_free_bytes(), align), align):  # a hole, an extent
+            try:
+                store.register(key, size // 4, torch.float32, Tier.HOST)
+                break
+            except TierCapacityError:
+                continue
+        else:
+            return keys
+        store.acquire(key, Tier.HOST).wait()
+        keys.append(key)
+
+
+def unpin_the_arena(store: TieredStore, keys: list[str]) -> None:
+    for key in keys:
+        store.release(key, Tier.HOST)
+        store.unregister(key)

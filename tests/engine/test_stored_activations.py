@@ -23,6 +23,7 @@ from infinity.models.gpt import GPTConfig
 from infinity.tiers import Residency, Tier
 from tests._support.engine import (assert_close_run, batches, engine_config, engine_train,
                                    offload_config, reference_train, tiny_gpt)
+from tests._support.store import pin_the_whole_arena, unpin_the_arena
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -405,3 +406,76 @@ def test_a_read_back_without_room_lets_its_reads_ahead_go_and_reads_again(tmp_pa
     assert engine.stats()["activations"]["NVME"]["current"] == 0
     assert [k for k in store.keys() if k.startswith("act/")] == []  # every pin released, freed
     engine.close()
+
+
+def test_a_read_back_that_finds_no_room_twice_reads_outside_the_arena(tmp_path, monkeypatch,
+                                                                       caplog):
+    """[Note: no room to read back is not an error]: every blocking read of a saved input
+    finds the arena pinned full, reads ahead let go or not: each chunk is read outside the
+    arena, counted and warned about once; training equals plain PyTorch."""
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=64 << 10))
+    store, real = engine.store, engine.store.acquire
+
+    def acquire(key, tier, **kw):
+        if key.startswith("act/") and not kw.get("ahead"):
+            raise TierCapacityError("pinned full (test)", tier="HOST", requested_bytes=1,
+                                    used_bytes=0, budget_bytes=64 << 10)
+        return real(key, tier, **kw)
+
+    monkeypatch.setattr(store, "acquire", acquire)
+    with caplog.at_level("WARNING", logger="infinity.zero._stored_activations"):
+        losses = engine_train(engine, data)
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    acts = engine.stats()["activations"]
+    # The first unpack of each step has no read ahead to wait for: its chunk at least.
+    assert STEPS * INPUT_BYTES <= acts["over_budget_read_bytes"] <= acts["NVME"]["saved"]
+    assert sum("had no room to read back" in r.message for r in caplog.records) == 1
+    assert acts["NVME"]["current"] == 0 and store.keys() == []  # every pin released, freed
+    engine.close()
+
+
+def test_a_backward_with_every_arena_extent_pinned_reads_outside_the_arena(tmp_path):
+    """No fake: between each forward and its backward the test pins every extent of the arena
+    (the cached copies of the saved inputs evicted for it). Every input comes back from its
+    file outside the arena, and training equals plain PyTorch."""
+    data = _data()
+    ref_losses, ref_state = reference_train(_model(), data)
+    engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=64 << 10))
+    store, losses = engine.store, []
+    for micro in data:
+        (x, y), = micro
+        loss = engine(x, y)
+        store.flush()  # written behind: the files complete, the arena copies clean
+        pins = pin_the_whole_arena(store)
+        assert store.reclaimable_bytes(Tier.HOST) == 0 and len(pins) > 0
+        engine.backward(loss)
+        unpin_the_arena(store, pins)
+        engine.step()
+        losses.append(loss.item())
+    assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
+    acts = engine.stats()["activations"]
+    saved = STEPS * WIDE.n_layer * INPUT_BYTES
+    assert acts["NVME"]["saved"] == acts["over_budget_read_bytes"] == saved
+    assert acts["nvme_read_bytes"] == saved  # each from its file, once, counted as a read
+    assert acts["NVME"]["current"] == 0 and store.keys() == []
+    engine.close()
+
+
+def test_a_damaged_file_read_outside_the_arena_still_stops_the_backward(tmp_path):
+    """[Note: activations are checked when read back] holds for the read outside the arena."""
+    def corrupt(path, header):
+        with open(path, "r+b") as f:
+            f.seek(header + 100)
+            f.write(bytes(range(64)))
+
+    engine, loss, key = _forward_then_break_a_file(tmp_path, corrupt)
+    pins = pin_the_whole_arena(engine.store)
+    with pytest.raises(SwapIOError) as caught:
+        engine.backward(loss)
+    message = str(caught.value)
+    assert "'blocks.0'" in message and "micro-step 1" in message and key in message
+    assert engine.store.swapper.path_of(key) in message and "word sum differs" in message
+    assert engine.stored_activations.over_budget_read_bytes > 0
+    unpin_the_arena(engine.store, pins)
