@@ -119,6 +119,11 @@ class GradientReducer:
         """[Note: gradients down a modeled link]; None: copies take the time they take."""
         self._early: dict[int, _PiecewiseReduction] = {}
         """id(group) -> its reduction begun before its unit's turn (:meth:`begin_pieces`)."""
+        self._replicas_at_step = collectives.replicate is not None and host_store is None
+        """[Note: replicas summed once per step]: the accumulators are on the compute device,
+        so the replicas sum them at the step instead of each micro-batch's gradient."""
+        self._replicas_owed = False
+        """A reduction of this window left the replicas' sum to the step."""
 
     def attach_down_link(self, link: ModeledLink, on_wait: Callable[[float], None]) -> None:
         """[Note: gradients down a modeled link]: the copies down to host accumulators go on
@@ -268,7 +273,7 @@ class GradientReducer:
         """Stages 2-3 with one shard rank: the shard is the whole buffer, so no reduce-scatter
         and no copy; only the replicas (if any) sum it."""
         part = wire
-        self.coll.all_reduce_replicas(part, context=context)
+        self._sum_replicas(part, context=context)
         if part is not staging:  # the replicas' wire dtype: back to the staging's
             part = part.to(staging.dtype)
         # else the staging's dtype already, or the host accumulator itself
@@ -283,7 +288,7 @@ class GradientReducer:
         part = torch.empty(g.shard_numel, dtype=torch.float32, device=self.config.device)
         reduce_scatter_sum_quantized(self.coll, part, staging, spec=self.config.grad_quant,
                                      context=context, phase=Phase.REDUCE_GRAD)
-        self.coll.all_reduce_replicas(part, context=context)
+        self._sum_replicas(part, context=context)
         return _GroupReduction(self, g, DONE, lambda: part, (staging, part))
 
     def _issue_reduce_scatter(self, g: FlatGroup, staging: torch.Tensor, wire: torch.Tensor,
@@ -294,7 +299,7 @@ class GradientReducer:
                                                     phase=Phase.REDUCE_GRAD)
 
         def scattered() -> torch.Tensor:
-            self.coll.all_reduce_replicas(part, context=context)
+            self._sum_replicas(part, context=context)
             return part.to(staging.dtype)  # no copy when the wire is that already
         return _GroupReduction(self, g, handle, scattered, (staging, wire, part))
 
@@ -306,7 +311,7 @@ class GradientReducer:
 
         def reduced() -> torch.Tensor:
             # Stage 1 uses only this rank's shard of the sum: only it crosses replicas.
-            self.coll.all_reduce_replicas(
+            self._sum_replicas(
                 wire if stage == 0 else
                 wire[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel],
                 context=context)
@@ -324,6 +329,53 @@ class GradientReducer:
                 or self.config.grad_quant is not None):
             return staging.dtype
         return self.config.reduce_dtype
+
+    def _sum_replicas(self, part: torch.Tensor, *, context: str) -> None:
+        """Sum one reduction's ``part`` across the replicas now, or leave it to the step
+        ([Note: replicas summed once per step])."""
+        if self._replicas_at_step:
+            self._replicas_owed = True
+            return
+        self.coll.all_reduce_replicas(part, context=context)
+
+    def _sum_replicas_at_step(self, groups: Iterable[FlatGroup]) -> None:
+        """[Note: replicas summed once per step]
+        Without replicas (R = 1) a micro-batch's gradient is reduced over the shard group and
+        added into this rank's accumulator. With replicas it was also summed across them right
+        there, once per micro-batch: GA times the bytes on the link between replicas, the
+        slowest of the mesh (between nodes), where the planner ([Note: mesh time model] in
+        infinity/ledger/_mesh_plan.py) prices it once per step, as MiCS does (Zhang et al.
+        2022: the inter-group all-reduce at the accumulation boundary) and as DDP's
+        ``no_sync`` does for plain data parallelism. Addition commutes, so each replica's
+        accumulator may hold its own sum over the window and the replicas sum the accumulators
+        once, at the step, before anything reads them (the norm, the clip, the optimizer); the
+        average is the same (each micro-batch's gradient is already divided by R * S). It is
+        done so where the accumulators are on the compute device (the optimizer there): an
+        offloaded optimizer's accumulators are host memory (or NVMe slices), which NCCL does
+        not reduce, so there each micro-batch's shard still crosses the replicas on the
+        device, as before. The wire carries ``precision.reduce_dtype`` as each micro-batch's
+        did. Every trainable group is summed, in one order on every rank: every rank reduced
+        every group in each backward ([Note: every rank reduces every unit in one order] in
+        infinity/zero/_reduce_order.py), so each holds an accumulator (zeros where no rank
+        had a gradient, as a micro-batch's reduction gives); one that does not is summed as
+        zeros all the same, so that the collectives match."""
+        pending = []
+        for g in groups:
+            if g.grad_acc is None:
+                g.grad_acc = torch.zeros(g.padded_numel if self.config.stage < 2 else g.shard_numel,
+                                         dtype=self.staging_dtype, device=self.config.device)
+            acc = g.grad_acc
+            if self.config.stage == 1:  # only this rank's shard of the all-reduced buffer
+                acc = acc[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
+            wire = acc if self._wire_dtype(acc) == acc.dtype else acc.to(self._wire_dtype(acc))
+            handle = self.coll.replicate.all_reduce_sum_async(
+                wire, context=f"the replicas' sum of {g.key}'s gradient",
+                phase=Phase.REPLICATE_REDUCE)
+            pending.append((handle, acc, wire))
+        for handle, acc, wire in pending:
+            handle.wait()
+            if wire is not acc:
+                acc.copy_(wire)
 
     def _in_pieces(self, g: FlatGroup, pieces: int) -> bool:
         """``g``'s reduction is a reduce-scatter cut into ``pieces``: stages 2-3 over several
@@ -383,18 +435,23 @@ class GradientReducer:
     @property
     def routes_rows(self) -> bool:
         """Rows go to the rank whose shard holds them (:meth:`route_rows`): every partition is a
-        shard (stages 2-3) and no replica needs them too; else every rank gets every rank's rows
-        (:meth:`gather_rows`)."""
-        return self.config.stage >= 2 and self.coll.replicate is None
+        shard (stages 2-3) and no replica needs them too (none, or the replicas sum the
+        accumulators at the step: [Note: replicas summed once per step]); else every rank gets
+        every rank's rows (:meth:`gather_rows`)."""
+        return self.config.stage >= 2 and (self.coll.replicate is None or self._replicas_at_step)
 
     def gather_rows(self, payload: torch.Tensor, max_bytes: int, groups: list[FlatGroup], *,
                     context: str) -> None:
         """[Note: embedding rows cross ranks as rows] in infinity/zero/_embedding_rows.py:
         all-gather every data-parallel rank's packed rows (``payload``, this rank's; padded to
         ``max_bytes``, the largest rank's, a multiple of 8) and add those in this rank's
-        partition of each of ``groups`` (numbered as packed) into its accumulator. Synchronous:
+        partition of each of ``groups`` (numbered as packed) into its accumulator (of the
+        shard group's ranks only where the replicas sum the accumulators at the step: [Note:
+        replicas summed once per step]). Synchronous:
         it runs at the end of backward, where nothing is left to overlap."""
-        self._add_rows(gather_rows(self.coll, payload, max_bytes, context=context), groups)
+        # Over the shard group only where the replicas sum the accumulators at the step.
+        group = self.coll if self._replicas_at_step else self.coll.world
+        self._add_rows(gather_rows(group, payload, max_bytes, context=context), groups)
 
     def route_rows(self, payload: torch.Tensor, sizes: list[int], groups: list[FlatGroup], *,
                    context: str) -> None:
@@ -563,6 +620,10 @@ class GradientReducer:
         writebacks, self._writebacks = self._writebacks, []
         for handle in writebacks:
             handle.wait()
+        groups = list(groups)
+        if self._replicas_owed:
+            self._sum_replicas_at_step(groups)
+            self._replicas_owed = False
         out = {}
         for g in groups:
             if g.grad_stored is not None:
@@ -589,6 +650,7 @@ class GradientReducer:
         stored slices are overwritten unread by the next micro-batch)."""
         self._wait_landings()  # a late addition must not land in the next window's sums
         self._drain_ring()
+        self._replicas_owed = False  # a discarded window's sums go with it
         for g in groups:
             g.grad_acc = None
             if g.grad_stored is not None:

@@ -113,7 +113,7 @@ class _PiecewiseReduction:
         for handle in self.handles:
             handle.wait()
         part = self.part
-        self.reducer.coll.all_reduce_replicas(part, context=self.context)
+        self.reducer._sum_replicas(part, context=self.context)
         self.reducer._finish(self.group, part.to(self.staging_dtype))
         self.buffers = ()
 

@@ -15,11 +15,11 @@ from infinity.zero._collectives import Collectives, Phase
 from infinity.zero._embedding_rows import RowsPayload
 
 
-def gather_rows(coll: Collectives, payload: torch.Tensor, max_bytes: int, *,
+def gather_rows(world: Collectives, payload: torch.Tensor, max_bytes: int, *,
                 context: str) -> list[torch.Tensor]:
-    """All-gather every data-parallel rank's packed rows (``payload``, this rank's; padded to
-    ``max_bytes``, the largest rank's, a multiple of 8): one chunk per rank."""
-    world = coll.world
+    """All-gather the packed rows (``payload``, this rank's; padded to ``max_bytes``, the
+    largest rank's, a multiple of 8) of every rank of ``world`` (the data-parallel group, or
+    the shard group where the replicas sum the accumulators at the step): one chunk per rank."""
     size = world.world_size
     out = torch.empty(size * max_bytes, dtype=torch.uint8, device=payload.device)
     mine = torch.zeros(max_bytes, dtype=torch.uint8, device=payload.device)
