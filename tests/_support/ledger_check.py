@@ -21,6 +21,10 @@ from infinity.models.gpt import GPT, GPTConfig, synthetic_batch
 
 # 4.27 M parameters: embeddings (1.11 M, the largest unit) and four blocks of 0.79 M.
 MODEL = GPTConfig(vocab_size=4096, block_size=256, n_layer=4, n_head=4, n_embd=256)
+BATCH, SEQ = 1, 8
+"""The micro-batch each rank trains on: what is measured (the engine's bytes per tier) does not
+depend on it, and bf16 matrix products without AVX-512 are slow (2-4 s a configuration at 2 x 32
+tokens on an AVX2 VM, a third of that here)."""
 SUB_GROUP_NUMEL = 2 ** 18
 """Several optimizer sub-groups per unit, so the NVMe pipeline really stages."""
 
@@ -93,7 +97,7 @@ def train_and_measure(stage: int, offload: str, dtype: str, nvme_dir: str, *,
         engine = infinity.initialize(model, config)
     try:
         for step in range(2):
-            x, y = synthetic_batch(MODEL, 2, 32, seed=step * world_size + rank)
+            x, y = synthetic_batch(MODEL, BATCH, SEQ, seed=step * world_size + rank)
             engine.backward(engine(x, y))
             engine.step()
         stats = engine.stats()
