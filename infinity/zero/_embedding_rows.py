@@ -29,7 +29,9 @@ the chunks' sizes, then one of the chunks, so a rank sends and receives about it
 (stages 0-1, or replicas over a mesh) they are all-gathered over the data-parallel group, padded
 to the largest rank's (over the shard group, or routed as above at stages 2-3, where the replicas
 sum the accumulators once per step: [Note: replicas summed once per step] in
-infinity/zero/_grad_reducer.py). Each rank adds what falls in its partition into its accumulator: exact
+infinity/zero/_grad_reducer.py). At stages 0-1 in a window of several micro-batches they are
+summed densely instead, with the rest of the window's gradient, which crosses once ([Note: one
+all-reduce per window at stages 0-1] in infinity/zero/_grad_reducer.py). Each rank adds what falls in its partition into its accumulator: exact
 fp32 sums. What the largest rank sends rides on the end-of-backward flags all-reduce that runs
 anyway; where that is not fewer bytes than reducing the tables densely (huge batches, tiny
 vocabularies, all-gathers over many ranks) the ranks, agreeing through the same flags, add the

@@ -421,6 +421,8 @@ class InfinityEngine:
         """A backward starts (``engine.backward``, or the first hook of a ``loss.backward()``:
         [Note: the end of backward] in infinity/zero/_param_manager.py)."""
         self.shard_optimizer.drain()  # the gradients are about to change: the last step is done
+        reducer = self.manager.reducer  # [Note: one all-reduce per window at stages 0-1]
+        reducer.sums_locally = reducer.may_sum_locally and not self._window.is_boundary
         if self._deferring:  # the state the next step updates first, read while backward runs
             self.shard_optimizer.read_ahead(self.manager.forward_keys())
 

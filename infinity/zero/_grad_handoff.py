@@ -362,6 +362,8 @@ class GradHandoff:
                 return
         elif max_bytes <= RowsPayload.HEADER * 8:
             return  # no rank has rows
+        elif self.reducer.holds_local_sums:
+            pass  # dense: [Note: one all-reduce per window at stages 0-1] in _grad_reducer.py
         elif ranks * max_bytes < dense_bytes:
             self.reducer.gather_rows(payload, max_bytes, self._row_groups, context=context)
             return

@@ -124,6 +124,11 @@ class GradientReducer:
         so the replicas sum them at the step instead of each micro-batch's gradient."""
         self._replicas_owed = False
         """A reduction of this window left the replicas' sum to the step."""
+        self.sums_locally = False
+        """[Note: one all-reduce per window at stages 0-1]: this backward's gradients stay in
+        this rank's accumulators (set by the engine before each backward)."""
+        self._local: set[int] = set()
+        """id(group): accumulators that hold this rank's own sum, not yet all-reduced."""
 
     def attach_down_link(self, link: ModeledLink, on_wait: Callable[[float], None]) -> None:
         """[Note: gradients down a modeled link]: the copies down to host accumulators go on
@@ -258,6 +263,14 @@ class GradientReducer:
         # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
         # bytes with bf16/fp16); the sum lands back in the staging's dtype (fp32 unless
         # [Note: staging in the accumulator's dtype]) for the accumulator.
+        if self.config.stage < 2 and self.sums_locally:
+            # [Note: one all-reduce per window at stages 0-1]
+            self._local.add(id(g))
+            return _GroupReduction(self, g, DONE, lambda: staging, (staging,))
+        if id(g) in self._local:  # the window's last backward: the sum so far goes with it
+            staging.add_(g.grad_acc)
+            g.grad_acc = None
+            self._local.discard(id(g))
         wire = staging if self._wire_dtype(staging) == staging.dtype \
             else staging.to(self.config.reduce_dtype)
         if self.config.stage < 2:
@@ -329,6 +342,59 @@ class GradientReducer:
                 or self.config.grad_quant is not None):
             return staging.dtype
         return self.config.reduce_dtype
+
+    @property
+    def may_sum_locally(self) -> bool:
+        """[Note: one all-reduce per window at stages 0-1]
+        At stages 0-1 with the optimizer on the device each rank's accumulator is the whole
+        gradient (the ledger's 2 + 2 + K/N: [Note: gradient placement] in
+        infinity/ledger/_estimate.py), and every rank adds each micro-batch's all-reduced
+        gradient into it. Addition commutes: each rank may as well add its own gradients into
+        it over the window and all-reduce the sum once, in the window's last backward, which is
+        what DeepSpeed does at stages 0-1 (its all-reduce at the accumulation boundary) and
+        DDP's ``no_sync``: 1/GA of the bytes, at the same memory. The engine says before each
+        backward whether the next ``step()`` ends the window (:attr:`sums_locally`): if not,
+        each unit's staged gradient, divided by the ranks as before, is added into this rank's
+        accumulator without a collective; in the last backward each unit's staging and its
+        accumulator's sum so far cross together, overlapped with the backward as every
+        reduction is. A window a caller ends early (``step(boundary=True)``) all-reduces what is
+        still this rank's own at the step, exposed but exact. Embedding rows
+        ([Note: embedding rows cross ranks as rows] in infinity/zero/_embedding_rows.py) take
+        the dense path in such windows, so that they too are summed in the accumulators and
+        cross once. Stages 2-3 reduce-scatter each micro-batch as before (their accumulator
+        is a shard: a local sum would need the whole gradient kept), and so does an offloaded
+        optimizer's host accumulator (NCCL reduces device memory only)."""
+        return self.config.stage < 2 and self.data_parallel_size > 1 and self.host_store is None
+
+    @property
+    def holds_local_sums(self) -> bool:
+        """This backward sums locally, or some accumulator still holds a rank's own sum: the
+        embedding rows take the dense path, which folds them in as any gradient
+        ([Note: one all-reduce per window at stages 0-1])."""
+        return self.sums_locally or bool(self._local)
+
+    def _all_reduce_local_at_step(self, groups: list[FlatGroup]) -> None:
+        """[Note: one all-reduce per window at stages 0-1]: a window ended before the backward
+        the engine expected to be its last; what each rank summed alone is all-reduced now, in
+        the groups' order on every rank (each rank summed every group alike: [Note: every rank
+        reduces every unit in one order] in infinity/zero/_reduce_order.py)."""
+        pending = []
+        for g in groups:
+            if id(g) not in self._local:
+                continue
+            acc = g.grad_acc
+            wire = acc if self._wire_dtype(acc) == acc.dtype else acc.to(self._wire_dtype(acc))
+            handle = self.coll.all_reduce_sum_async(
+                wire, context=f"the window's gradient of {g.key}", phase=Phase.REDUCE_GRAD)
+            pending.append((handle, acc, wire))
+        self._local.clear()
+        for handle, acc, wire in pending:
+            handle.wait()
+            if wire is not acc:
+                acc.copy_(wire)
+        # The replicas' share: as each micro-batch's all-reduce would have left it owed.
+        if self._replicas_at_step and pending:
+            self._replicas_owed = True
 
     def _sum_replicas(self, part: torch.Tensor, *, context: str) -> None:
         """Sum one reduction's ``part`` across the replicas now, or leave it to the step
@@ -621,6 +687,8 @@ class GradientReducer:
         for handle in writebacks:
             handle.wait()
         groups = list(groups)
+        if self._local:
+            self._all_reduce_local_at_step(groups)
         if self._replicas_owed:
             self._sum_replicas_at_step(groups)
             self._replicas_owed = False
@@ -651,6 +719,7 @@ class GradientReducer:
         self._wait_landings()  # a late addition must not land in the next window's sums
         self._drain_ring()
         self._replicas_owed = False  # a discarded window's sums go with it
+        self._local.clear()
         for g in groups:
             g.grad_acc = None
             if g.grad_stored is not None:

@@ -26,6 +26,8 @@ class _Reducer(Protocol):
 
     def _finish(self, g: FlatGroup, part: torch.Tensor) -> None: ...
 
+    def _sum_replicas(self, part: torch.Tensor, *, context: str) -> None: ...
+
 
 class _GroupReduction:
     """One group's issued reduction: its collective's handle, what turns the collective's

@@ -177,7 +177,11 @@ def test_an_embedding_one_rank_uses_trains_as_plain_pytorch():
                 assert got["losses"] == pytest.approx(ref_losses[rank], abs=1e-5), stage
                 assert_close_state(got["state"], ref_state, atol=2e-5)
             assert got["steps"] == ref_steps, stage
-            assert got["sent"]["reduce-rows"] > 0, stage
+            if stage >= 2:
+                assert got["sent"]["reduce-rows"] > 0, stage
+            else:  # summed in the window's one all-reduce ([Note: one all-reduce per window
+                # at stages 0-1] in infinity/zero/_grad_reducer.py), not sent as rows
+                assert "reduce-rows" not in got["sent"], stage
             assert got["tapped"] == (stage >= 2), stage
             assert got["tapped_after"] == (stage >= 2 and not twice), stage
 
