@@ -1,17 +1,18 @@
-"""The replicas' gradient sum once per step against once per micro-batch, on a modeled link.
+"""Gradients summed across ranks once per step against once per micro-batch, on a modeled link.
 
 Reproduce::
 
-    .venv/bin/python benchmarks/replicas_per_step.py
+    .venv/bin/python benchmarks/replicas_per_step.py --layout hsdp-s3
+    .venv/bin/python benchmarks/replicas_per_step.py --layout dp4-s1
 
-4 gloo processes train the ``small`` GPT preset with ZeRO-3 over a 2 x 2 mesh (2 replicas of a
-2-rank shard group), gradient accumulation ``--gas``, the optimizer on the device, every
-collective under a modeled link of ``--link-gbps`` ([Note: the modeled link] in
-infinity/_modeled_link.py). Two arms, interleaved round by round in the same processes on the
-same data: ``per-step`` (the engine: [Note: replicas summed once per step] in
-infinity/zero/_grad_reducer.py) and ``per-micro-batch`` (what the engine did before: the
-reducer's ``_replicas_at_step`` turned off, so each micro-batch's shard is all-reduced across
-the replicas). Per arm: the median step time, the bytes each rank sent per step by phase, the
+4 gloo processes train the ``small`` GPT preset, gradient accumulation ``--gas``, the optimizer on
+the device, every collective under a modeled link of ``--link-gbps`` ([Note: the modeled link] in
+infinity/_modeled_link.py): ZeRO-3 over 2 replicas of a 2-rank shard group (``hsdp-s3``), or
+stage 1 over 4 ranks (``dp4-s1``). Two arms, interleaved round by round in the same processes on
+the same data: ``per-step`` (the engine: [Note: replicas summed once per step] and [Note: one
+all-reduce per window at stages 0-1] in infinity/zero/_grad_reducer.py) and ``per-micro-batch``
+(what the engine did before: the replicas' sum and the stage 0-1 all-reduce run for each
+micro-batch's gradient). Per arm: the median step time, the bytes each rank sent per step by phase, the
 link's busy seconds per step, and the losses, which must agree between the arms (the same sums,
 added in another order: fp32 rounding).
 """
@@ -36,20 +37,35 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ARMS = ("per-step", "per-micro-batch")
 
 
-def _engine(gas: int, link_gbps: float, per_micro_batch: bool):
+LAYOUTS = {
+    "hsdp-s3": {"zero": {"stage": 3}, "mesh": {"replicate": 2, "shard": 2}},
+    "dp4-s1": {"zero": {"stage": 1}},
+}
+"""``--layout``: ZeRO-3 over 2 replicas of 2 shards ([Note: replicas summed once per step]), or
+stage 1 over 4 ranks ([Note: one all-reduce per window at stages 0-1])."""
+
+
+def _engine(layout: str, gas: int, link_gbps: float, per_micro_batch: bool):
     import infinity
     from infinity._modeled_link import LinkModel
     from infinity.models.gpt import GPT, PRESETS
 
     torch.manual_seed(0)
     model = GPT(PRESETS["small"])
-    config = {"zero": {"stage": 3}, "mesh": {"replicate": 2, "shard": 2},
-              "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+    config = {**LAYOUTS[layout], "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
               "optimizer": {"type": "adamw", "lr": 1e-3}, "precision": {"dtype": "fp32"}}
     engine = infinity.initialize(model, config,
                                  comm_link=LinkModel(bandwidth_gbytes_per_s=link_gbps))
-    if per_micro_batch:  # the engine before [Note: replicas summed once per step]
-        engine.manager.reducer._replicas_at_step = False
+    if per_micro_batch:  # the engine before the two Notes: every micro-batch crosses
+        reducer = engine.manager.reducer
+        reducer._replicas_at_step = False
+        before = engine._before_backward
+
+        def no_window_sums() -> None:
+            before()
+            reducer.sums_locally = False
+
+        engine._before_backward = no_window_sums
     return engine
 
 
@@ -78,7 +94,8 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    engines = {arm: _engine(args.gas, args.link_gbps, arm == "per-micro-batch") for arm in ARMS}
+    engines = {arm: _engine(args.layout, args.gas, args.link_gbps, arm == "per-micro-batch")
+               for arm in ARMS}
     record: dict[str, dict] = {arm: {"step_s": [], "loss": [], "sent": [], "link_busy_s": []}
                                for arm in ARMS}
     for step in range(args.warmup + args.steps):
@@ -102,6 +119,7 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="hsdp-s3")
     parser.add_argument("--gas", type=int, default=4)
     parser.add_argument("--link-gbps", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=5)
@@ -140,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_save:
         os.makedirs(RESULTS, exist_ok=True)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        with open(os.path.join(RESULTS, f"replicas-per-step-{stamp}.json"), "w") as f:
+        name = f"replicas-per-step-{args.layout}-gas{args.gas}-{stamp}.json"
+        with open(os.path.join(RESULTS, name), "w") as f:
             json.dump(result, f, indent=1)
     return result
 
