@@ -260,17 +260,17 @@ class GradientReducer:
             return _PiecewiseReduction(self, g, staging, part, pieces, context)
         if self.data_parallel_size > 1:
             staging.div_(self.data_parallel_size)
-        # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
-        # bytes with bf16/fp16); the sum lands back in the staging's dtype (fp32 unless
-        # [Note: staging in the accumulator's dtype]) for the accumulator.
         if self.config.stage < 2 and self.sums_locally:
-            # [Note: one all-reduce per window at stages 0-1]
+            # [Note: one all-reduce per window at stages 0-1]: added into this rank's own sum
             self._local.add(id(g))
             return _GroupReduction(self, g, DONE, lambda: staging, (staging,))
         if id(g) in self._local:  # the window's last backward: the sum so far goes with it
             staging.add_(g.grad_acc)
             g.grad_acc = None
             self._local.discard(id(g))
+        # precision.reduce_dtype 'compute': the wire carries the compute dtype (half the
+        # bytes with bf16/fp16); the sum lands back in the staging's dtype (fp32 unless
+        # [Note: staging in the accumulator's dtype]) for the accumulator.
         wire = staging if self._wire_dtype(staging) == staging.dtype \
             else staging.to(self.config.reduce_dtype)
         if self.config.stage < 2:
