@@ -16,8 +16,8 @@ Importing torch and infinity takes a fresh process 2-3 CPU-seconds; the suite la
 hundred times, 2-4 at once on 2 cores, so imports alone were minutes of CI. The ranks are forked
 instead from one server process per test session that imported them once (multiprocessing's
 ``forkserver``, its preload list below). A rank is still a process of its own: it gets the
-launching test's environment (``os.environ`` replaced before the test file is imported), its own
-log file on stdout and stderr, its own process group, and a kill on timeout. What it shares with
+launching test's environment (``os.environ`` replaced before the test file is imported) and working
+directory, its own log file on stdout and stderr, its own process group, and a kill on timeout. What it shares with
 the server is only what importing left in memory, which nothing mutates before the fork (the
 server runs no torch op: no thread pool exists yet to be lost by the fork).
 ``INFINITY_TEST_FRESH_RANKS=1`` starts each rank as a fresh interpreter instead, as before.
@@ -131,7 +131,8 @@ def _forked_rank(spec_path: str, rank: int, log_path: str, env: dict[str, str]) 
     if _SERVER is None:  # started by the first launch, reused by every later one
         _SERVER = multiprocessing.get_context("forkserver")
         _SERVER.set_forkserver_preload(PRELOAD)
-    process = _SERVER.Process(target=_forked_main, args=(spec_path, rank, log_path, env),
+    process = _SERVER.Process(target=_forked_main,
+                              args=(spec_path, rank, log_path, env, os.getcwd()),
                               name=f"rank{rank}", daemon=False)
     process.start()
     return _ForkedRank(process)
@@ -143,8 +144,10 @@ def _fresh_rank(spec_path: str, rank: int, log_path: str, env: dict[str, str]) -
                                            stdout=log, stderr=subprocess.STDOUT, env=env))
 
 
-def _forked_main(spec_path: str, rank: int, log_path: str, env: dict[str, str]) -> None:
-    """A forked rank: the launching test's environment and its own log, then as a fresh one."""
+def _forked_main(spec_path: str, rank: int, log_path: str, env: dict[str, str],
+                 cwd: str) -> None:
+    """A forked rank: the launching test's environment, working directory and its own log,
+    then as a fresh one."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -153,6 +156,7 @@ def _forked_main(spec_path: str, rank: int, log_path: str, env: dict[str, str]) 
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)  # the server's is the first launch's
     _main(spec_path, rank)
 
 

@@ -1,7 +1,7 @@
 """The test launcher (tests/_support/launch.py, [Note: ranks forked from a warm server]): a rank
 that raises fails the launch with its traceback, a rank that hangs is killed at the timeout, and
-every rank sees the launching test's environment as it is at that launch, not as it was when the
-fork server started."""
+every rank sees the launching test's environment and working directory as they are at that launch,
+not as they were when the fork server started."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def sleeps(rank: int, world_size: int, out_dir: str) -> None:
     time.sleep(120)
 
 
-def reads_env(rank: int, world_size: int, out_dir: str) -> tuple[str | None, int, int]:
+def reads_env(rank: int, world_size: int, out_dir: str) -> tuple[str | None, int, int, str]:
     import torch.distributed as dist
 
-    return os.environ.get("INFINITY_LAUNCH_PROBE"), dist.get_rank(), os.getpid()
+    return os.environ.get("INFINITY_LAUNCH_PROBE"), dist.get_rank(), os.getpid(), os.getcwd()
 
 
 def test_a_failing_rank_fails_the_launch_with_its_traceback():
@@ -43,12 +43,14 @@ def test_a_hanging_rank_is_killed_at_the_timeout():
     assert time.monotonic() - start < 60
 
 
-def test_each_launch_sees_the_environment_of_its_moment(monkeypatch):
+def test_each_launch_sees_the_environment_of_its_moment(monkeypatch, tmp_path):
     monkeypatch.setenv("INFINITY_LAUNCH_PROBE", "first")
     first = launch(__file__, "reads_env")
     monkeypatch.setenv("INFINITY_LAUNCH_PROBE", "second")
+    monkeypatch.chdir(tmp_path)
     second = launch(__file__, "reads_env", world_size=3)
-    assert [(v, r) for v, r, _ in first] == [("first", 0), ("first", 1)]
-    assert [(v, r) for v, r, _ in second] == [("second", 0), ("second", 1), ("second", 2)]
-    pids = {p for *_, p in first + second}
+    assert [(v, r) for v, r, _, _ in first] == [("first", 0), ("first", 1)]
+    assert [(v, r) for v, r, _, _ in second] == [("second", 0), ("second", 1), ("second", 2)]
+    assert {cwd for *_, cwd in second} == {str(tmp_path)}
+    pids = {p for _, _, p, _ in first + second}
     assert len(pids) == 5 and os.getpid() not in pids  # a process of its own per rank
