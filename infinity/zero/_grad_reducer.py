@@ -378,23 +378,27 @@ class GradientReducer:
         the engine expected to be its last; what each rank summed alone is all-reduced now, in
         the groups' order on every rank (each rank summed every group alike: [Note: every rank
         reduces every unit in one order] in infinity/zero/_reduce_order.py)."""
-        pending = []
-        for g in groups:
-            if id(g) not in self._local:
-                continue
-            acc = g.grad_acc
-            wire = acc if self._wire_dtype(acc) == acc.dtype else acc.to(self._wire_dtype(acc))
-            handle = self.coll.all_reduce_sum_async(
-                wire, context=f"the window's gradient of {g.key}", phase=Phase.REDUCE_GRAD)
-            pending.append((handle, acc, wire))
+        local = [g for g in groups if id(g) in self._local]
         self._local.clear()
+        self._sum_in_place(self.coll, [(g.grad_acc, f"the window's gradient of {g.key}")
+                                       for g in local], Phase.REDUCE_GRAD)
+        # The replicas' share: as each micro-batch's all-reduce would have left it owed.
+        if self._replicas_at_step and local:
+            self._replicas_owed = True
+
+    def _sum_in_place(self, coll: Collectives, accs: list[tuple[torch.Tensor, str]],
+                      phase: Phase) -> None:
+        """All-reduce each accumulator (with its context for errors) over ``coll``, all issued
+        before the first wait, the wire in ``precision.reduce_dtype`` as a micro-batch's."""
+        pending = []
+        for acc, context in accs:
+            wire = acc if self._wire_dtype(acc) == acc.dtype else acc.to(self._wire_dtype(acc))
+            pending.append((coll.all_reduce_sum_async(wire, context=context, phase=phase),
+                            acc, wire))
         for handle, acc, wire in pending:
             handle.wait()
             if wire is not acc:
                 acc.copy_(wire)
-        # The replicas' share: as each micro-batch's all-reduce would have left it owed.
-        if self._replicas_at_step and pending:
-            self._replicas_owed = True
 
     def _sum_replicas(self, part: torch.Tensor, *, context: str) -> None:
         """Sum one reduction's ``part`` across the replicas now, or leave it to the step
@@ -425,7 +429,7 @@ class GradientReducer:
         infinity/zero/_reduce_order.py), so each holds an accumulator (zeros where no rank
         had a gradient, as a micro-batch's reduction gives); one that does not is summed as
         zeros all the same, so that the collectives match."""
-        pending = []
+        accs = []
         for g in groups:
             if g.grad_acc is None:
                 g.grad_acc = torch.zeros(g.padded_numel if self.config.stage < 2 else g.shard_numel,
@@ -433,15 +437,8 @@ class GradientReducer:
             acc = g.grad_acc
             if self.config.stage == 1:  # only this rank's shard of the all-reduced buffer
                 acc = acc[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
-            wire = acc if self._wire_dtype(acc) == acc.dtype else acc.to(self._wire_dtype(acc))
-            handle = self.coll.replicate.all_reduce_sum_async(
-                wire, context=f"the replicas' sum of {g.key}'s gradient",
-                phase=Phase.REPLICATE_REDUCE)
-            pending.append((handle, acc, wire))
-        for handle, acc, wire in pending:
-            handle.wait()
-            if wire is not acc:
-                acc.copy_(wire)
+            accs.append((acc, f"the replicas' sum of {g.key}'s gradient"))
+        self._sum_in_place(self.coll.replicate, accs, Phase.REPLICATE_REDUCE)
 
     def _in_pieces(self, g: FlatGroup, pieces: int) -> bool:
         """``g``'s reduction is a reduce-scatter cut into ``pieces``: stages 2-3 over several
