@@ -318,22 +318,42 @@ class GradientReducer:
 
     def _issue_all_reduce(self, g: FlatGroup, staging: torch.Tensor, wire: torch.Tensor,
                           context: str) -> _GroupReduction:
-        """Stages 0-1: the whole sum on every rank (stage 1 keeps only its shard of it)."""
-        stage = self.config.stage
+        """Stage 0: the whole sum on every rank. Stage 1: only this rank's shard of it."""
+        if self.config.stage == 1:
+            return self._issue_shard_of_sum(g, staging, wire, context)
         handle = self.coll.all_reduce_sum_async(wire, context=context, phase=Phase.REDUCE_GRAD)
 
         def reduced() -> torch.Tensor:
-            # Stage 1 uses only this rank's shard of the sum: only it crosses replicas.
-            self._sum_replicas(
-                wire if stage == 0 else
-                wire[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel],
-                context=context)
+            self._sum_replicas(wire, context=context)
             if wire is not staging:
                 staging.copy_(wire)
-            if stage == 1 and self.offloaded:  # only its shard leaves
-                return staging[self.rank * g.shard_numel:(self.rank + 1) * g.shard_numel]
             return staging
         return _GroupReduction(self, g, handle, reduced, (staging, wire))
+
+    def _issue_shard_of_sum(self, g: FlatGroup, staging: torch.Tensor, wire: torch.Tensor,
+                            context: str) -> _GroupReduction:
+        """[Note: stage 1 reduce-scatters]
+        Stage 1's optimizer steps this rank's shard of each group and reads nothing else of the
+        summed gradient (:meth:`partitions` hands it the shard; the replicas sum only it), so the
+        sum crosses as a reduce-scatter: (W-1)/W of the buffer per rank, half an all-reduce's
+        2 (W-1)/W, which is what the planner prices for stage 1 (``_reduce_once`` in
+        infinity/ledger/_pricing.py) and what DeepSpeed's stage 1 sends. The accumulator on the
+        device stays the whole buffer, as the ledger counts it: the reduced shard lands in its
+        slice of the staging, which becomes (or is added into) the accumulator; the rest of it
+        holds this rank's own gradients, which nothing reads. An offloaded optimizer's host
+        accumulator is the shard alone."""
+        lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
+        part = torch.empty(g.shard_numel, dtype=wire.dtype, device=self.config.device)
+        handle = self.coll.reduce_scatter_sum_async(part, wire, context=context,
+                                                    phase=Phase.REDUCE_GRAD)
+
+        def scattered() -> torch.Tensor:
+            self._sum_replicas(part, context=context)
+            if self.offloaded:  # only its shard leaves
+                return part.to(staging.dtype)
+            staging[lo:hi].copy_(part)
+            return staging
+        return _GroupReduction(self, g, handle, scattered, (staging, wire, part))
 
     def _wire_dtype(self, staging: torch.Tensor) -> torch.dtype:
         """What a reduction of ``staging`` carries: ``precision.reduce_dtype`` over several
