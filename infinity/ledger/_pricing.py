@@ -308,10 +308,12 @@ def _micro_step(req: PlanRequest, hw: Hardware, ledger: Ledger, *, stage: int, m
     link_micro = {0: 0.0, 1: 0.0, 2: psi * gw * ring, 3: psi * (2 * p + gw) * ring}[stage] / link
     link_micro += {2: units, 3: 3 * units}.get(stage, 0) * latency
     # An offloaded optimizer takes each unit's gradient off the device as soon as it is reduced
-    # ([Note: gradient placement]), so stages 0-1 then all-reduce every unit every micro-step.
+    # ([Note: gradient placement]), so stages 0-1 then reduce every unit every micro-step: an
+    # all-reduce at stage 0, a reduce-scatter at stage 1 ([Note: stage 1 reduce-scatters] in
+    # infinity/zero/_grad_reducer.py).
     reduce_per_micro = oo != "none" and stage < 2
     if reduce_per_micro:
-        link_micro += (2 * psi * gw * ring / link + units * latency)
+        link_micro += ({0: 2, 1: 1}[stage] * psi * gw * ring / link + units * latency)
     fill = 2 * req.shape.largest_unit_numel() * p * ring / link if stage == 3 else 0.0
     stepped = psi if stage == 0 else shard
     pcie_micro = (2 * shard * p if op != "none" else 0.0)
