@@ -362,9 +362,9 @@ class GradHandoff:
                 return
         elif max_bytes <= RowsPayload.HEADER * 8:
             return  # no rank has rows
-        elif self.reducer.holds_local_sums:
-            pass  # dense: [Note: one all-reduce per window at stages 0-1] in _grad_reducer.py
-        elif ranks * max_bytes < dense_bytes:
+        # Dense where accumulators hold a rank's own sum: [Note: one all-reduce per window at
+        # stages 0-1] in _grad_reducer.py.
+        elif ranks * max_bytes < dense_bytes and not self.reducer.holds_local_sums:
             self.reducer.gather_rows(payload, max_bytes, self._row_groups, context=context)
             return
         for number, slot, ids, rows in entries:

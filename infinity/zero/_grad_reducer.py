@@ -273,8 +273,10 @@ class GradientReducer:
         # [Note: staging in the accumulator's dtype]) for the accumulator.
         wire = staging if self._wire_dtype(staging) == staging.dtype \
             else staging.to(self.config.reduce_dtype)
-        if self.config.stage < 2:
+        if self.config.stage == 0:
             return self._issue_all_reduce(g, staging, wire, context)
+        if self.config.stage == 1:
+            return self._issue_shard_of_sum(g, staging, wire, context)
         if self.world_size == 1:
             return self._issue_one_shard(g, staging, wire, context)
         if self.config.grad_quant is not None:
@@ -318,9 +320,7 @@ class GradientReducer:
 
     def _issue_all_reduce(self, g: FlatGroup, staging: torch.Tensor, wire: torch.Tensor,
                           context: str) -> _GroupReduction:
-        """Stage 0: the whole sum on every rank. Stage 1: only this rank's shard of it."""
-        if self.config.stage == 1:
-            return self._issue_shard_of_sum(g, staging, wire, context)
+        """Stage 0: the whole sum on every rank."""
         handle = self.coll.all_reduce_sum_async(wire, context=context, phase=Phase.REDUCE_GRAD)
 
         def reduced() -> torch.Tensor:
