@@ -1,5 +1,5 @@
 """A tiered store over a real Swapper in a temp directory, the bytes of a swap file read back, and
-an arena pinned full by the test."""
+an arena pinned full by the test (through each backward of a training loop)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ def read_swap_file(swapper: Swapper, key: str, nbytes: int, alignment: int) -> t
     return out[:nbytes]
 
 
-
 def pin_the_whole_arena(store: TieredStore) -> list[str]:
     """Register HOST-homed shards ``test/pin/<n>`` until no more fit, each acquired: the caller
     holds every extent of ``store``'s arena, as the states' work in flight can (clean cached
@@ -59,3 +58,22 @@ def unpin_the_arena(store: TieredStore, keys: list[str]) -> None:
     for key in keys:
         store.release(key, Tier.HOST)
         store.unregister(key)
+
+
+def train_with_the_arena_pinned_in_backward(engine, data) -> list[float]:
+    """Train on ``data`` (one micro-batch a step) with every arena extent pinned by the test
+    during each backward, the saved inputs' files complete and their arena copies clean
+    (written behind, then flushed) before it: each comes back from its file outside the arena.
+    The steps' losses."""
+    store, losses = engine.store, []
+    for micro in data:
+        (x, y), = micro
+        loss = engine(x, y)
+        store.flush()
+        pins = pin_the_whole_arena(store)
+        assert store.reclaimable_bytes(Tier.HOST) == 0 and len(pins) > 0
+        engine.backward(loss)
+        unpin_the_arena(store, pins)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -23,7 +23,8 @@ from infinity.models.gpt import GPTConfig
 from infinity.tiers import Residency, Tier
 from tests._support.engine import (assert_close_run, batches, engine_config, engine_train,
                                    offload_config, reference_train, tiny_gpt)
-from tests._support.store import pin_the_whole_arena, unpin_the_arena
+from tests._support.store import (pin_the_whole_arena, train_with_the_arena_pinned_in_backward,
+                                  unpin_the_arena)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -443,17 +444,8 @@ def test_a_backward_with_every_arena_extent_pinned_reads_outside_the_arena(tmp_p
     data = _data()
     ref_losses, ref_state = reference_train(_model(), data)
     engine = infinity.initialize(_model(), _config(tmp_path, "nvme", states=False, host=64 << 10))
-    store, losses = engine.store, []
-    for micro in data:
-        (x, y), = micro
-        loss = engine(x, y)
-        store.flush()  # written behind: the files complete, the arena copies clean
-        pins = pin_the_whole_arena(store)
-        assert store.reclaimable_bytes(Tier.HOST) == 0 and len(pins) > 0
-        engine.backward(loss)
-        unpin_the_arena(store, pins)
-        engine.step()
-        losses.append(loss.item())
+    store = engine.store
+    losses = train_with_the_arena_pinned_in_backward(engine, data)
     assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
     acts = engine.stats()["activations"]
     saved = STEPS * WIDE.n_layer * INPUT_BYTES

@@ -116,7 +116,7 @@ def test_a_backward_with_the_arena_pinned_full_reads_through_a_host_buffer(tmp_p
     the test during each backward, every input is read from its file into a host buffer of its
     own and copied to the GPU; training matches plain PyTorch."""
     import infinity.zero._stored_activations as stored_module
-    from tests._support.store import pin_the_whole_arena, unpin_the_arena
+    from tests._support.store import train_with_the_arena_pinned_in_backward
     monkeypatch.setattr(stored_module, "MIN_STORED_BYTES", 4096)
     monkeypatch.setitem(support.TOL, "fp32", dict(loss=1e-5, param=1e-4))
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -126,16 +126,7 @@ def test_a_backward_with_the_arena_pinned_full_reads_through_a_host_buffer(tmp_p
         stage=3, device="cuda:0", memory={"host_budget_bytes": 1 << 20},
         activation_checkpointing={"units": "all", "offload": "nvme",
                                   "nvme_path": str(tmp_path)}))
-    losses = []
-    for micro in data:
-        (x, y), = micro
-        loss = engine(x, y)
-        engine.store.flush()
-        pins = pin_the_whole_arena(engine.store)
-        engine.backward(loss)
-        unpin_the_arena(engine.store, pins)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_with_the_arena_pinned_in_backward(engine, data)
     assert_close_run(losses, engine.full_state_dict(), ref_losses, ref_state, "fp32")
     acts = engine.stats()["activations"]
     assert acts["over_budget_read_bytes"] == acts["NVME"]["saved"] > 0
